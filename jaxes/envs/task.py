@@ -1,0 +1,43 @@
+"""A terminal task: what the agent is asked, how the sandbox starts, how success is tested."""
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+  """Per-episode limits; defaults follow Endless Terminals (16 turns, 300 s, 10 s/command)."""
+  max_turns: int = 16
+  episode_timeout_s: float = 300.0
+  command_timeout_s: float = 10.0
+  test_timeout_s: float = 60.0
+  cpu_s: int = 60              # RLIMIT_CPU per command
+  memory_mb: int = 2048        # address space / container memory
+  processes: int = 256         # RLIMIT_NPROC / container pids
+  file_size_mb: int = 256      # RLIMIT_FSIZE
+  output_chars: int = 50_000   # observation cap (head + tail kept)
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+  """One task. Paths the agent sees are under /home/user.
+
+  setup:       bash run once as root in a fresh sandbox before the agent starts (builds the
+               initial state); working directory /home/user.
+  files:       extra files placed before ``setup`` runs: absolute sandbox path -> bytes.
+  final_tests: source of a stdlib-only pytest file; all tests pass iff the task is solved.
+  initial_tests: optional pytest source that must pass right after setup.
+  solution:    optional bash reference solution (the oracle).
+  """
+  name: str
+  instruction: str
+  setup: str = ""
+  final_tests: str = ""
+  initial_tests: str | None = None
+  solution: str | None = None
+  files: tuple[tuple[str, bytes], ...] = ()
+  env: tuple[tuple[str, str], ...] = ()
+  limits: Limits = dataclasses.field(default_factory=Limits)
+  family: str = "external"
+  difficulty: int = 1
+  seed: int | None = None

@@ -1,0 +1,98 @@
+"""Shared defaults for every experiment config; experiment files only override what differs."""
+from ml_collections import config_dict
+
+
+def base_config() -> config_dict.ConfigDict:
+  c = config_dict.ConfigDict()
+  c.seed = 0
+
+  # Policy. `path` is a local Hugging Face directory (config.json + safetensors); empty means a
+  # randomly initialised model of `preset` (optionally resized by the fields below, 0 = preset's).
+  c.model = config_dict.ConfigDict()
+  c.model.preset = "tiny"
+  c.model.path = ""
+  c.model.vocab_size = 0
+  c.model.hidden_size = 0
+  c.model.intermediate_size = 0
+  c.model.num_layers = 0
+  c.model.num_heads = 0
+  c.model.num_kv_heads = 0
+  c.model.dtype = "float32"
+  c.model.param_dtype = "float32"
+
+  # Tokenizer: a local directory, or empty to build a small BPE tokenizer in the workdir.
+  c.tokenizer = config_dict.ConfigDict()
+  c.tokenizer.path = ""
+  c.tokenizer.vocab_size = 1024
+
+  # Device mesh (data x fsdp x tensor); -1 on one axis means "all remaining devices".
+  c.mesh = config_dict.ConfigDict()
+  c.mesh.data = -1
+  c.mesh.fsdp = 1
+  c.mesh.tensor = 1
+
+  c.es = config_dict.ConfigDict()
+  c.es.mode = "lowrank"
+  c.es.population = 32
+  c.es.sigma = 1e-3
+  c.es.learning_rate = 5e-4
+  c.es.rank = 1
+  c.es.antithetic = True
+  c.es.shaping = "zscore"
+  c.es.sigma_schedule = "constant"
+  c.es.sigma_final = 0.0
+  c.es.optimizer = "sgd"
+  c.es.weight_decay = 0.0
+  c.es.perturb_vectors = True
+
+  c.controller = config_dict.ConfigDict()
+  c.controller.mode = "async"
+  c.controller.episodes_per_member = 4
+  c.controller.max_staleness = 1
+  c.controller.overage = "drop"
+  c.controller.delay_fraction = 0.0
+  c.controller.delay_updates = 0
+  c.controller.stress_all_stale = 0
+  c.controller.max_retries = 3
+
+  c.env = config_dict.ConfigDict()
+  c.env.sandbox = "local"
+  c.env.families = ""            # comma-separated subset of generator.FAMILIES; empty = all
+  c.env.difficulty = 1
+  c.env.num_train_tasks = 1000
+  c.env.num_heldout_tasks = 100
+  c.env.partial_credit = False
+  c.env.max_turns = 16
+  c.env.sandbox_workers = 8
+
+  c.rollout = config_dict.ConfigDict()
+  c.rollout.num_slots = 64
+  c.rollout.max_len = 4096       # KV-cache length per slot (prompt + all turns)
+  c.rollout.prefill_chunk = 256
+  c.rollout.max_new_tokens = 512  # per assistant turn
+  c.rollout.temperature = 0.0     # 0 = greedy (as Qiu et al.)
+  c.rollout.top_p = 1.0
+
+  c.train = config_dict.ConfigDict()
+  c.train.num_updates = 100
+  c.train.checkpoint_every = 1
+  c.train.keep_checkpoints = 3
+  c.train.eval_every = 10        # 0 = only before and after
+  c.train.progress_bar = True
+  c.train.plot = True
+
+  # Held-out evaluation of the unperturbed policy.
+  c.eval = config_dict.ConfigDict()
+  c.eval.num_tasks = 100
+  c.eval.seeds = 3
+  c.eval.temperature = 0.0
+
+  # Supervised warm start on oracle transcripts (0 steps = off; the CPU demo's stand-in for an
+  # Instruct checkpoint).
+  c.warmstart = config_dict.ConfigDict()
+  c.warmstart.steps = 0
+  c.warmstart.num_tasks = 0
+  c.warmstart.batch_size = 8
+  c.warmstart.learning_rate = 1e-3
+  c.warmstart.seq_len = 512
+  return c

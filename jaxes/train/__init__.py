@@ -1,0 +1,1 @@
+"""ES training: config validation, checkpointing, metrics, the trainer loop and the CPU demo."""

@@ -1,0 +1,65 @@
+import importlib.util
+import pathlib
+
+import pytest
+
+from jaxes.train.config import ConfigError, validate
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _load(name, *args):
+  spec = importlib.util.spec_from_file_location(name, ROOT / "configs" / f"{name}.py")
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod.get_config(*args)
+
+
+def test_demo_config_is_valid():
+  validate(_load("demo"))
+
+
+@pytest.mark.parametrize("variant", ["sync", "async1", "delay4", "delay8", "allstale"])
+def test_paper_grid(variant, tmp_path):
+  c = _load("paper", variant)
+  with pytest.raises(ConfigError, match=r"config\.model\.path"):
+    validate(c)  # the 7B grid needs a local checkpoint
+  (tmp_path / "config.json").write_text("{}")
+  c.model.path = str(tmp_path)
+  validate(c)
+  assert c.model.preset == "qwen2.5-7b" and c.es.population == 30
+  assert (c.controller.mode == "sync") == (variant == "sync")
+  assert c.controller.max_staleness == (0 if variant == "sync" else 1)
+  assert c.controller.delay_updates == {"delay4": 4, "delay8": 8}.get(variant, 0)
+
+
+def test_unknown_paper_variant():
+  with pytest.raises(ValueError, match="unknown variant 'async2'"):
+    _load("paper", "async2")
+
+
+@pytest.mark.parametrize("key,value,match", [
+    ("es.sigma", 0.0, r"config\.es\.sigma: must be > 0"),
+    ("es.mode", "dense", r"config\.es\.mode: must be one of"),
+    ("es.population", 7, r"config\.es\.population: must be even"),
+    ("controller.mode", "sync", r"config\.controller\.max_staleness: must be 0"),
+    ("controller.delay_fraction", 1.5, r"config\.controller\.delay_fraction"),
+    ("rollout.top_p", 0.0, r"config\.rollout\.top_p"),
+    ("rollout.max_len", 8, r"config\.rollout\.max_len"),
+    ("eval.num_tasks", 10_000, r"config\.eval\.num_tasks"),
+    ("env.sandbox", "vm", r"config\.env\.sandbox"),
+    ("mesh.tensor", 0, r"config\.mesh\.tensor: must be a positive int or -1"),
+])
+def test_bad_values_name_the_key(key, value, match):
+  c = _load("demo")
+  section, name = key.split(".")
+  c[section][name] = value
+  with pytest.raises(ConfigError, match=match):
+    validate(c)
+
+
+def test_unknown_key_is_named():
+  c = _load("demo")
+  c.es.sigmaa = 0.1
+  with pytest.raises(ConfigError, match=r"config\.es\.sigmaa: unknown key"):
+    validate(c)

@@ -1,0 +1,252 @@
+"""``Strategy``: the public ES API (init / members / perturbed / update / member_noiser).
+
+Usable on any pytree of arrays, with or without an LLM::
+
+  strategy = es.Strategy(population=64, sigma=0.05, learning_rate=0.3)
+  state = strategy.init(params, jax.random.key(0))
+  results = [(v, m, objective(strategy.perturbed(state, (v, m)))) for v, m in strategy.members(state)]
+  state, metrics = strategy.update(state, results)
+
+Update rule (Qiu et al., 1/sigma folded into the learning rate ``alpha``)::
+
+  theta <- theta + tx((alpha / N) * sum_i w_i * eps_i),   w_i = z_i * (sigma_{v_i} / sigma_0) * s(v_now - v_i)
+
+``z`` is the shaped fitness of the N results consumed, ``eps_i`` the noise of result i's own
+(version, member), regenerated from its key. The factor ``sigma_{v_i}/sigma_0`` makes the step
+follow the displacement that was actually evaluated, ``sigma_{v_i} eps_i``; it is 1 under the
+constant schedule. ``s`` is the optional staleness weighting (1 by default, as in the paper).
+``tx`` is plain SGD by default (exactly the rule above), or Adam, with optional weight decay.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxes.es import noise, noiser, schedules, shaping, update
+
+MODES = ("full", "lowrank")
+OPTIMIZERS = ("sgd", "adam")
+NONFINITE = ("error", "exclude")
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["params", "opt_state", "key", "version"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class ESState:
+  """Checkpointable ES state. ``key`` is the run key's raw uint32 data; ``version`` the number of
+  updates applied (a Python int; restored checkpoints may hold it as a 0-d array)."""
+  params: Any
+  opt_state: Any
+  key: jax.Array
+  version: int
+
+  @property
+  def run_key(self) -> jax.Array:
+    return jax.random.wrap_key_data(self.key)
+
+
+def _key_data(key: jax.Array) -> jax.Array:
+  if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+    return jax.random.key_data(key)
+  if key.dtype != jnp.uint32:
+    raise ValueError(f"key must be a jax.random.key or a raw uint32 PRNGKey, got dtype {key.dtype}")
+  return key
+
+
+@dataclasses.dataclass
+class Strategy:
+  population: int
+  sigma: float
+  learning_rate: float
+  mode: str = "full"
+  rank: int = 1
+  antithetic: bool = True
+  shaping: str = "zscore"
+  sigma_schedule: str = "constant"
+  sigma_final: float | None = None
+  schedule_steps: int | None = None
+  optimizer: str = "sgd"
+  weight_decay: float = 0.0
+  perturb_vectors: bool = True
+  nonfinite: str = "error"
+  staleness_weighting: float | Callable[[int], float] | None = None
+  scanned: tuple[str, ...] = ("layers",)
+
+  def __post_init__(self):
+    if int(self.population) < 1:
+      raise ValueError(f"population must be >= 1, got {self.population!r}")
+    if self.antithetic and self.population % 2:
+      raise ValueError(f"population must be even with antithetic=True, got {self.population}")
+    if self.mode not in MODES:
+      raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+    if int(self.rank) < 1:
+      raise ValueError(f"rank must be >= 1, got {self.rank!r}")
+    if self.shaping not in shaping.SHAPINGS:
+      raise ValueError(f"shaping must be one of {shaping.SHAPINGS}, got {self.shaping!r}")
+    schedules.validate(self.sigma_schedule, self.sigma, self.sigma_final, self.schedule_steps)
+    if self.optimizer not in OPTIMIZERS:
+      raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+    if not self.learning_rate > 0:
+      raise ValueError(f"learning_rate must be > 0, got {self.learning_rate!r}")
+    if not self.weight_decay >= 0:
+      raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay!r}")
+    if self.nonfinite not in NONFINITE:
+      raise ValueError(f"nonfinite must be one of {NONFINITE}, got {self.nonfinite!r}")
+    sw = self.staleness_weighting
+    if not (sw is None or callable(sw) or (isinstance(sw, (int, float)) and 0 < sw <= 1)):
+      raise ValueError("staleness_weighting must be None, a decay factor in (0, 1] (weight "
+                       f"gamma**staleness) or a callable staleness -> weight, got {sw!r}")
+    self.scanned = tuple(self.scanned)
+    self._cfg = noise.NoiseConfig(self.mode, int(self.rank), bool(self.antithetic),
+                                  bool(self.perturb_vectors), self.scanned)
+    self._tx = self._make_tx()
+    self._apply = jax.jit(functools.partial(update.apply, cfg=self._cfg, tx=self._tx))
+    self._perturb = jax.jit(functools.partial(update.perturb, cfg=self._cfg))
+    self._build_noiser = jax.jit(functools.partial(noiser.build, cfg=self._cfg))
+    self._run_key = None
+
+  def _make_tx(self) -> optax.GradientTransformation:
+    if self.optimizer == "adam":
+      return optax.adamw(self.learning_rate, weight_decay=self.weight_decay)
+    return optax.chain(optax.add_decayed_weights(self.weight_decay), optax.sgd(self.learning_rate))
+
+  @property
+  def noise_config(self) -> noise.NoiseConfig:
+    return self._cfg
+
+  def sigma_at(self, version):
+    """Sigma of members of ``version`` (Python float for an int, jnp float32 for arrays)."""
+    return schedules.sigma_at(version, self.sigma_schedule, self.sigma, self.sigma_final,
+                              self.schedule_steps)
+
+  def leaf_specs(self, params) -> list[noise.LeafSpec]:
+    """How each leaf is perturbed (name, kind, stacked) — for inspection and docs."""
+    return noise.plan(params, self._cfg)
+
+  # -- API -----------------------------------------------------------------------------------
+  def init(self, params, key: jax.Array) -> ESState:
+    noise.plan(params, self._cfg)  # fail early on unusable parameter trees
+    opt_state = self._tx.init(jax.tree_util.tree_map(lambda p: p.astype(jnp.float32), params))
+    state = ESState(params, opt_state, _key_data(key), 0)
+    self._run_key = state.run_key
+    return state
+
+  def members(self, state: ESState) -> list[tuple[int, int]]:
+    version = int(state.version)
+    return [(version, m) for m in range(self.population)]
+
+  def perturbed(self, state: ESState, member: tuple[int, int]):
+    """``state.params + sigma_v * sign_m * eps(v, m)``, same pytree and dtypes as the params.
+
+    ``v`` may be any version <= ``state.version``: its key and sigma are used with
+    ``state.params`` as the base (pass the state of version v to rebuild that member exactly).
+    Member -1 means unperturbed.
+    """
+    version, m = (int(x) for x in member)
+    self._check_member(state, version, m, allow_unperturbed=True)
+    if m < 0:
+      return state.params
+    return self._perturb(state.params, state.run_key, jnp.int32(version), jnp.int32(m),
+                         jnp.float32(self.sigma_at(version)))
+
+  def update(self, state: ESState, results: Sequence[tuple[int, int, float]]
+             ) -> tuple[ESState, dict]:
+    """Consume ``(version, member, fitness)`` results of any versions <= ``state.version``.
+
+    Returns the next state (version + 1, also when the step is zero) and metrics: ``version``,
+    ``num_results``, ``excluded`` (non-finite fitness dropped under ``nonfinite="exclude"``),
+    ``fitness_mean/std/min/max``, ``staleness_hist`` (count per staleness 0..max),
+    ``staleness_mean``, ``staleness_max``, ``sigma`` (of the new version), ``update_norm`` (L2 norm
+    of the applied change, float32) and ``zero_step`` (all weights zero: params unchanged).
+    """
+    v_now = int(state.version)
+    self._run_key = state.run_key
+    kept, bad, seen = [], [], set()
+    for i, res in enumerate(results):
+      try:
+        version, m, fitness = int(res[0]), int(res[1]), float(res[2])
+      except (TypeError, ValueError, IndexError) as e:
+        raise ValueError(f"result {i} must be (version, member, fitness), got {res!r}") from e
+      self._check_member(state, version, m, allow_unperturbed=False)
+      if (version, m) in seen:
+        raise ValueError(f"duplicate result for (version={version}, member={m})")
+      seen.add((version, m))
+      (kept if math.isfinite(fitness) else bad).append((version, m, fitness))
+    if bad and self.nonfinite == "error":
+      raise ValueError(f"non-finite fitness for (version, member, fitness) {bad[:8]}"
+                       f"{' ...' if len(bad) > 8 else ''}; set nonfinite='exclude' to drop them")
+
+    n = len(kept)
+    versions = np.array([r[0] for r in kept], np.int32)
+    members = np.array([r[1] for r in kept], np.int32)
+    fitness = np.array([r[2] for r in kept], np.float64)
+    staleness = v_now - versions
+    weights = shaping.shape(fitness, self.shaping)
+    weights = weights * np.array([self.sigma_at(int(v)) for v in versions]) / self.sigma
+    weights = weights * self._staleness_weights(staleness)
+
+    size = self._padded_size(n)
+    pad = size - n
+    new_params, new_opt, norm = self._apply(
+        state.params, state.opt_state, state.run_key,
+        jnp.asarray(np.pad(versions, (0, pad))), jnp.asarray(np.pad(members, (0, pad))),
+        jnp.asarray(np.pad(weights, (0, pad)), jnp.float32), jnp.int32(n))
+    new_state = ESState(new_params, new_opt, state.key, v_now + 1)
+    hist = np.bincount(staleness, minlength=1) if n else np.zeros(1, np.int64)
+    metrics = {
+        "version": v_now + 1,
+        "num_results": n,
+        "excluded": len(bad),
+        "fitness_mean": float(fitness.mean()) if n else float("nan"),
+        "fitness_std": float(fitness.std()) if n else float("nan"),
+        "fitness_min": float(fitness.min()) if n else float("nan"),
+        "fitness_max": float(fitness.max()) if n else float("nan"),
+        "staleness_hist": [int(c) for c in hist],
+        "staleness_mean": float(staleness.mean()) if n else 0.0,
+        "staleness_max": int(staleness.max()) if n else 0,
+        "sigma": float(self.sigma_at(v_now + 1)),
+        "update_norm": float(norm),
+        "zero_step": bool(not np.any(weights != 0)),
+    }
+    return new_state, metrics
+
+  def member_noiser(self, params, versions, members, row_group, *, run_key: jax.Array | None = None
+                    ) -> noiser.PopulationNoiser:
+    """Noiser for a batch whose row b is member ``members[row_group[b]]`` of version
+    ``versions[row_group[b]]`` (member -1: unperturbed). Jittable; see ``jaxes.es.noiser`` for the
+    memory of each mode. ``run_key`` defaults to the key of the last state passed to ``init`` or
+    ``update``; pass ``state.run_key`` when neither has been called (e.g. after a restore).
+    """
+    if run_key is None:
+      if self._run_key is None:
+        raise ValueError("member_noiser needs run_key=state.run_key before init()/update() ran")
+      run_key = self._run_key
+    versions = jnp.asarray(versions, jnp.int32)
+    return self._build_noiser(params, run_key, versions, members, row_group, self.sigma_at(versions))
+
+  # -- helpers -------------------------------------------------------------------------------
+  def _check_member(self, state: ESState, version: int, m: int, allow_unperturbed: bool) -> None:
+    if not 0 <= version <= int(state.version):
+      raise ValueError(f"version {version} is outside [0, {int(state.version)}] (the state's version)")
+    low = -1 if allow_unperturbed else 0
+    if not low <= m < self.population:
+      raise ValueError(f"member {m} is outside [{low}, {self.population})")
+
+  def _staleness_weights(self, staleness: np.ndarray) -> np.ndarray:
+    sw = self.staleness_weighting
+    if sw is None:
+      return np.ones(staleness.shape)
+    if callable(sw):
+      return np.array([float(sw(int(s))) for s in staleness])
+    return float(sw) ** staleness.astype(np.float64)
+
+  def _padded_size(self, n: int) -> int:
+    """Pad the result count to a multiple of the population, so the update compiles once."""
+    return max(1, -(-n // self.population)) * self.population

@@ -1,0 +1,87 @@
+"""The ES update: regenerate each result's noise from its key and step along ``sum_i w_i eps_i``.
+
+``direction`` never holds more than one member's noise at a time for full leaves (a ``lax.scan``
+over results with a float32 accumulator: O(|theta|) memory whatever the number of results). For
+low-rank leaves it draws every result's factors (``N * r * (in + out)`` floats, small) and
+contracts them in one einsum per matrix. Both are pure and jittable; ``Strategy`` wires them up.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxes.es import keys, noise
+
+
+def direction(params, run_key: jax.Array, versions: jax.Array, members: jax.Array,
+              weights: jax.Array, cfg: noise.NoiseConfig):
+  """``sum_i weights[i] * eps(versions[i], members[i])`` per leaf, float32, same tree as params.
+
+  Entries with weight 0 (padding) cost no noise generation in the scan. Frozen leaves get zeros.
+  """
+  specs = noise.plan(params, cfg)
+  treedef = jax.tree_util.tree_structure(params)
+  signed = weights.astype(jnp.float32) * keys.member_sign(members, cfg.antithetic)
+  mkeys = jax.vmap(lambda v, m: keys.member_key(run_key, v, m, cfg.antithetic))(versions, members)
+
+  out = [jnp.zeros(spec.shape, jnp.float32) for spec in specs]
+  full_idx = [i for i, s in enumerate(specs) if s.kind == "full"]
+  for i, spec in enumerate(specs):
+    if spec.kind == "lowrank":
+      a, b = jax.vmap(lambda k: noise.lowrank_factors(k, spec, cfg.rank))(mkeys)
+      out[i] = jnp.einsum("n,n...ir,n...or->...io", signed, a, b) / jnp.sqrt(float(cfg.rank))
+
+  def add_member(acc, key_and_weight):
+    mkey, w = key_and_weight
+    acc = jax.lax.cond(
+        w != 0,
+        lambda acc: [a + w * noise.full_noise(mkey, specs[i]) for a, i in zip(acc, full_idx)],
+        lambda acc: acc, acc)
+    return acc, None
+
+  if full_idx:
+    acc, _ = jax.lax.scan(add_member, [out[i] for i in full_idx], (mkeys, signed))
+    for a, i in zip(acc, full_idx):
+      out[i] = a
+  return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def apply(params, opt_state, run_key: jax.Array, versions: jax.Array, members: jax.Array,
+          weights: jax.Array, count: jax.Array, cfg: noise.NoiseConfig,
+          tx: optax.GradientTransformation):
+  """One step: ``theta += tx(-(1/count) * sum_i w_i eps_i)``; with ``optax.sgd(alpha)`` this is
+  ``theta += (alpha/N) sum_i w_i eps_i``. All-zero weights leave params and optimizer state
+  untouched. Arithmetic in float32; each leaf is cast back to its own dtype. Frozen leaves never
+  change. Returns ``(params, opt_state, update_norm)``, the norm of the applied change.
+  """
+  specs = noise.plan(params, cfg)
+  params32 = jax.tree_util.tree_map(lambda p: p.astype(jnp.float32), params)
+
+  def step(_):
+    g = direction(params, run_key, versions, members, weights, cfg)
+    grads = jax.tree_util.tree_map(lambda d: -d / jnp.maximum(count, 1).astype(jnp.float32), g)
+    updates, new_opt = tx.update(grads, opt_state, params32)
+    new_leaves = []
+    for spec, p, p32, u in zip(specs, jax.tree_util.tree_leaves(params),
+                               jax.tree_util.tree_leaves(params32), jax.tree_util.tree_leaves(updates)):
+      new_leaves.append(p if spec.kind == "frozen" else (p32 + u).astype(p.dtype))
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params), new_leaves), new_opt
+
+  new_params, new_opt = jax.lax.cond(jnp.any(weights != 0), step, lambda _: (params, opt_state), None)
+  sq = sum(jnp.sum(jnp.square(n.astype(jnp.float32) - p32)) for n, p32 in
+           zip(jax.tree_util.tree_leaves(new_params), jax.tree_util.tree_leaves(params32)))
+  return new_params, new_opt, jnp.sqrt(sq)
+
+
+def perturb(params, run_key: jax.Array, version: jax.Array, member: jax.Array, sigma: jax.Array,
+            cfg: noise.NoiseConfig):
+  """``theta + sigma * sign(member) * eps(version, member)`` materialised, leaf dtypes kept."""
+  specs = noise.plan(params, cfg)
+  mkey = keys.member_key(run_key, version, member, cfg.antithetic)
+  scale = sigma * keys.member_sign(member, cfg.antithetic)
+  leaves, treedef = jax.tree_util.tree_flatten(params)
+  out = [p if spec.kind == "frozen" else
+         (p.astype(jnp.float32) + scale * noise.leaf_noise(mkey, spec, cfg.rank)).astype(p.dtype)
+         for spec, p in zip(specs, leaves)]
+  return jax.tree_util.tree_unflatten(treedef, out)

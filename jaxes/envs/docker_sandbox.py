@@ -1,0 +1,426 @@
+"""Docker sandbox backend: one container per episode, driven through the docker SDK.
+
+Each episode gets a fresh container of the base image (``python -m jaxes.envs.image build``)
+running ``sleep infinity`` under docker's init, with no network, memory/pids/cpu limits and
+labels naming the run and its owner process. Setup and the final tests run as root; the agent's
+commands run as ``user`` (uid 1000) in /home/user. Every container of a run is removed when its
+handle closes, at ``shutdown`` and at interpreter exit; containers left by an earlier run whose
+owner process is dead are removed when a new ``DockerSandbox`` starts.
+
+Infrastructure faults (engine unreachable, container gone, create failing after retries, an exec
+outliving its host-side deadline) raise ``SandboxError``; the agent's own timeouts do not.
+"""
+from __future__ import annotations
+
+import atexit
+import codecs
+import collections
+import concurrent.futures
+import io
+import os
+import queue
+import re
+import shlex
+import socket
+import tarfile
+import threading
+import time
+import uuid
+
+import docker
+import requests
+
+from jaxes.envs.image import DEFAULT_TAG, SANDBOX_HOME, SANDBOX_UID, SANDBOX_USER
+from jaxes.envs.sandbox import ExecResult, Sandbox, SandboxError, SandboxHandle, TestReport
+from jaxes.envs.task import Task
+
+LABEL = "jaxes.sandbox"
+RUN_LABEL = "jaxes.run"
+OWNER_LABEL = "jaxes.owner"
+TESTS_DIR = "/var/lib/jaxes-tests"   # root-only, so the agent cannot edit the tests
+KILL_EXIT_CODE = 137                 # what `timeout -s KILL` returns when it fires
+_DOCKER_ERRORS = (docker.errors.DockerException, requests.exceptions.RequestException)
+
+
+def _process_start_time(pid: int) -> str | None:
+  """Kernel start time of ``pid`` (guards against pid reuse); None if no such process."""
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      # Field 22 (starttime); the command name (field 2) may contain spaces, so split after ')'.
+      return f.read().rsplit(")", 1)[1].split()[19]
+  except (FileNotFoundError, ProcessLookupError, IndexError):
+    return None
+
+
+def owner_tag(pid: int | None = None) -> str:
+  pid = os.getpid() if pid is None else pid
+  return f"{socket.gethostname()}:{pid}:{_process_start_time(pid)}"
+
+
+def owner_alive(tag: str) -> bool:
+  """Whether the process named by an owner label still runs. Other hosts' owners count as alive."""
+  host, _, rest = tag.partition(":")
+  pid, _, start_time = rest.partition(":")
+  if host != socket.gethostname() or not pid.isdigit():
+    return True
+  return _process_start_time(int(pid)) == start_time
+
+
+def remove_orphans(client) -> int:
+  """Removes sandbox containers whose owner process (on this host) is dead. Returns how many."""
+  removed = 0
+  for container in client.containers.list(all=True, filters={"label": f"{LABEL}=1"}):
+    if not owner_alive(container.labels.get(OWNER_LABEL, "")):
+      _force_remove(container)
+      removed += 1
+  return removed
+
+
+def list_run_containers(client, run_label: str) -> list:
+  return client.containers.list(all=True, filters={"label": f"{RUN_LABEL}={run_label}"})
+
+
+def _force_remove(container) -> None:
+  try:
+    container.remove(force=True)
+  except docker.errors.NotFound:
+    pass
+  except _DOCKER_ERRORS:
+    # A removal already in progress or an engine hiccup; the run-label sweep retries later.
+    pass
+
+
+class CappedOutput:
+  """Decodes a byte stream (invalid UTF-8 replaced) keeping the first and last ``limit // 2``
+  characters and counting every character."""
+
+  def __init__(self, limit: int):
+    self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    self._head_limit = limit // 2
+    self._tail_limit = limit - self._head_limit
+    self._head: list[str] = []
+    self._head_chars = 0
+    self._tail: collections.deque[str] = collections.deque()
+    self._tail_chars = 0
+    self.total_chars = 0
+
+  def feed(self, data: bytes, final: bool = False) -> None:
+    text = self._decoder.decode(data, final)
+    self.total_chars += len(text)
+    if self._head_chars < self._head_limit:
+      taken = text[:self._head_limit - self._head_chars]
+      self._head.append(taken)
+      self._head_chars += len(taken)
+      text = text[len(taken):]
+    if text:
+      self._tail.append(text)
+      self._tail_chars += len(text)
+      while self._tail_chars - len(self._tail[0]) >= self._tail_limit:
+        self._tail_chars -= len(self._tail.popleft())
+
+  def text(self) -> str:
+    self.feed(b"", final=True)
+    tail = "".join(self._tail)
+    head = "".join(self._head)
+    if self.total_chars <= self._head_limit + self._tail_limit:
+      return head + tail
+    tail = tail[len(tail) - self._tail_limit:] if self._tail_limit else ""
+    omitted = self.total_chars - len(head) - len(tail)
+    return f"{head}\n[... {omitted} characters omitted ...]\n{tail}"
+
+
+def parse_pytest_summary(output: str) -> tuple[int, int]:
+  """(passed, total) from pytest's final summary line; total counts passed, failed, errors."""
+  for line in reversed(output.splitlines()):
+    counts = dict((kind, int(n)) for n, kind in re.findall(
+      r"(\d+) (passed|failed|errors?|xpassed|xfailed)\b", line))
+    if counts or "no tests ran" in line:
+      passed = counts.get("passed", 0) + counts.get("xpassed", 0)
+      failed = counts.get("failed", 0) + counts.get("error", 0) + counts.get("errors", 0)
+      return passed, passed + failed + counts.get("xfailed", 0)
+  return 0, 0
+
+
+def _tar_files(files, home: str) -> bytes:
+  buffer = io.BytesIO()
+  with tarfile.open(fileobj=buffer, mode="w") as tar:
+    for path, data in files:
+      if not path.startswith("/"):
+        raise SandboxError(f"task file path must be absolute, got {path!r}")
+      info = tarfile.TarInfo(path.lstrip("/"))
+      info.size = len(data)
+      info.mode = 0o755 if data.startswith(b"#!") else 0o644
+      owned = path == home or path.startswith(home + "/")
+      info.uid = info.gid = SANDBOX_UID if owned else 0
+      info.mtime = int(time.time())
+      tar.addfile(info, io.BytesIO(data))
+  return buffer.getvalue()
+
+
+class DockerSandbox(Sandbox):
+  """Starts one container per episode. Thread-safe: sandbox workers may call ``start`` and use
+  their handles concurrently.
+
+  pool_size:      containers kept created and running ahead of demand (0 = none).
+  cpus, memory_mb, pids: container limits; a task whose Limits ask for less gets less.
+  create_retries: retries after a failed create/start, with exponential backoff.
+  exec_grace_s:   an exec still running this long after its timeout is an infrastructure fault
+                  (the container is removed and SandboxError raised).
+  check_initial_state: run the task's initial_tests after setup; failing ones raise SandboxError.
+  """
+
+  def __init__(self, image: str = DEFAULT_TAG, run_label: str | None = None, pool_size: int = 0,
+               cpus: float = 1.0, memory_mb: int = 2048, pids: int = 256,
+               create_retries: int = 3, retry_backoff_s: float = 0.5,
+               exec_grace_s: float = 15.0, setup_timeout_s: float = 120.0,
+               check_initial_state: bool = False, client=None):
+    if pool_size < 0 or create_retries < 0:
+      raise ValueError("pool_size and create_retries must be >= 0")
+    try:
+      self._client = client or docker.from_env(max_pool_size=64)
+      self._client.images.get(image)
+    except docker.errors.ImageNotFound as err:
+      raise SandboxError(
+        f"docker image {image!r} not found; build it with `python -m jaxes.envs.image build "
+        f"--tag {image}` (or bash launch/docker/setup.sh)") from err
+    except _DOCKER_ERRORS as err:
+      raise SandboxError(f"no docker engine answers: {err}") from err
+    self.image = image
+    self.run_label = run_label or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    self.cpus, self.memory_mb, self.pids = cpus, memory_mb, pids
+    self.create_retries, self.retry_backoff_s = create_retries, retry_backoff_s
+    self.exec_grace_s, self.setup_timeout_s = exec_grace_s, setup_timeout_s
+    self.check_initial_state = check_initial_state
+    self.pool_size = pool_size
+    self._owner = owner_tag()
+    self._closed = threading.Event()
+    self.orphans_removed = remove_orphans(self._client)
+    for container in list_run_containers(self._client, self.run_label):
+      _force_remove(container)
+    self._pool: queue.Queue = queue.Queue()
+    self._refiller = None
+    if pool_size:
+      self._refiller = concurrent.futures.ThreadPoolExecutor(
+        max_workers=min(pool_size, 4), thread_name_prefix="jaxes-docker-pool")
+      for _ in range(pool_size):
+        self._refiller.submit(self._refill_one)
+    atexit.register(self.shutdown)
+
+  # -- containers ---------------------------------------------------------------------------
+
+  def _limits_for(self, task: Task) -> tuple[int, int]:
+    return min(self.memory_mb, task.limits.memory_mb), min(self.pids, task.limits.processes)
+
+  def _create_container(self, memory_mb: int, pids: int):
+    container = self._client.containers.create(
+      self.image, ["sleep", "infinity"], init=True, network_mode="none", user="root",
+      working_dir=SANDBOX_HOME, mem_limit=f"{memory_mb}m", memswap_limit=f"{memory_mb}m",
+      pids_limit=pids, nano_cpus=int(self.cpus * 1e9), security_opt=["no-new-privileges"],
+      labels={LABEL: "1", RUN_LABEL: self.run_label, OWNER_LABEL: self._owner})
+    try:
+      container.start()
+    except BaseException:
+      _force_remove(container)
+      raise
+    return container
+
+  def _create_with_retries(self, memory_mb: int, pids: int):
+    errors = []
+    for attempt in range(self.create_retries + 1):
+      if self._closed.is_set():
+        raise SandboxError("sandbox is shut down")
+      try:
+        return self._create_container(memory_mb, pids)
+      except _DOCKER_ERRORS as err:
+        errors.append(f"attempt {attempt + 1}: {err}")
+        if attempt < self.create_retries:
+          time.sleep(self.retry_backoff_s * 2 ** attempt)
+    raise SandboxError("could not start a container:\n" + "\n".join(errors))
+
+  def _refill_one(self) -> None:
+    try:
+      container = self._create_with_retries(self.memory_mb, self.pids)
+    except SandboxError:
+      return  # start() creates on demand when the pool is empty
+    if self._closed.is_set():
+      _force_remove(container)
+    else:
+      self._pool.put(container)
+
+  def _take_pooled(self):
+    while True:
+      try:
+        container = self._pool.get_nowait()
+      except queue.Empty:
+        return None
+      if not self._closed.is_set():
+        self._refiller.submit(self._refill_one)
+      try:
+        container.reload()
+        if container.status == "running":
+          return container
+      except _DOCKER_ERRORS:
+        pass
+      _force_remove(container)
+
+  # -- episodes -----------------------------------------------------------------------------
+
+  def start(self, task: Task) -> "DockerHandle":
+    if self._closed.is_set():
+      raise SandboxError("sandbox is shut down")
+    memory_mb, pids = self._limits_for(task)
+    container = None
+    if self._refiller is not None and (memory_mb, pids) == (self.memory_mb, self.pids):
+      container = self._take_pooled()
+    if container is None:
+      container = self._create_with_retries(memory_mb, pids)
+    handle = DockerHandle(self, container, task)
+    try:
+      handle.prepare()
+    except BaseException:
+      handle.close()
+      raise
+    return handle
+
+  def shutdown(self) -> None:
+    """Removes every container this run created (pooled, live or leaked). Idempotent."""
+    self._closed.set()
+    if self._refiller is not None:
+      self._refiller.shutdown(wait=True, cancel_futures=True)
+    while not self._pool.empty():
+      _force_remove(self._pool.get_nowait())
+    try:
+      for container in list_run_containers(self._client, self.run_label):
+        _force_remove(container)
+    except _DOCKER_ERRORS:
+      pass  # engine gone: nothing we can remove; the next run's orphan sweep will
+    atexit.unregister(self.shutdown)
+
+
+class DockerHandle(SandboxHandle):
+  """One episode's container."""
+
+  def __init__(self, sandbox: DockerSandbox, container, task: Task):
+    self._sandbox = sandbox
+    self._container = container
+    self._task = task
+    self._env = {"HOME": SANDBOX_HOME, "USER": SANDBOX_USER, **dict(task.env)}
+    self._broken: str | None = None
+    self._closed = False
+
+  @property
+  def container_id(self) -> str:
+    return self._container.id
+
+  def _exec(self, argv: list[str], user: str, timeout_s: float, cap_chars: int,
+            workdir: str = SANDBOX_HOME) -> tuple[int, str, int, float]:
+    """Runs argv (which must end by itself within timeout_s); returns (exit code, capped
+    output, true output length, seconds)."""
+    if self._closed:
+      raise SandboxError("exec on a closed sandbox handle")
+    if self._broken:
+      raise SandboxError(self._broken)
+    api = self._sandbox._client.api
+    started = time.monotonic()
+    try:
+      exec_id = api.exec_create(self._container.id, argv, user=user, workdir=workdir,
+                                environment=self._env)["Id"]
+    except _DOCKER_ERRORS as err:
+      self._broken = f"container {self._container.short_id} unusable: {err}"
+      raise SandboxError(self._broken) from err
+    output = CappedOutput(cap_chars)
+    stream_error: list[BaseException] = []
+
+    def pump():
+      try:
+        for chunk in api.exec_start(exec_id, stream=True):
+          output.feed(chunk)
+      except BaseException as err:  # reported to the caller below
+        stream_error.append(err)
+
+    reader = threading.Thread(target=pump, daemon=True, name="jaxes-docker-exec")
+    reader.start()
+    reader.join(timeout_s + self._sandbox.exec_grace_s)
+    if reader.is_alive():
+      self._broken = (f"exec in container {self._container.short_id} still running "
+                      f"{self._sandbox.exec_grace_s:.0f} s past its {timeout_s:.0f} s timeout")
+      _force_remove(self._container)  # ends the stream, frees the reader thread
+      reader.join(5.0)
+      raise SandboxError(self._broken)
+    if stream_error:
+      self._broken = f"exec stream failed: {stream_error[0]}"
+      raise SandboxError(self._broken) from stream_error[0]
+    try:
+      exit_code = api.exec_inspect(exec_id)["ExitCode"]
+    except _DOCKER_ERRORS as err:
+      self._broken = f"exec inspect failed: {err}"
+      raise SandboxError(self._broken) from err
+    text = output.text()
+    return (-1 if exit_code is None else exit_code), text, output.total_chars, (
+      time.monotonic() - started)
+
+  def _root_script(self, script: str, timeout_s: float, cap_chars: int = 200_000):
+    argv = ["timeout", "-s", "KILL", f"{timeout_s:g}s", "bash", "-c", script]
+    return self._exec(argv, "root", timeout_s, cap_chars)
+
+  def prepare(self) -> None:
+    """Places the task's files, runs its setup as root, hands /home/user to the agent."""
+    task = self._task
+    if task.files:
+      try:
+        self._container.put_archive("/", _tar_files(task.files, SANDBOX_HOME))
+      except _DOCKER_ERRORS as err:
+        raise SandboxError(f"task {task.name}: placing files failed: {err}") from err
+    timeout_s = self._sandbox.setup_timeout_s
+    exit_code, output, _, seconds = self._root_script(
+      f"set -e\n{task.setup}\nchown -R {SANDBOX_UID}:{SANDBOX_UID} {SANDBOX_HOME}", timeout_s)
+    if exit_code != 0:
+      what = "timed out" if exit_code == KILL_EXIT_CODE and seconds >= timeout_s else (
+        f"exited {exit_code}")
+      raise SandboxError(f"task {task.name}: setup {what}:\n{output[-2000:]}")
+    if self._sandbox.check_initial_state and task.initial_tests:
+      report = self._pytest(task.initial_tests, "test_initial_state.py",
+                            task.limits.test_timeout_s)
+      if not report.passed:
+        raise SandboxError(f"task {task.name}: initial-state tests failed:\n"
+                           f"{report.report[-2000:]}")
+
+  def exec(self, command: str, timeout_s: float) -> ExecResult:
+    limits = self._task.limits
+    # Per-command rlimits (CPU seconds, file size in KiB) set in the shell that runs it.
+    script = f"ulimit -t {limits.cpu_s} -f {limits.file_size_mb * 1024} 2>/dev/null\n{command}"
+    # timeout runs the command in its own process group and SIGKILLs the whole group.
+    argv = ["timeout", "-s", "KILL", f"{timeout_s:g}s", "bash", "-lc", script]
+    exit_code, output, chars, seconds = self._exec(argv, SANDBOX_USER, timeout_s,
+                                                   limits.output_chars)
+    timed_out = exit_code == KILL_EXIT_CODE and seconds >= timeout_s
+    return ExecResult(exit_code=-1 if timed_out else exit_code, output=output,
+                      timed_out=timed_out, output_chars=chars)
+
+  def _pytest(self, source: str, filename: str, timeout_s: float) -> TestReport:
+    path = f"{TESTS_DIR}/{filename}"
+    try:
+      self._container.put_archive("/", _tar_files([(path, source.encode())], SANDBOX_HOME))
+    except _DOCKER_ERRORS as err:
+      self._broken = f"copying tests failed: {err}"
+      raise SandboxError(self._broken) from err
+    # Root runs the tests from a root-only directory; -P keeps /home/user off sys.path and
+    # -c/--confcutdir keep pytest from reading config or conftest files the agent planted.
+    script = (f"chmod 700 {TESTS_DIR} && cd {SANDBOX_HOME} && python3 -P -m pytest -q "
+              f"-p no:cacheprovider -c /dev/null --rootdir={TESTS_DIR} "
+              f"--confcutdir={TESTS_DIR} {shlex.quote(path)}")
+    exit_code, output, _, seconds = self._root_script(script, timeout_s)
+    timed_out = exit_code == KILL_EXIT_CODE and seconds >= timeout_s
+    num_passed, num_tests = (0, 0) if timed_out else parse_pytest_summary(output)
+    passed = exit_code == 0 and num_tests > 0 and num_passed == num_tests
+    return TestReport(passed=passed, num_passed=num_passed, num_tests=num_tests,
+                      timed_out=timed_out, report=output)
+
+  def run_tests(self) -> TestReport:
+    return self._pytest(self._task.final_tests, "test_final_state.py",
+                        self._task.limits.test_timeout_s)
+
+  def close(self) -> None:
+    if not self._closed:
+      self._closed = True
+      _force_remove(self._container)

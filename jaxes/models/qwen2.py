@@ -1,0 +1,341 @@
+"""Qwen2 / Qwen2.5 decoder-only language model in flax.nnx.
+
+Architecture (as transformers' ``Qwen2ForCausalLM``): token embedding; ``num_layers`` pre-norm
+decoder layers, each RMSNorm -> grouped-query attention (q/k/v with bias, o without, RoPE in the
+``rotate_half`` layout) -> residual -> RMSNorm -> SwiGLU MLP -> residual; final RMSNorm; LM head
+tied to the embedding or separate.
+
+The decoder layers' parameters are stacked with a leading layer axis and run under
+``jax.lax.scan``, so compile time does not grow with depth. Every op that reads a parameter goes
+through a ``Noiser`` (``jaxes/models/noiser.py``); with the default ``IdentityNoiser`` this is plain
+inference. Every parameter carries ``logical_axes`` metadata (MaxText-style names) that
+``jaxes.sharding`` maps onto a device mesh.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxes.models.noiser import IdentityNoiser, Noiser
+
+DTYPES = ("float32", "bfloat16")
+
+# Published shapes (config.json of the Qwen2.5 checkpoints) plus tiny ones for CPU tests/demos.
+PRESETS: dict[str, dict[str, Any]] = {
+  "qwen2.5-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24,
+                       num_heads=14, num_kv_heads=2, tie_word_embeddings=True,
+                       max_position_embeddings=32768),
+  "qwen2.5-1.5b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_layers=28,
+                       num_heads=12, num_kv_heads=2, tie_word_embeddings=True,
+                       max_position_embeddings=32768),
+  "qwen2.5-7b": dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28,
+                     num_heads=28, num_kv_heads=4, tie_word_embeddings=False,
+                     max_position_embeddings=32768),
+  "qwen2.5-14b": dict(vocab_size=152064, hidden_size=5120, intermediate_size=13824, num_layers=48,
+                      num_heads=40, num_kv_heads=8, tie_word_embeddings=False,
+                      max_position_embeddings=32768),
+  "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=176, num_layers=2, num_heads=4,
+               num_kv_heads=4, tie_word_embeddings=True, max_position_embeddings=4096),
+  "tiny-gqa": dict(vocab_size=512, hidden_size=64, intermediate_size=176, num_layers=2,
+                   num_heads=4, num_kv_heads=2, tie_word_embeddings=False,
+                   max_position_embeddings=4096),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen2Config:
+  vocab_size: int
+  hidden_size: int
+  intermediate_size: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int | None = None  # None: hidden_size // num_heads (resolved on construction)
+  rope_theta: float = 1e6
+  rms_norm_eps: float = 1e-6
+  tie_word_embeddings: bool = True
+  max_position_embeddings: int = 32768
+  param_dtype: str = "float32"  # storage dtype of the parameters
+  dtype: str = "float32"  # compute dtype of activations (softmax and norms run in float32)
+
+  def __post_init__(self):
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                "num_kv_heads", "max_position_embeddings"):
+      value = getattr(self, key)
+      if not isinstance(value, int) or value <= 0:
+        raise ValueError(f"Qwen2Config.{key} must be a positive int, got {value!r}")
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(f"Qwen2Config: num_heads={self.num_heads} is not a multiple of "
+                       f"num_kv_heads={self.num_kv_heads}")
+    if self.head_dim is None:
+      if self.hidden_size % self.num_heads:
+        raise ValueError(f"Qwen2Config: hidden_size={self.hidden_size} is not divisible by "
+                         f"num_heads={self.num_heads}; set head_dim explicitly")
+      object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+    if self.head_dim % 2:
+      raise ValueError(f"Qwen2Config.head_dim must be even for RoPE, got {self.head_dim}")
+    for key in ("param_dtype", "dtype"):
+      if getattr(self, key) not in DTYPES:
+        raise ValueError(f"Qwen2Config.{key} must be one of {DTYPES}, got {getattr(self, key)!r}")
+
+  @property
+  def num_groups(self) -> int:
+    """Query heads per KV head."""
+    return self.num_heads // self.num_kv_heads
+
+  @classmethod
+  def preset(cls, name: str, **overrides) -> "Qwen2Config":
+    if name not in PRESETS:
+      raise ValueError(f"unknown Qwen2 preset {name!r}; known: {sorted(PRESETS)}")
+    return cls(**{**PRESETS[name], **overrides})
+
+  @classmethod
+  def from_hf_dict(cls, d: dict, **overrides) -> "Qwen2Config":
+    """From a transformers ``config.json`` dict; unsupported features raise naming the key."""
+    from jaxes.models import hf_config
+    return cls(**{**hf_config.config_kwargs_from_hf(d), **overrides})
+
+  def to_hf_dict(self) -> dict:
+    """A transformers ``config.json`` dict for this configuration."""
+    from jaxes.models import hf_config
+    return hf_config.hf_dict_from_config(self)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+  """Per-row key/value cache. Rows fill independently, so they may sit at different positions.
+
+  k, v: [L, B, S, KVH, hd] keys (after RoPE) and values; index: [B] int32, the next free slot of
+  each row; valid: [B, S] bool, which slots hold a token. Writes beyond S are dropped: the caller
+  sizes S for the longest row.
+  """
+  k: jax.Array
+  v: jax.Array
+  index: jax.Array
+  valid: jax.Array
+
+  LOGICAL_AXES = dict(k=("layers", "cache_batch", "cache_seq", "kv_heads", "head_dim"),
+                      v=("layers", "cache_batch", "cache_seq", "kv_heads", "head_dim"),
+                      index=("cache_batch",), valid=("cache_batch", "cache_seq"))
+
+  @classmethod
+  def init(cls, cfg: Qwen2Config, batch_size: int, max_len: int, dtype: str | None = None):
+    shape = (cfg.num_layers, batch_size, max_len, cfg.num_kv_heads, cfg.head_dim)
+    dtype = jnp.dtype(dtype or cfg.dtype)
+    return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+               index=jnp.zeros((batch_size,), jnp.int32),
+               valid=jnp.zeros((batch_size, max_len), bool))
+
+
+def _stack(layers: int, shape: tuple, axes: tuple) -> tuple[tuple, tuple]:
+  """Prefix a leading layer axis when the parameter belongs to the scanned decoder layers."""
+  return ((layers, *shape), ("layers", *axes)) if layers else (shape, axes)
+
+
+class Linear(nnx.Module):
+  """``x @ kernel[in, out] (+ bias[out])`` through the noiser."""
+
+  def __init__(self, path: str, din: int, dout: int, axes: tuple[str, str], *, bias: bool,
+               layers: int, cfg: Qwen2Config, rngs: nnx.Rngs):
+    self.path = path
+    dtype = jnp.dtype(cfg.param_dtype)
+    shape, kernel_axes = _stack(layers, (din, dout), axes)
+    self.kernel = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), shape, dtype),
+                            logical_axes=kernel_axes)
+    if bias:
+      shape, bias_axes = _stack(layers, (dout,), axes[1:])
+      self.bias = nnx.Param(jnp.zeros(shape, dtype), logical_axes=bias_axes)
+    else:
+      self.bias = None
+
+  def __call__(self, x: jax.Array, noiser: Noiser, layer: jax.Array | None = None) -> jax.Array:
+    bias = None if self.bias is None else self.bias[...]
+    return noiser.dense(x, self.kernel[...], bias, name=f"{self.path}/kernel", layer=layer,
+                        bias_name=None if bias is None else f"{self.path}/bias")
+
+
+class RMSNorm(nnx.Module):
+  """``x / rms(x) * scale``; the normalisation runs in float32 as in transformers."""
+
+  def __init__(self, path: str, dim: int, *, layers: int, cfg: Qwen2Config):
+    self.path = path
+    self.eps = cfg.rms_norm_eps
+    shape, axes = _stack(layers, (dim,), ("norm",))
+    self.scale = nnx.Param(jnp.ones(shape, jnp.dtype(cfg.param_dtype)), logical_axes=axes)
+
+  def __call__(self, x: jax.Array, noiser: Noiser, layer: jax.Array | None = None) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return noiser.scale(normed.astype(x.dtype), self.scale[...], name=f"{self.path}/scale",
+                        layer=layer)
+
+
+class Embed(nnx.Module):
+  def __init__(self, path: str, cfg: Qwen2Config, rngs: nnx.Rngs):
+    self.path = path
+    self.embedding = nnx.Param(
+      nnx.initializers.normal(0.02)(rngs.params(), (cfg.vocab_size, cfg.hidden_size),
+                                    jnp.dtype(cfg.param_dtype)),
+      logical_axes=("vocab", "embed"))
+
+  def __call__(self, ids: jax.Array, noiser: Noiser) -> jax.Array:
+    return noiser.embed(self.embedding[...], ids, name=f"{self.path}/embedding")
+
+  def attend(self, x: jax.Array, noiser: Noiser) -> jax.Array:
+    return noiser.attend(x, self.embedding[...], name=f"{self.path}/embedding")
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+  """Rotary embedding in transformers' ``rotate_half`` layout. x: [B, T, N, hd]; positions [B, T]."""
+  head_dim = x.shape[-1]
+  inv_freq = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+  angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, hd/2]
+  angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
+  x32 = x.astype(jnp.float32)
+  first, second = jnp.split(x32, 2, axis=-1)
+  rotated = jnp.concatenate([-second, first], axis=-1)
+  return (x32 * jnp.cos(angles) + rotated * jnp.sin(angles)).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+  """Grouped-query attention; KV heads are shared by their query group, never repeated."""
+
+  def __init__(self, cfg: Qwen2Config, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    d, q_dim, kv_dim, L = (cfg.hidden_size, cfg.num_heads * cfg.head_dim,
+                           cfg.num_kv_heads * cfg.head_dim, cfg.num_layers)
+    common = dict(layers=L, cfg=cfg, rngs=rngs)
+    self.q_proj = Linear("layers/attn/q_proj", d, q_dim, ("embed", "heads"), bias=True, **common)
+    self.k_proj = Linear("layers/attn/k_proj", d, kv_dim, ("embed", "kv_heads"), bias=True,
+                         **common)
+    self.v_proj = Linear("layers/attn/v_proj", d, kv_dim, ("embed", "kv_heads"), bias=True,
+                         **common)
+    self.o_proj = Linear("layers/attn/o_proj", q_dim, d, ("heads", "embed"), bias=False, **common)
+
+  def __call__(self, x, positions, mask, write_slots, kv, noiser, layer):
+    """x: [B, T, d]; mask: [B, T, S] which keys each query sees; kv: this layer's cache (k, v)
+    [B, S, KVH, hd] or None (then the keys are the T tokens themselves)."""
+    cfg = self.cfg
+    B, T, _ = x.shape
+    q = self.q_proj(x, noiser, layer).reshape(B, T, cfg.num_heads, cfg.head_dim)
+    k = self.k_proj(x, noiser, layer).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
+    v = self.v_proj(x, noiser, layer).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
+    q = apply_rope(q, positions, cfg.rope_theta)
+    k = apply_rope(k, positions, cfg.rope_theta)
+    if kv is not None:
+      rows = jnp.arange(B)[:, None]
+      cache_k, cache_v = kv
+      # Invalid tokens carry an out-of-range slot, so mode="drop" skips them.
+      k = cache_k.at[rows, write_slots].set(k.astype(cache_k.dtype), mode="drop")
+      v = cache_v.at[rows, write_slots].set(v.astype(cache_v.dtype), mode="drop")
+      kv = (k, v)
+    q = q.reshape(B, T, cfg.num_kv_heads, cfg.num_groups, cfg.head_dim)
+    scores = jnp.einsum("btkgh,bskh->bkgts", q, k.astype(q.dtype),
+                        preferred_element_type=jnp.float32) * cfg.head_dim ** -0.5
+    # A finite floor (not -inf) keeps rows without any visible key (padding) free of NaN.
+    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
+    out = jnp.einsum("bkgts,bskh->btkgh", probs, v.astype(x.dtype))
+    return self.o_proj(out.reshape(B, T, -1), noiser, layer), kv
+
+
+class MLP(nnx.Module):
+  """SwiGLU: ``down(silu(gate(x)) * up(x))``, no biases."""
+
+  def __init__(self, cfg: Qwen2Config, *, rngs: nnx.Rngs):
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    common = dict(bias=False, layers=cfg.num_layers, cfg=cfg, rngs=rngs)
+    self.gate_proj = Linear("layers/mlp/gate_proj", d, f, ("embed", "mlp"), **common)
+    self.up_proj = Linear("layers/mlp/up_proj", d, f, ("embed", "mlp"), **common)
+    self.down_proj = Linear("layers/mlp/down_proj", f, d, ("mlp", "embed"), **common)
+
+  def __call__(self, x, noiser, layer):
+    gate = jax.nn.silu(self.gate_proj(x, noiser, layer))
+    return self.down_proj(gate * self.up_proj(x, noiser, layer), noiser, layer)
+
+
+class DecoderLayer(nnx.Module):
+  """One pre-norm decoder layer; its parameters are stacked over all layers [L, ...]."""
+
+  def __init__(self, cfg: Qwen2Config, *, rngs: nnx.Rngs):
+    L = cfg.num_layers
+    self.input_norm = RMSNorm("layers/input_norm", cfg.hidden_size, layers=L, cfg=cfg)
+    self.attn = Attention(cfg, rngs=rngs)
+    self.post_attn_norm = RMSNorm("layers/post_attn_norm", cfg.hidden_size, layers=L, cfg=cfg)
+    self.mlp = MLP(cfg, rngs=rngs)
+
+  def __call__(self, x, positions, mask, write_slots, kv, noiser, layer):
+    h, kv = self.attn(self.input_norm(x, noiser, layer), positions, mask, write_slots, kv, noiser,
+                      layer)
+    x = x + h
+    x = x + self.mlp(self.post_attn_norm(x, noiser, layer), noiser, layer)
+    return x, kv
+
+
+class Qwen2ForCausalLM(nnx.Module):
+
+  def __init__(self, cfg: Qwen2Config, *, rngs: nnx.Rngs):
+    self.config = cfg
+    self.embed = Embed("embed", cfg, rngs)
+    self.layers = DecoderLayer(cfg, rngs=rngs)
+    self.final_norm = RMSNorm("final_norm", cfg.hidden_size, layers=0, cfg=cfg)
+    if cfg.tie_word_embeddings:
+      self.lm_head = None
+    else:
+      self.lm_head = Linear("lm_head", cfg.hidden_size, cfg.vocab_size, ("embed", "vocab"),
+                            bias=False, layers=0, cfg=cfg, rngs=rngs)
+
+  def __call__(self, tokens: jax.Array, positions: jax.Array, valid: jax.Array,
+               cache: KVCache | None = None, noiser: Noiser | None = None
+               ) -> tuple[jax.Array, KVCache | None]:
+    """tokens, positions: int32 [B, T]; valid: bool [B, T]. Returns (float32 logits [B, T, V],
+    updated cache). See ``KVCache`` and the module docstring for the cache semantics."""
+    cfg = self.config
+    noiser = IdentityNoiser() if noiser is None else noiser
+    valid = valid.astype(bool)
+    x = self.embed(tokens, noiser).astype(jnp.dtype(cfg.dtype))
+
+    T = tokens.shape[1]
+    if cache is None:
+      causal = jnp.tril(jnp.ones((T, T), bool))
+      mask = valid[:, None, :] & causal[None]
+      write_slots, kvs = None, None
+    else:
+      S = cache.valid.shape[1]
+      slots = cache.index[:, None] + jnp.cumsum(valid, axis=1, dtype=jnp.int32) - 1
+      write_slots = jnp.where(valid, slots, S)
+      rows = jnp.arange(tokens.shape[0])[:, None]
+      cache_valid = cache.valid.at[rows, write_slots].set(True, mode="drop")
+      mask = cache_valid[:, None, :] & (jnp.arange(S)[None, None, :] <= slots[:, :, None])
+      kvs = (cache.k, cache.v)
+
+    layers_def, layers_state = nnx.split(self.layers)
+
+    def one_layer(x, scanned):
+      state, kv, layer = scanned
+      x, kv = nnx.merge(layers_def, state)(x, positions, mask, write_slots, kv, noiser, layer)
+      return x, kv
+
+    x, kvs = jax.lax.scan(one_layer, x, (layers_state, kvs, jnp.arange(cfg.num_layers)))
+    x = self.final_norm(x, noiser)
+    if self.lm_head is None:
+      logits = self.embed.attend(x, noiser)
+    else:
+      logits = self.lm_head(x, noiser)
+
+    if cache is not None:
+      cache = KVCache(k=kvs[0], v=kvs[1], index=cache.index + valid.sum(axis=1, dtype=jnp.int32),
+                      valid=cache_valid)
+    return logits.astype(jnp.float32), cache
+
+
+def forward(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array, positions: jax.Array,
+            valid: jax.Array, cache: KVCache | None = None, noiser: Noiser | None = None):
+  """Pure functional forward for use inside ``jax.jit``: ``nnx.merge`` then call."""
+  model = nnx.merge(graphdef, params)
+  return model(tokens, positions, valid, cache=cache, noiser=noiser)

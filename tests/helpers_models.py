@@ -1,0 +1,53 @@
+"""Tiny random Qwen2 checkpoints and tokenizers built locally, for tests (no hub, no network)."""
+from __future__ import annotations
+
+import os
+
+from jaxes.models.qwen2 import Qwen2Config
+
+TOKENIZER_CORPUS = [
+  "ls -la /home/user && cat notes.txt | grep -n error",
+  "The quick brown fox jumps over the lazy dog. 0123456789",
+  "<command>echo 'hello world' > out.txt</command> <action>done</action>",
+  "def main():\n    print('héllo, wörld ✓')\n",
+  "mkdir -p data/logs; find . -name '*.py' -exec wc -l {} +",
+]
+
+
+def save_random_hf_checkpoint(out_dir: str, cfg: Qwen2Config, seed: int = 0,
+                              torch_dtype: str = "float32"):
+  """A transformers Qwen2ForCausalLM with random weights — including non-zero biases and norm
+  gains, which HF initialises to 0 and 1 — saved with ``save_pretrained``. Returns the model."""
+  import torch
+  import transformers
+
+  hf_cfg = transformers.Qwen2Config(**cfg.to_hf_dict())
+  torch.manual_seed(seed)
+  model = transformers.Qwen2ForCausalLM(hf_cfg).eval()
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if name.endswith("bias"):
+        p.normal_(0.0, 0.5)
+      elif "norm" in name:
+        p.uniform_(0.5, 1.5)
+      else:
+        p.normal_(0.0, 0.1)
+  model = model.to(getattr(torch, torch_dtype))
+  os.makedirs(out_dir, exist_ok=True)
+  model.save_pretrained(out_dir)
+  return model
+
+
+def hf_logits(model, tokens, attention_mask=None, position_ids=None):
+  """float32 numpy logits of a transformers model for int token arrays [B, T]."""
+  import numpy as np
+  import torch
+
+  kwargs = {}
+  if attention_mask is not None:
+    kwargs["attention_mask"] = torch.as_tensor(np.asarray(attention_mask, dtype=np.int64))
+  if position_ids is not None:
+    kwargs["position_ids"] = torch.as_tensor(np.asarray(position_ids, dtype=np.int64))
+  with torch.no_grad():
+    out = model(torch.as_tensor(np.asarray(tokens, dtype=np.int64)), **kwargs)
+  return out.logits.float().numpy()

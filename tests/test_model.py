@@ -1,0 +1,176 @@
+"""Qwen2 decoder: parity with transformers, KV-cache decode == full forward, noiser coverage."""
+import numpy as np
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from jaxes.models import hf, qwen2
+from jaxes.models.noiser import IdentityNoiser
+from helpers_models import hf_logits, save_random_hf_checkpoint
+
+PARITY_CONFIGS = {
+  "tied-mha-odd": qwen2.Qwen2Config(vocab_size=97, hidden_size=40, intermediate_size=56,
+                                    num_layers=2, num_heads=5, num_kv_heads=5, rope_theta=1e6,
+                                    tie_word_embeddings=True),
+  "untied-gqa3": qwen2.Qwen2Config(vocab_size=101, hidden_size=48, intermediate_size=72,
+                                   num_layers=3, num_heads=6, num_kv_heads=2, rope_theta=1e4,
+                                   rms_norm_eps=1e-5, tie_word_embeddings=False),
+  "tied-mqa-headdim": qwen2.Qwen2Config(vocab_size=64, hidden_size=36, intermediate_size=50,
+                                        num_layers=2, num_heads=4, num_kv_heads=1, head_dim=10,
+                                        tie_word_embeddings=True),
+}
+
+forward = jax.jit(qwen2.forward, static_argnums=0)
+
+
+@pytest.fixture(scope="module", params=sorted(PARITY_CONFIGS))
+def checkpoint(request, tmp_path_factory):
+  cfg = PARITY_CONFIGS[request.param]
+  path = str(tmp_path_factory.mktemp(request.param))
+  torch_model = save_random_hf_checkpoint(path, cfg, seed=len(request.param))
+  loaded_cfg, graphdef, params = hf.load(path)
+  assert loaded_cfg == cfg
+  return cfg, torch_model, graphdef, params
+
+
+def test_logits_match_transformers(checkpoint):
+  cfg, torch_model, graphdef, params = checkpoint
+  tokens = np.random.RandomState(1).randint(0, cfg.vocab_size, (2, 11))
+  positions = np.tile(np.arange(11), (2, 1))
+  ours, cache = forward(graphdef, params, jnp.asarray(tokens), jnp.asarray(positions),
+                        jnp.ones((2, 11), bool))
+  assert cache is None and ours.dtype == jnp.float32
+  np.testing.assert_allclose(np.asarray(ours), hf_logits(torch_model, tokens), atol=1e-4, rtol=0)
+
+
+def test_left_padding_matches_transformers(checkpoint):
+  cfg, torch_model, graphdef, params = checkpoint
+  rng = np.random.RandomState(2)
+  lengths = [9, 4, 6]
+  T = max(lengths)
+  tokens = rng.randint(0, cfg.vocab_size, (3, T))
+  valid = np.arange(T)[None, :] >= (T - np.array(lengths))[:, None]
+  positions = np.maximum(np.cumsum(valid, axis=1) - 1, 0)
+  ours, _ = forward(graphdef, params, jnp.asarray(tokens), jnp.asarray(positions),
+                    jnp.asarray(valid))
+  for row, n in enumerate(lengths):  # each row alone, unpadded, through transformers
+    ref = hf_logits(torch_model, tokens[row:row + 1, T - n:])[0]
+    np.testing.assert_allclose(np.asarray(ours)[row, T - n:], ref, atol=1e-4, rtol=0)
+
+
+def _tiny_model(seed=0, **overrides):
+  cfg = qwen2.Qwen2Config.preset("tiny-gqa", **overrides)
+  return cfg, *nnx.split(qwen2.Qwen2ForCausalLM(cfg, rngs=nnx.Rngs(seed)), nnx.Param)
+
+
+def test_cached_decode_equals_full_forward_ragged():
+  cfg, graphdef, params = _tiny_model(vocab_size=61)
+  rng = np.random.RandomState(3)
+  lengths = [7, 12, 3, 0]  # the last row never receives a token
+  seqs = [rng.randint(0, cfg.vocab_size, n) for n in lengths]
+  reference = [np.asarray(forward(graphdef, params, jnp.asarray(s[None]),
+                                  jnp.arange(len(s))[None], jnp.ones((1, len(s)), bool))[0][0])
+               if len(s) else None for s in seqs]
+
+  # Feed each row in chunks of random sizes at random places inside a step of width T; rows
+  # with nothing left get an all-False step (must leave their cache row untouched).
+  B, T, S = len(seqs), 5, 16
+  cache = qwen2.KVCache.init(cfg, B, S)
+  fed = [0] * B
+  step = jax.jit(qwen2.forward, static_argnums=0)
+  while any(f < n for f, n in zip(fed, lengths)):
+    tokens = np.zeros((B, T), np.int32)
+    positions = np.zeros((B, T), np.int32)
+    valid = np.zeros((B, T), bool)
+    for b in range(B):
+      n = min(rng.randint(0, T + 1), lengths[b] - fed[b])
+      cols = np.sort(rng.choice(T, n, replace=False))
+      tokens[b, cols] = seqs[b][fed[b]:fed[b] + n]
+      positions[b, cols] = np.arange(fed[b], fed[b] + n)
+      valid[b, cols] = True
+    before = jax.tree.map(np.asarray, cache)
+    logits, cache = step(graphdef, params, jnp.asarray(tokens), jnp.asarray(positions),
+                         jnp.asarray(valid), cache)
+    for b in range(B):
+      n = int(valid[b].sum())
+      if n:
+        np.testing.assert_allclose(np.asarray(logits)[b, valid[b]],
+                                   reference[b][fed[b]:fed[b] + n], atol=1e-5, rtol=0)
+      else:
+        for field in ("k", "v"):
+          np.testing.assert_array_equal(np.asarray(getattr(cache, field))[:, b],
+                                        getattr(before, field)[:, b])
+      fed[b] += n
+  np.testing.assert_array_equal(np.asarray(cache.index), lengths)
+  np.testing.assert_array_equal(np.asarray(cache.valid), np.arange(S)[None] < np.array(lengths)[:, None])
+
+
+def test_bfloat16_close_to_float32():
+  cfg, graphdef, params = _tiny_model(seed=1)
+  bf_cfg = qwen2.Qwen2Config.preset("tiny-gqa", param_dtype="bfloat16", dtype="bfloat16")
+  bf_graphdef, bf_params = nnx.split(qwen2.Qwen2ForCausalLM(bf_cfg, rngs=nnx.Rngs(1)), nnx.Param)
+  nnx.replace_by_pure_dict(bf_params, jax.tree.map(lambda x: x.astype(jnp.bfloat16),
+                                                   nnx.to_pure_dict(params)))
+  tokens = jnp.asarray(np.random.RandomState(4).randint(0, cfg.vocab_size, (2, 9)))
+  positions, valid = jnp.tile(jnp.arange(9), (2, 1)), jnp.ones((2, 9), bool)
+  full = forward(graphdef, params, tokens, positions, valid)[0]
+  half = forward(bf_graphdef, bf_params, tokens, positions, valid)[0]
+  assert half.dtype == jnp.float32
+  assert jax.tree.leaves(bf_params)[0].dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(half), np.asarray(full), atol=0.05 * float(jnp.abs(full).max()))
+
+
+class RecordingNoiser(IdentityNoiser):
+  """Identity noiser that records (at trace time) which parameter names reach which hook."""
+
+  def __init__(self):
+    self.calls = []
+
+  def dense(self, x, kernel, bias, *, name, layer=None, bias_name=None):
+    self.calls.append(("dense", name, layer is not None))
+    if bias_name is not None:
+      self.calls.append(("dense-bias", bias_name, layer is not None))
+    return super().dense(x, kernel, bias, name=name, layer=layer, bias_name=bias_name)
+
+  def embed(self, table, ids, *, name):
+    self.calls.append(("embed", name, False))
+    return super().embed(table, ids, name=name)
+
+  def attend(self, x, table, *, name):
+    self.calls.append(("attend", name, False))
+    return super().attend(x, table, name=name)
+
+  def scale(self, x, scale, *, name, layer=None):
+    self.calls.append(("scale", name, layer is not None))
+    return super().scale(x, scale, name=name, layer=layer)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_every_parameter_goes_through_the_noiser(tied):
+  cfg = qwen2.Qwen2Config.preset("tiny", tie_word_embeddings=tied)
+  model = qwen2.Qwen2ForCausalLM(cfg, rngs=nnx.Rngs(0))
+  noiser = RecordingNoiser()
+  tokens = jnp.zeros((1, 3), jnp.int32)
+  model(tokens, jnp.arange(3)[None], jnp.ones((1, 3), bool), noiser=noiser)
+  paths = {"/".join(str(k.key) for k in path) for path, _ in
+           jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(nnx.state(model, nnx.Param)))}
+  assert {name for _, name, _ in noiser.calls} == paths
+  for kind, name, has_layer in noiser.calls:  # stacked params get the layer index, others not
+    assert has_layer == name.startswith("layers/"), (kind, name)
+  if tied:
+    assert ("attend", "embed/embedding", False) in noiser.calls
+
+
+def test_presets_have_published_shapes():
+  seven = qwen2.Qwen2Config.preset("qwen2.5-7b")
+  assert (seven.hidden_size, seven.num_layers, seven.num_heads, seven.num_kv_heads,
+          seven.intermediate_size, seven.vocab_size, seven.head_dim,
+          seven.tie_word_embeddings) == (3584, 28, 28, 4, 18944, 152064, 128, False)
+  half = qwen2.Qwen2Config.preset("qwen2.5-0.5b")
+  assert (half.hidden_size, half.num_layers, half.num_heads, half.num_kv_heads, half.head_dim,
+          half.tie_word_embeddings) == (896, 24, 14, 2, 64, True)
+  with pytest.raises(ValueError, match="unknown Qwen2 preset 'qwen3'"):
+    qwen2.Qwen2Config.preset("qwen3")
+  with pytest.raises(ValueError, match="num_heads=6 is not a multiple of num_kv_heads=4"):
+    qwen2.Qwen2Config.preset("tiny", num_heads=6, num_kv_heads=4, head_dim=16)

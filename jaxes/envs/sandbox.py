@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import abc
+import codecs
 import dataclasses
 
 from jaxes.envs.task import Task
@@ -59,3 +60,42 @@ class Sandbox(abc.ABC):
 
   def shutdown(self) -> None:
     pass
+
+  def leftovers(self) -> dict[str, int]:
+    """Counts of things this backend created that still exist (e.g. {"directories": 0})."""
+    return {}
+
+
+class OutputCapture:
+  """Collects a command's output as it streams: keeps the first and last ``limit // 2``
+  characters and counts all of them, so a flood of output costs O(limit) memory."""
+
+  def __init__(self, limit: int):
+    self._half = max(limit // 2, 1)
+    self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    self._head: list[str] = []
+    self._head_len = 0
+    self._tail = ""
+    self.total_chars = 0
+
+  def feed(self, data: bytes, final: bool = False) -> None:
+    text = self._decoder.decode(data, final)
+    if not text:
+      return
+    self.total_chars += len(text)
+    if self._head_len < self._half:
+      take = text[:self._half - self._head_len]
+      self._head.append(take)
+      self._head_len += len(take)
+      text = text[len(take):]
+    if text:
+      self._tail = (self._tail + text)[-self._half:]
+
+  def text(self) -> str:
+    """Head and tail; when characters were dropped, a marker line says how many."""
+    self.feed(b"", final=True)
+    head = "".join(self._head)
+    omitted = self.total_chars - len(head) - len(self._tail)
+    if omitted <= 0:
+      return head + self._tail
+    return f"{head}\n[... {omitted} characters omitted ...]\n{self._tail}"

@@ -1,0 +1,184 @@
+"""Runs every task with a fixed agent and reports pass rates, failures and leftovers.
+
+  python -m jaxes.envs.check --backend local --generated 140 --agent oracle
+  python -m jaxes.envs.check --backend docker --tasks DIR --agent noop --workers 4
+
+Agents: ``oracle`` sends the task's reference solution as one command, then done; ``noop``
+answers done at once; ``replay:FILE`` plays a JSON list of raw model outputs as the turns (or a
+JSON object mapping task names to such lists), then done. The oracle must pass every generated
+task and noop none (a task noop passes is broken). The last line printed is one JSON object:
+{"tasks", "passed", "pass_rate", "failures": {reason: count}, "leaked"}. Exit status 1 when
+anything leaked, or the oracle missed / noop passed a task.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import concurrent.futures
+import json
+import os
+import sys
+from typing import Callable
+
+import tqdm
+
+from jaxes.envs import generator, make_sandbox, protocol
+from jaxes.envs.task import Task
+
+DONE = "<action>done</action>"
+FAILED_TESTS = "FAILED_TESTS"     # the episode ran normally but the final tests failed
+NO_SOLUTION = "NO_SOLUTION"       # oracle asked for a task that has none
+
+
+def make_agent(spec: str) -> Callable[[Task], Callable[[list], str] | None]:
+  """Maps an --agent spec to a factory: task -> agent(messages) -> model text (None: no oracle)."""
+  if spec == "noop":
+    return lambda task: lambda messages: DONE
+  if spec == "oracle":
+    def oracle(task: Task):
+      if task.solution is None:
+        return None
+      turns = iter([f"<command>{task.solution}</command>"])
+      return lambda messages: next(turns, DONE)
+    return oracle
+  if spec.startswith("replay:"):
+    path = spec[len("replay:"):]
+    try:
+      with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+      raise SystemExit(f"--agent {spec}: cannot read {path}: {e}")
+    if not (isinstance(data, list) or isinstance(data, dict)):
+      raise SystemExit(f"--agent {spec}: {path} must hold a JSON list of model outputs "
+                       "or an object mapping task names to such lists")
+
+    def replay(task: Task):
+      outputs = data if isinstance(data, list) else data.get(task.name, [])
+      if not all(isinstance(o, str) for o in outputs):
+        raise SystemExit(f"--agent {spec}: every model output in {path} must be a string")
+      turns = iter(outputs)
+      return lambda messages: next(turns, DONE)
+    return replay
+  raise SystemExit(f"--agent {spec!r}: expected oracle, noop or replay:FILE")
+
+
+def descendant_processes() -> int:
+  """Live processes descended from this one (leaks of a sandbox that forgot to reap)."""
+  children = collections.defaultdict(list)
+  for entry in os.listdir("/proc"):
+    if not entry.isdigit():
+      continue
+    try:
+      with open(f"/proc/{entry}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+      continue
+    children[int(fields[1])].append(int(entry))
+  todo, count = [os.getpid()], 0
+  while todo:
+    for child in children.get(todo.pop(), ()):
+      count += 1
+      todo.append(child)
+  return count
+
+
+def run_checks(sandbox, tasks: list[Task], agent_spec: str, workers: int = 1,
+               progress: bool = True) -> tuple[list[tuple[Task, protocol.EpisodeOutcome | None]], int]:
+  """Plays every task; returns (task, outcome or None when no oracle) pairs and leftovers."""
+  factory = make_agent(agent_spec)
+
+  def one(task: Task):
+    agent = factory(task)
+    if agent is None:
+      return task, None
+    return task, protocol.run_episode(sandbox, task, agent)
+
+  results = []
+  with concurrent.futures.ThreadPoolExecutor(max(workers, 1)) as pool:
+    futures = [pool.submit(one, t) for t in tasks]
+    for fut in tqdm.tqdm(concurrent.futures.as_completed(futures), total=len(futures),
+                         disable=not progress, desc="episodes", file=sys.stderr):
+      results.append(fut.result())
+  leaked = sum(sandbox.leftovers().values()) + descendant_processes()
+  order = {t.name: i for i, t in enumerate(tasks)}
+  results.sort(key=lambda r: order[r[0].name])
+  return results, leaked
+
+
+def summarize(results, leaked: int) -> dict:
+  failures = collections.Counter()
+  for _task, outcome in results:
+    if outcome is None:
+      failures[NO_SOLUTION] += 1
+    elif not outcome.passed:
+      failures[outcome.failure or FAILED_TESTS] += 1
+  passed = sum(o is not None and o.passed for _t, o in results)
+  return {"tasks": len(results), "passed": passed,
+          "pass_rate": passed / len(results) if results else 0.0,
+          "failures": dict(sorted(failures.items())), "leaked": leaked}
+
+
+def family_table(results) -> str:
+  rows = collections.defaultdict(lambda: [0, 0, 0, collections.Counter()])
+  for task, outcome in results:
+    row = rows[task.family]
+    row[0] += 1
+    if outcome is not None:
+      row[1] += outcome.passed
+      row[2] += outcome.turns
+      if not outcome.passed:
+        row[3][outcome.failure or FAILED_TESTS] += 1
+    else:
+      row[3][NO_SOLUTION] += 1
+  lines = [f"{'family':<16} {'tasks':>5} {'passed':>6} {'rate':>6} {'turns':>5}  failures"]
+  for family in sorted(rows):
+    n, p, turns, fails = rows[family]
+    fail_text = ", ".join(f"{k}={v}" for k, v in sorted(fails.items())) or "-"
+    lines.append(f"{family:<16} {n:>5} {p:>6} {p / n:>6.0%} {turns / n:>5.1f}  {fail_text}")
+  return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+  ap = argparse.ArgumentParser(prog="python -m jaxes.envs.check", description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--backend", choices=("local", "docker"), default="local")
+  src = ap.add_mutually_exclusive_group(required=True)
+  src.add_argument("--generated", type=int, metavar="N", help="N generated tasks")
+  src.add_argument("--tasks", metavar="DIR", help="a folder of Endless Terminals / "
+                   "Terminal-Bench task folders")
+  ap.add_argument("--split", choices=generator.SPLITS, default="train")
+  ap.add_argument("--seed", type=int, default=0, help="split seed for --generated")
+  ap.add_argument("--agent", default="oracle", help="oracle | noop | replay:FILE")
+  ap.add_argument("--workers", type=int, default=1)
+  ap.add_argument("--pytest", action="store_true", help="local backend: run final tests with "
+                  "real pytest instead of the light runner")
+  ap.add_argument("--no-progress", action="store_true")
+  args = ap.parse_args(argv)
+  if args.generated is not None and args.generated < 1:
+    ap.error("--generated must be at least 1")
+
+  make_agent(args.agent)   # fail on a bad --agent before starting anything
+  if args.tasks:
+    from jaxes.envs.loaders import load_tasks
+    tasks = load_tasks(args.tasks)
+  else:
+    tasks = generator.split(args.split, args.generated, seed=args.seed)
+  kwargs = {"use_pytest": True} if args.pytest and args.backend == "local" else {}
+  sandbox = make_sandbox(args.backend, **kwargs)
+  try:
+    results, leaked = run_checks(sandbox, tasks, args.agent, args.workers, not args.no_progress)
+  finally:
+    sandbox.shutdown()
+  summary = summarize(results, leaked)
+  print(family_table(results))
+  print(json.dumps(summary))
+  bad = leaked > 0
+  if args.agent == "oracle":
+    bad |= summary["passed"] != summary["tasks"]
+  if args.agent == "noop":
+    bad |= summary["passed"] > 0
+  return 1 if bad else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

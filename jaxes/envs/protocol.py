@@ -1,0 +1,203 @@
+"""Endless Terminals' agent protocol as a step-wise state machine over one sandbox handle.
+
+Each model turn is parsed like Endless Terminals' pinned parser: an ``<action>done</action>``
+anywhere ends the episode; otherwise the *last* ``<command>…</command>`` is executed; otherwise
+the turn is a parse error and the model is told so. Observations use Endless Terminals' exact
+strings (``(exit_code=0)`` on success, ``(exit_code=1)`` on failure). Long output keeps its
+head and tail and states the true length. The episode ends at ``<action>done</action>``, after
+``max_turns`` model turns, or when the episode wall-clock limit passes (then no tests run and
+the reward is 0, as in Endless Terminals). The final tests decide the reward: 1/0, or the
+fraction of tests passed with ``partial_credit=True``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+from typing import Callable
+
+from jaxes.envs.sandbox import ExecResult, SandboxError, SandboxHandle
+from jaxes.envs.task import Task
+
+PARSE_ERROR = "PARSE_ERROR"
+AGENT_TIMEOUT = "AGENT_TIMEOUT"
+COMMAND_TIMEOUT = "COMMAND_TIMEOUT"
+TEST_TIMEOUT = "TEST_TIMEOUT"
+SANDBOX_ERROR = "SANDBOX_ERROR"
+FAILURES = (PARSE_ERROR, AGENT_TIMEOUT, COMMAND_TIMEOUT, TEST_TIMEOUT, SANDBOX_ERROR)
+
+# Our wording of Endless Terminals' rules (same protocol, own text); pass Endless Terminals'
+# verbatim system message as ``Episode(..., system_prompt=...)`` to match it exactly.
+SYSTEM_PROMPT = """\
+You are an agent working in a Linux terminal through a one-command-at-a-time interface.
+Your goal is to complete the user's task inside /home/user.
+
+Rules:
+- First think inside <think> </think> tags, then end your turn with exactly one of:
+  <command>ONE_SHELL_COMMAND</command>   to run a command and see its output, or
+  <action>done</action>                  when the task is complete.
+- Commands run non-interactively: never wait for input; use non-interactive flags.
+- Look before you act: inspect files and directories (ls, cat, head) when you need to.
+- Prefer simple, standard command-line tools; write files explicitly.
+- Check your result (for example with cat) before you answer <action>done</action>."""
+
+PARSE_ERROR_OBSERVATION = ("Could not parse a single <command>...</command> or <action>done</action>. "
+                           "Please respond with exactly one of those.")
+
+_DONE_RE = re.compile(r"<action>\s*done\s*</action>", re.IGNORECASE)
+_COMMAND_RE = re.compile(r"<command>\s*(.*?)\s*</command>", re.IGNORECASE | re.DOTALL)
+
+
+@dataclasses.dataclass(frozen=True)
+class Action:
+  kind: str                 # "command" | "done" | "invalid"
+  command: str | None = None
+
+
+def parse_action(text: str) -> Action:
+  """Done wins anywhere in the turn; else the last <command>; an empty or "done" command
+  counts as done/invalid the way Endless Terminals treats them."""
+  if _DONE_RE.search(text):
+    return Action("done")
+  commands = _COMMAND_RE.findall(text)
+  if not commands:
+    return Action("invalid")
+  command = commands[-1].strip()
+  if command.lower() == "done":
+    return Action("done")
+  return Action("command", command)
+
+
+def format_observation(result: ExecResult, output_limit: int, timeout_s: float) -> str:
+  """Endless Terminals' observation string for one executed command."""
+  output = result.output
+  if result.output_chars > output_limit:
+    half = output_limit // 2
+    output += (f"\n[Output truncated: showing first {half} and last {half} of "
+               f"{result.output_chars} characters]")
+  if result.timed_out:
+    output += f"\n[Command timed out after {timeout_s:g} seconds and was killed]"
+  if result.exit_code == 0:
+    return f"Command executed successfully. Output: {output}\n\n(exit_code=0)"
+  return f"Command failed. Output: {output}\n\n(exit_code=1)"
+
+
+@dataclasses.dataclass(frozen=True)
+class EpisodeOutcome:
+  reward: float
+  passed: bool
+  fraction: float           # fraction of final tests passed (0 when they did not run)
+  turns: int                # model turns taken
+  failure: str | None       # one of FAILURES, or None (solved, or simply wrong)
+  timings: dict             # seconds: exec (sum), tests, total; plus counts
+
+
+class Episode:
+  """One episode over a live handle. The caller owns the handle (starts and closes it).
+
+  clock: seconds, monotonic; the episode wall-clock limit is measured with it (default real
+  time, as in Endless Terminals; pass a deterministic clock for reproducible runs).
+  """
+
+  def __init__(self, task: Task, handle: SandboxHandle, partial_credit: bool = False,
+               clock: Callable[[], float] = time.monotonic, system_prompt: str = SYSTEM_PROMPT):
+    self.task = task
+    self.handle = handle
+    self.partial_credit = partial_credit
+    self._clock = clock
+    self._start = clock()
+    self.messages: list[dict[str, str]] = [
+        {"role": "system", "content": system_prompt},
+        {"role": "user", "content": task.instruction},
+    ]
+    self.turns = 0
+    self.done = False
+    self._ended_by: str | None = None    # AGENT_TIMEOUT or SANDBOX_ERROR
+    self._saw = {PARSE_ERROR: False, COMMAND_TIMEOUT: False}
+    self._exec_s = 0.0
+    self._outcome: EpisodeOutcome | None = None
+
+  def step(self, model_text: str) -> bool:
+    """Consumes one model turn; returns whether the episode is over."""
+    if self.done:
+      raise RuntimeError("step() after the episode ended; call finish()")
+    limits = self.task.limits
+    self.turns += 1
+    self.messages.append({"role": "assistant", "content": model_text})
+    action = parse_action(model_text)
+    if action.kind == "done":
+      self.done = True
+      return True
+    if action.kind == "invalid":
+      self._saw[PARSE_ERROR] = True
+      self.messages.append({"role": "user", "content": PARSE_ERROR_OBSERVATION})
+    else:
+      remaining = limits.episode_timeout_s - (self._clock() - self._start)
+      timeout = max(min(limits.command_timeout_s, remaining), 0.001)
+      t0 = time.monotonic()
+      try:
+        result = self.handle.exec(action.command, timeout)
+      except SandboxError as e:
+        self._ended_by = SANDBOX_ERROR
+        self.done = True
+        self.messages.append({"role": "user", "content": f"Sandbox error: {e}"})
+        return True
+      finally:
+        self._exec_s += time.monotonic() - t0
+      self._saw[COMMAND_TIMEOUT] |= result.timed_out
+      self.messages.append({"role": "user", "content":
+                            format_observation(result, limits.output_chars, timeout)})
+    if self._clock() - self._start > limits.episode_timeout_s:
+      self._ended_by = AGENT_TIMEOUT
+      self.done = True
+    elif self.turns >= limits.max_turns:
+      self.done = True
+    return self.done
+
+  def finish(self) -> EpisodeOutcome:
+    """Runs the final tests (unless the episode timed out or the sandbox failed); idempotent."""
+    if self._outcome is not None:
+      return self._outcome
+    self.done = True
+    tests_s, failure, report = 0.0, self._ended_by, None
+    if failure is None:
+      t0 = time.monotonic()
+      try:
+        report = self.handle.run_tests()
+      except SandboxError:
+        failure = SANDBOX_ERROR
+      tests_s = time.monotonic() - t0
+      if report is not None and report.timed_out:
+        failure = TEST_TIMEOUT
+    passed = report is not None and report.passed and failure is None
+    fraction = report.fraction if report is not None and failure is None else 0.0
+    if not passed and failure is None:
+      failure = next((name for name in (COMMAND_TIMEOUT, PARSE_ERROR) if self._saw[name]), None)
+    reward = fraction if self.partial_credit else float(passed)
+    self._outcome = EpisodeOutcome(
+        reward=reward, passed=passed, fraction=fraction, turns=self.turns,
+        failure=None if passed else failure,
+        timings={"exec_s": self._exec_s, "tests_s": tests_s,
+                 "total_s": self._clock() - self._start})
+    return self._outcome
+
+
+def run_episode(sandbox, task: Task, agent: Callable[[list[dict[str, str]]], str],
+                partial_credit: bool = False) -> EpisodeOutcome:
+  """Starts a sandbox for ``task``, lets ``agent(messages) -> text`` play, scores, closes.
+  A sandbox that cannot start gives a SANDBOX_ERROR outcome (reward 0) instead of raising."""
+  t0 = time.monotonic()
+  try:
+    handle = sandbox.start(task)
+  except SandboxError:
+    return EpisodeOutcome(0.0, False, 0.0, 0, SANDBOX_ERROR,
+                          {"start_s": time.monotonic() - t0})
+  start_s = time.monotonic() - t0
+  try:
+    episode = Episode(task, handle, partial_credit)
+    while not episode.step(agent(episode.messages)):
+      pass
+    outcome = episode.finish()
+  finally:
+    handle.close()
+  return dataclasses.replace(outcome, timings={**outcome.timings, "start_s": start_s})

@@ -13,8 +13,6 @@ outliving its host-side deadline) raise ``SandboxError``; the agent's own timeou
 from __future__ import annotations
 
 import atexit
-import codecs
-import collections
 import concurrent.futures
 import io
 import os
@@ -31,14 +29,36 @@ import docker
 import requests
 
 from jaxes.envs.image import DEFAULT_TAG, SANDBOX_HOME, SANDBOX_UID, SANDBOX_USER
-from jaxes.envs.sandbox import ExecResult, Sandbox, SandboxError, SandboxHandle, TestReport
+from jaxes.envs.sandbox import (ExecResult, OutputCapture, Sandbox, SandboxError, SandboxHandle,
+                                TestReport)
 from jaxes.envs.task import Task
 
 LABEL = "jaxes.sandbox"
 RUN_LABEL = "jaxes.run"
 OWNER_LABEL = "jaxes.owner"
 TESTS_DIR = "/var/lib/jaxes-tests"   # root-only, so the agent cannot edit the tests
+CTL = "/run/jaxes"                   # the agent shell's saved state (cwd, exported variables)
+MAX_READ_BYTES = 16 << 20            # a command printing more than this is killed
 KILL_EXIT_CODE = 137                 # what `timeout -s KILL` returns when it fires
+SHELL_ENV = {
+  "HOME": SANDBOX_HOME, "USER": SANDBOX_USER, "LOGNAME": SANDBOX_USER, "SHELL": "/bin/bash",
+  "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8",
+  "LC_ALL": "C.UTF-8", "TERM": "dumb", "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1"}
+# Restores the previous command's cwd and exported variables, applies rlimits, records the
+# process group (for the flood kill), runs the command sourced (so `cd`, `export` and `exit`
+# behave as in a terminal) and saves the state again.
+_PRELUDE = """\
+ulimit -S -c 0
+ulimit -t {cpu} -f {fsize_blocks} 2>/dev/null
+echo "$PPID" > {ctl}/pgid
+cd {home}
+if [ -f {ctl}/env ]; then . {ctl}/env 2>/dev/null; fi
+if [ -f {ctl}/cwd ]; then cd "$(cat {ctl}/cwd)" 2>/dev/null; fi
+trap 'pwd > {ctl}/cwd 2>/dev/null; export -p > {ctl}/env 2>/dev/null' EXIT
+printf '%s\\n' "$1" > {ctl}/cmd
+shift
+. {ctl}/cmd
+"""
 _DOCKER_ERRORS = (docker.errors.DockerException, requests.exceptions.RequestException)
 
 
@@ -88,45 +108,6 @@ def _force_remove(container) -> None:
   except _DOCKER_ERRORS:
     # A removal already in progress or an engine hiccup; the run-label sweep retries later.
     pass
-
-
-class CappedOutput:
-  """Decodes a byte stream (invalid UTF-8 replaced) keeping the first and last ``limit // 2``
-  characters and counting every character."""
-
-  def __init__(self, limit: int):
-    self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    self._head_limit = limit // 2
-    self._tail_limit = limit - self._head_limit
-    self._head: list[str] = []
-    self._head_chars = 0
-    self._tail: collections.deque[str] = collections.deque()
-    self._tail_chars = 0
-    self.total_chars = 0
-
-  def feed(self, data: bytes, final: bool = False) -> None:
-    text = self._decoder.decode(data, final)
-    self.total_chars += len(text)
-    if self._head_chars < self._head_limit:
-      taken = text[:self._head_limit - self._head_chars]
-      self._head.append(taken)
-      self._head_chars += len(taken)
-      text = text[len(taken):]
-    if text:
-      self._tail.append(text)
-      self._tail_chars += len(text)
-      while self._tail_chars - len(self._tail[0]) >= self._tail_limit:
-        self._tail_chars -= len(self._tail.popleft())
-
-  def text(self) -> str:
-    self.feed(b"", final=True)
-    tail = "".join(self._tail)
-    head = "".join(self._head)
-    if self.total_chars <= self._head_limit + self._tail_limit:
-      return head + tail
-    tail = tail[len(tail) - self._tail_limit:] if self._tail_limit else ""
-    omitted = self.total_chars - len(head) - len(tail)
-    return f"{head}\n[... {omitted} characters omitted ...]\n{tail}"
 
 
 def parse_pytest_summary(output: str) -> tuple[int, int]:
@@ -282,6 +263,13 @@ class DockerSandbox(Sandbox):
       raise
     return handle
 
+  def leftovers(self) -> dict[str, int]:
+    """Containers of this run that still exist (pooled ones included until shutdown)."""
+    try:
+      return {"containers": len(list_run_containers(self._client, self.run_label))}
+    except _DOCKER_ERRORS as err:
+      raise SandboxError(f"cannot list containers: {err}") from err
+
   def shutdown(self) -> None:
     """Removes every container this run created (pooled, live or leaked). Idempotent."""
     self._closed.set()
@@ -298,13 +286,14 @@ class DockerSandbox(Sandbox):
 
 
 class DockerHandle(SandboxHandle):
-  """One episode's container."""
+  """One episode's container. Like the local backend, each command is a fresh shell that
+  restores the previous command's working directory and exported variables."""
 
   def __init__(self, sandbox: DockerSandbox, container, task: Task):
     self._sandbox = sandbox
     self._container = container
     self._task = task
-    self._env = {"HOME": SANDBOX_HOME, "USER": SANDBOX_USER, **dict(task.env)}
+    self._env = {**SHELL_ENV, **dict(task.env)}
     self._broken: str | None = None
     self._closed = False
 
@@ -312,10 +301,14 @@ class DockerHandle(SandboxHandle):
   def container_id(self) -> str:
     return self._container.id
 
-  def _exec(self, argv: list[str], user: str, timeout_s: float, cap_chars: int,
-            workdir: str = SANDBOX_HOME) -> tuple[int, str, int, float]:
+  def _fail(self, reason: str, cause: BaseException | None = None):
+    self._broken = reason
+    raise SandboxError(reason) from cause
+
+  def _exec(self, argv: list[str], user: str, timeout_s: float,
+            cap_chars: int) -> tuple[int, str, int, float, bool]:
     """Runs argv (which must end by itself within timeout_s); returns (exit code, capped
-    output, true output length, seconds)."""
+    output, true output length, seconds, flooded)."""
     if self._closed:
       raise SandboxError("exec on a closed sandbox handle")
     if self._broken:
@@ -323,18 +316,24 @@ class DockerHandle(SandboxHandle):
     api = self._sandbox._client.api
     started = time.monotonic()
     try:
-      exec_id = api.exec_create(self._container.id, argv, user=user, workdir=workdir,
+      exec_id = api.exec_create(self._container.id, argv, user=user, workdir=SANDBOX_HOME,
                                 environment=self._env)["Id"]
     except _DOCKER_ERRORS as err:
-      self._broken = f"container {self._container.short_id} unusable: {err}"
-      raise SandboxError(self._broken) from err
-    output = CappedOutput(cap_chars)
+      self._fail(f"container {self._container.short_id} unusable: {err}", err)
+    output = OutputCapture(cap_chars)
     stream_error: list[BaseException] = []
+    flooded = threading.Event()
 
     def pump():
+      read = 0
       try:
         for chunk in api.exec_start(exec_id, stream=True):
-          output.feed(chunk)
+          read += len(chunk)
+          if read <= MAX_READ_BYTES:
+            output.feed(chunk)
+          elif not flooded.is_set():
+            flooded.set()
+            self._kill_command_group()
       except BaseException as err:  # reported to the caller below
         stream_error.append(err)
 
@@ -342,26 +341,30 @@ class DockerHandle(SandboxHandle):
     reader.start()
     reader.join(timeout_s + self._sandbox.exec_grace_s)
     if reader.is_alive():
-      self._broken = (f"exec in container {self._container.short_id} still running "
-                      f"{self._sandbox.exec_grace_s:.0f} s past its {timeout_s:.0f} s timeout")
       _force_remove(self._container)  # ends the stream, frees the reader thread
       reader.join(5.0)
-      raise SandboxError(self._broken)
+      self._fail(f"exec in container {self._container.short_id} still running "
+                 f"{self._sandbox.exec_grace_s:g} s past its {timeout_s:g} s timeout")
     if stream_error:
-      self._broken = f"exec stream failed: {stream_error[0]}"
-      raise SandboxError(self._broken) from stream_error[0]
+      self._fail(f"exec stream failed: {stream_error[0]}", stream_error[0])
     try:
       exit_code = api.exec_inspect(exec_id)["ExitCode"]
     except _DOCKER_ERRORS as err:
-      self._broken = f"exec inspect failed: {err}"
-      raise SandboxError(self._broken) from err
-    text = output.text()
-    return (-1 if exit_code is None else exit_code), text, output.total_chars, (
-      time.monotonic() - started)
+      self._fail(f"exec inspect failed: {err}", err)
+    return ((-1 if exit_code is None else exit_code), output.text(), output.total_chars,
+            time.monotonic() - started, flooded.is_set())
+
+  def _kill_command_group(self) -> None:
+    """Kills the running agent command's process group (its pgid is saved by the prelude)."""
+    try:
+      self._container.exec_run(["bash", "-c", f"kill -KILL -- -$(cat {CTL}/pgid)"], user="root")
+    except _DOCKER_ERRORS:
+      pass  # the timeout still kills it
 
   def _root_script(self, script: str, timeout_s: float, cap_chars: int = 200_000):
     argv = ["timeout", "-s", "KILL", f"{timeout_s:g}s", "bash", "-c", script]
-    return self._exec(argv, "root", timeout_s, cap_chars)
+    exit_code, output, _, seconds, _ = self._exec(argv, "root", timeout_s, cap_chars)
+    return exit_code, output, seconds
 
   def prepare(self) -> None:
     """Places the task's files, runs its setup as root, hands /home/user to the agent."""
@@ -372,8 +375,9 @@ class DockerHandle(SandboxHandle):
       except _DOCKER_ERRORS as err:
         raise SandboxError(f"task {task.name}: placing files failed: {err}") from err
     timeout_s = self._sandbox.setup_timeout_s
-    exit_code, output, _, seconds = self._root_script(
-      f"set -e\n{task.setup}\nchown -R {SANDBOX_UID}:{SANDBOX_UID} {SANDBOX_HOME}", timeout_s)
+    exit_code, output, seconds = self._root_script(
+      f"set -e\ncd {SANDBOX_HOME}\n{task.setup}\n"
+      f"mkdir -p {CTL} && chown -R {SANDBOX_UID}:{SANDBOX_UID} {SANDBOX_HOME} {CTL}", timeout_s)
     if exit_code != 0:
       what = "timed out" if exit_code == KILL_EXIT_CODE and seconds >= timeout_s else (
         f"exited {exit_code}")
@@ -387,14 +391,17 @@ class DockerHandle(SandboxHandle):
 
   def exec(self, command: str, timeout_s: float) -> ExecResult:
     limits = self._task.limits
-    # Per-command rlimits (CPU seconds, file size in KiB) set in the shell that runs it.
-    script = f"ulimit -t {limits.cpu_s} -f {limits.file_size_mb * 1024} 2>/dev/null\n{command}"
+    prelude = _PRELUDE.format(cpu=limits.cpu_s, fsize_blocks=limits.file_size_mb * 1024,
+                              home=SANDBOX_HOME, ctl=CTL)
     # timeout runs the command in its own process group and SIGKILLs the whole group.
-    argv = ["timeout", "-s", "KILL", f"{timeout_s:g}s", "bash", "-lc", script]
-    exit_code, output, chars, seconds = self._exec(argv, SANDBOX_USER, timeout_s,
-                                                   limits.output_chars)
-    timed_out = exit_code == KILL_EXIT_CODE and seconds >= timeout_s
-    return ExecResult(exit_code=-1 if timed_out else exit_code, output=output,
+    argv = ["timeout", "-s", "KILL", f"{timeout_s:g}s", "bash", "--noprofile", "--norc", "-c",
+            prelude, "jaxes-shell", command]
+    exit_code, output, chars, seconds, flooded = self._exec(
+      argv, SANDBOX_USER, timeout_s, limits.output_chars)
+    timed_out = exit_code == KILL_EXIT_CODE and seconds >= timeout_s and not flooded
+    if flooded:
+      output += f"\n[output exceeded {MAX_READ_BYTES >> 20} MiB; the command was killed]"
+    return ExecResult(exit_code=-1 if (timed_out or flooded) else exit_code, output=output,
                       timed_out=timed_out, output_chars=chars)
 
   def _pytest(self, source: str, filename: str, timeout_s: float) -> TestReport:
@@ -402,14 +409,13 @@ class DockerHandle(SandboxHandle):
     try:
       self._container.put_archive("/", _tar_files([(path, source.encode())], SANDBOX_HOME))
     except _DOCKER_ERRORS as err:
-      self._broken = f"copying tests failed: {err}"
-      raise SandboxError(self._broken) from err
-    # Root runs the tests from a root-only directory; -P keeps /home/user off sys.path and
-    # -c/--confcutdir keep pytest from reading config or conftest files the agent planted.
-    script = (f"chmod 700 {TESTS_DIR} && cd {SANDBOX_HOME} && python3 -P -m pytest -q "
+      self._fail(f"copying tests failed: {err}", err)
+    # Root runs the tests from a root-only directory; -I keeps /home/user and PYTHON* variables
+    # off sys.path and -c/--confcutdir keep pytest from reading files the agent planted.
+    script = (f"chmod 700 {TESTS_DIR} && cd {SANDBOX_HOME} && python3 -I -m pytest -q "
               f"-p no:cacheprovider -c /dev/null --rootdir={TESTS_DIR} "
               f"--confcutdir={TESTS_DIR} {shlex.quote(path)}")
-    exit_code, output, _, seconds = self._root_script(script, timeout_s)
+    exit_code, output, seconds = self._root_script(script, timeout_s)
     timed_out = exit_code == KILL_EXIT_CODE and seconds >= timeout_s
     num_passed, num_tests = (0, 0) if timed_out else parse_pytest_summary(output)
     passed = exit_code == 0 and num_tests > 0 and num_passed == num_tests

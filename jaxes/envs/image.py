@@ -24,11 +24,19 @@ DEFAULT_TAG = "jaxes-sandbox:latest"
 # What tasks may rely on: a shell toolbox plus python3 and pytest for the final tests.
 BASE_PACKAGES = (
   "bash", "coreutils", "findutils", "grep", "sed", "gawk", "procps", "file", "tar", "gzip",
-  "bzip2", "xz-utils", "zip", "unzip", "python3", "python3-pytest", "git", "sqlite3",
-  "diffutils", "patch", "less", "bc", "tree", "make", "passwd", "util-linux",
+  "bzip2", "xz-utils", "zip", "unzip", "python3", "python3-pytest", "python3-pip",
+  "python3-venv", "git", "sqlite3", "diffutils", "patch", "less", "bc", "tree", "make",
+  "passwd", "util-linux", "rsync", "curl", "wget", "ca-certificates", "cron", "hostname",
 )
 # Included only when the mirror has them (names differ between releases).
 OPTIONAL_PACKAGES = ("jq", "vim-tiny", "nano")
+# What debootstrap's minbase variant always contains besides the packages above.
+MINBASE_PACKAGES = (
+  "apt", "base-files", "base-passwd", "debianutils", "dpkg", "libc-bin", "login", "mawk",
+  "ncurses-base", "ncurses-bin", "perl-base", "sysvinit-utils", "bsdutils", "mount",
+)
+# Python distributions importable in the image (python3-pytest and its dependencies, pip).
+PYTHON_DISTRIBUTIONS = ("pytest", "pluggy", "iniconfig", "packaging", "pip", "setuptools", "wheel")
 
 SANDBOX_UID = 1000
 SANDBOX_USER = "user"

@@ -1,0 +1,66 @@
+"""Tokenizer builder and ChatML formatting against transformers' apply_chat_template."""
+import pytest
+
+from jaxes import tokenization
+from helpers_models import TOKENIZER_CORPUS
+
+CONVERSATIONS = {
+  "user-only": [{"role": "user", "content": "list files"}],
+  "system-first": [{"role": "system", "content": "You are a terminal agent."},
+                   {"role": "user", "content": "list files"}],
+  "multi-turn": [{"role": "system", "content": "sys"},
+                 {"role": "user", "content": "task: make dir"},
+                 {"role": "assistant", "content": "<command>mkdir d</command>"},
+                 {"role": "user", "content": "Command executed successfully. Output: \n\n(exit_code=0)"},
+                 {"role": "assistant", "content": "<action>done</action>"}],
+  "late-system-and-tools": [{"role": "user", "content": "a"},
+                            {"role": "system", "content": "b\nc"},
+                            {"role": "tool", "content": "r1"}, {"role": "tool", "content": "r2"},
+                            {"role": "assistant", "content": ""},
+                            {"role": "tool", "content": "r3"}],
+  "unicode": [{"role": "user", "content": "héllo ✓ <|im_end|> literal"}],
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+  return tokenization.build_tokenizer(TOKENIZER_CORPUS * 4, vocab_size=300,
+                                      out_dir=str(tmp_path_factory.mktemp("tok")))
+
+
+@pytest.mark.parametrize("name", sorted(CONVERSATIONS))
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_chat_prompt_equals_apply_chat_template(tokenizer, name, add_generation_prompt):
+  messages = CONVERSATIONS[name]
+  expected = tokenizer.apply_chat_template(messages, tokenize=False,
+                                           add_generation_prompt=add_generation_prompt)
+  assert tokenization.chat_prompt(messages, add_generation_prompt) == expected
+
+
+def test_chat_prompt_shape_is_chatml():
+  text = tokenization.chat_prompt([{"role": "user", "content": "hi"}])
+  assert text == ("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful "
+                  "assistant.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_built_tokenizer_round_trips_and_has_special_tokens(tokenizer):
+  assert len(tokenizer) <= 300
+  ids = [tokenizer.convert_tokens_to_ids(t) for t in tokenization.SPECIAL_TOKENS]
+  assert ids == list(range(len(tokenizer) - 3, len(tokenizer)))  # after the vocabulary, as Qwen
+  assert tokenizer.eos_token == tokenization.IM_END
+  text = "echo 'naïve ☃ text never seen' | wc -c\n\tdone"
+  assert tokenizer.decode(tokenizer.encode(text)) == text
+  prompt = tokenization.chat_prompt([{"role": "user", "content": "ls"}])
+  encoded = tokenizer.encode(prompt)
+  assert encoded.count(tokenizer.convert_tokens_to_ids(tokenization.IM_END)) == 2
+  reloaded = tokenization.load_tokenizer(tokenizer.name_or_path)
+  assert reloaded.encode(prompt) == encoded
+
+
+def test_bad_inputs_fail_clearly(tmp_path):
+  with pytest.raises(ValueError, match="vocab_size=100"):
+    tokenization.build_tokenizer(["abc"], 100, str(tmp_path))
+  with pytest.raises(FileNotFoundError, match="does-not-exist"):
+    tokenization.load_tokenizer(str(tmp_path / "does-not-exist"))
+  with pytest.raises(ValueError, match=r"messages\[1\]: unknown role 'robot'"):
+    tokenization.chat_prompt([{"role": "user", "content": "a"}, {"role": "robot", "content": "b"}])

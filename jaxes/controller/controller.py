@@ -1,0 +1,333 @@
+"""The host-side ES controller: hands out jobs, takes results, assembles update cohorts.
+
+Pure Python, no JAX, no clock: every decision is a function of the config, the seed and the
+order in which results are reported, so hosts that report the same results in the same order
+take the same decisions (see DESIGN.md, "Scaling out").
+
+Life of a member (version v, member m): admitted in an antithetic pair at the current version
+(only while the staleness budget allows, see ``staleness.py``); its E episode jobs are handed
+out by ``next_jobs``; infrastructure failures are retried up to R times; once every episode is
+done the member is *resolved* (fitness = mean reward of its successful episodes, or *excluded*
+when all failed) and joins the ready queue in completion order. An update is due when N
+resolved members are ready (and, with overage "wait", what it leaves behind can still be
+consumed within the bound). The cohort is filled earliest deadline first: oldest version, then
+completion order (plain FIFO can strand more than N old members for one cohort; see
+``staleness.py``). A controlled delay holds back a seeded choice of round-half-up(pN)
+members of each cohort for d updates; they are consumed, with their own (version, member),
+by the update d later.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from collections import deque
+from typing import Any
+
+from jaxes.controller.config import ControllerConfig
+from jaxes.controller.staleness import StalenessManager
+from jaxes.controller.tasks import TaskSampler
+
+FAILED = "failed"   # episode outcome after R infrastructure retries
+STATE_FORMAT = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+  job_id: int
+  version: int
+  member: int
+  task: int
+  episode: int
+  attempt: int   # 0 for the first try, up to max_retries
+
+
+@dataclasses.dataclass(frozen=True)
+class Update:
+  """An update that is due. ``results[i] = (version, member, fitness)`` with staleness
+  ``staleness[i] = version_now - version`` and ``delayed[i]`` True for a held-back result.
+  ``excluded``: consumed members whose episodes all failed (no fitness). ``dropped``: members
+  this update made too stale to ever be consumed. ``results`` may be empty (every member
+  excluded, or the warm-up of a stress test): the trainer then applies no step but still
+  advances its version with the controller's."""
+  version: int
+  results: list[tuple[int, int, float]]
+  staleness: list[int]
+  dropped: int
+  excluded: int
+  delayed: list[bool]
+
+
+@dataclasses.dataclass
+class _Member:
+  version: int
+  member: int
+  outcomes: list      # per episode: None (pending), float reward, or FAILED
+  in_flight: int = 0
+  dropped: bool = False
+
+  @property
+  def resolved(self) -> bool:
+    return all(o is not None for o in self.outcomes)
+
+  @property
+  def fitness(self) -> float | None:
+    rewards = [o for o in self.outcomes if o is not None and o != FAILED]
+    return sum(rewards) / len(rewards) if rewards else None
+
+
+def _job_row(job: Job) -> list[int]:
+  return [job.job_id, job.version, job.member, job.task, job.episode, job.attempt]
+
+
+class Controller:
+  def __init__(self, config: ControllerConfig, num_tasks: int, log: list | None = None):
+    self.config = config
+    self.num_tasks = num_tasks
+    self.log = log   # if a list, every decision is appended as a tuple (the event log)
+    self._tasks = TaskSampler(num_tasks, config.seed)
+    self._budget = StalenessManager(config.population, config.max_staleness)
+    self._next_job_id = 0
+    self._groups_at_version = 0     # pairs (or single members) admitted at the current version
+    self._members: dict[tuple[int, int], _Member] = {}
+    self._unresolved: dict[int, dict[int, None]] = {}   # version -> member ids (ordered set)
+    self._pending: deque[Job] = deque()
+    self._reissue: set[int] = set()
+    self._in_flight: dict[int, Job] = {}
+    self._ready: list[tuple[int, int]] = []
+    self._held: dict[int, list[tuple[int, int]]] = {}   # release update -> members
+    self.stats = dict(jobs_issued=0, jobs_reissued=0, reports=0, retries=0, failed_episodes=0,
+                      members_admitted=0, members_dropped=0, members_excluded=0,
+                      members_consumed=0, members_held=0, ignored_reports=0, updates=0)
+
+  @property
+  def version(self) -> int:
+    return self._budget.version
+
+  def _event(self, *event) -> None:
+    if self.log is not None:
+      self.log.append(event)
+
+  # ---- handing out work ----------------------------------------------------------------------
+
+  def _admit_group(self) -> None:
+    cfg = self.config
+    size = 2 if cfg.antithetic else 1
+    v, group = self.version, self._groups_at_version
+    self._budget.admit(size)
+    self._groups_at_version += 1
+    members = [group * size + i for i in range(size)]
+    order = self._unresolved.setdefault(v, {})
+    for m in members:
+      self._members[(v, m)] = _Member(v, m, [None] * cfg.episodes_per_member)
+      order[m] = None
+    self.stats["members_admitted"] += size
+    self._event("admit", v, tuple(members))
+    # Both members of a pair get the same task per episode index (common random numbers).
+    for e in range(cfg.episodes_per_member):
+      task = self._tasks.task(v, group * cfg.episodes_per_member + e)
+      for m in members:
+        self._pending.append(Job(self._next_job_id, v, m, task, e, 0))
+        self._next_job_id += 1
+
+  def next_jobs(self, max_jobs: int) -> list[Job]:
+    """Up to ``max_jobs`` jobs, fewer (or none) when the staleness bound admits no more work."""
+    group = 2 if self.config.antithetic else 1
+    jobs = []
+    while len(jobs) < max_jobs:
+      if not self._pending:
+        if self._budget.capacity() < group:
+          break
+        self._admit_group()
+      job = self._pending.popleft()
+      self._in_flight[job.job_id] = job
+      self._members[(job.version, job.member)].in_flight += 1
+      if job.job_id in self._reissue:
+        self._reissue.discard(job.job_id)
+        self.stats["jobs_reissued"] += 1
+        self._event("reissue", *_job_row(job))
+      else:
+        self.stats["jobs_issued"] += 1
+        self._event("issue", *_job_row(job))
+      jobs.append(job)
+    return jobs
+
+  def live_versions(self) -> list[int]:
+    """Versions whose parameters issued or pending jobs still need (keep those θ_v alive)."""
+    live = set()
+    for job in list(self._in_flight.values()) + list(self._pending):
+      if not self._members[(job.version, job.member)].dropped:
+        live.add(job.version)
+    return sorted(live)
+
+  def in_flight(self) -> list[Job]:
+    return sorted(self._in_flight.values(), key=lambda j: j.job_id)
+
+  def doomed_jobs(self) -> list[Job]:
+    """Jobs in flight whose member was dropped: their results will be ignored, so a worker may
+    abort them (report them with ``reward=None``, any failure) and take new work."""
+    return [j for j in self.in_flight() if self._members[(j.version, j.member)].dropped]
+
+  # ---- taking results ------------------------------------------------------------------------
+
+  def report(self, job_id: int, reward: float | None = None, failure: str | None = None) -> None:
+    """A job ended. ``reward=None`` with a ``failure`` is an infrastructure failure (retried up to
+    max_retries times, then the episode counts as failed); otherwise the reward stands and
+    ``failure`` (e.g. PARSE_ERROR, AGENT_TIMEOUT) is informational."""
+    if reward is None and failure is None:
+      raise ValueError(f"report(job_id={job_id}): give a reward, or reward=None with a failure")
+    if reward is not None:
+      reward = float(reward)
+      if not math.isfinite(reward):
+        raise ValueError(f"report(job_id={job_id}): reward must be finite, got {reward}")
+    job = self._in_flight.pop(job_id, None)
+    if job is None:
+      raise KeyError(f"report(job_id={job_id}): not in flight (unknown, or already reported)")
+    key = (job.version, job.member)
+    rec = self._members[key]
+    rec.in_flight -= 1
+    self.stats["reports"] += 1
+    self._event("report", job_id, reward, failure)
+    if rec.dropped:
+      self.stats["ignored_reports"] += 1
+      if rec.in_flight == 0:
+        del self._members[key]
+      return
+    if reward is None:
+      if job.attempt < self.config.max_retries:
+        retry = dataclasses.replace(job, job_id=self._next_job_id, attempt=job.attempt + 1)
+        self._next_job_id += 1
+        self._pending.appendleft(retry)
+        self.stats["retries"] += 1
+        return
+      rec.outcomes[job.episode] = FAILED
+      self.stats["failed_episodes"] += 1
+    else:
+      rec.outcomes[job.episode] = reward
+    if rec.resolved:
+      self._budget.resolve(job.version)
+      del self._unresolved[job.version][job.member]
+      if not self._unresolved[job.version]:
+        del self._unresolved[job.version]
+      self._ready.append(key)
+      self._event("resolve", job.version, job.member, rec.fitness)
+
+  # ---- updates -------------------------------------------------------------------------------
+
+  def pop_update(self) -> Update | None:
+    """The next update if one is due; popping it advances ``version`` by one."""
+    cfg, budget = self.config, self._budget
+    n, u = cfg.population, self.version
+    if len(self._ready) < n:
+      return None
+    # Earliest deadline first: oldest version, then completion order (sorted() is stable).
+    order = sorted(range(len(self._ready)), key=lambda i: self._ready[i][0])
+    cohort = [self._ready[i] for i in order[:n]]
+    left = [self._ready[i] for i in sorted(order[n:])]
+    if cfg.overage == "wait" and not budget.feasible_after([k[0] for k in left]):
+      return None
+    self._ready = left
+
+    held_n = cfg.held_per_cohort
+    held_pos = set(random.Random(f"jaxes.delay:{cfg.seed}:{u}").sample(range(n), held_n))
+    if held_n:
+      self._held[u + cfg.hold_updates] = [k for i, k in enumerate(cohort) if i in held_pos]
+      self.stats["members_held"] += held_n
+    released = self._held.pop(u, [])
+    consumed = sorted([(k, False) for i, k in enumerate(cohort) if i not in held_pos]
+                      + [(k, True) for k in released])
+
+    results, staleness, delayed, excluded = [], [], [], 0
+    for key, was_held in consumed:
+      fitness = self._members.pop(key).fitness
+      if fitness is None:
+        excluded += 1
+        continue
+      results.append((key[0], key[1], fitness))
+      staleness.append(u - key[0])
+      delayed.append(was_held)
+    self.stats["members_consumed"] += len(consumed)
+    self.stats["members_excluded"] += excluded
+    self.stats["updates"] += 1
+
+    dropped = self._expire(budget.advance())
+    self._groups_at_version = 0
+    self._event("update", u, tuple(results), tuple(staleness), tuple(delayed), excluded, dropped)
+    return Update(u, results, staleness, dropped, excluded, delayed)
+
+  def _expire(self, versions: list[int]) -> int:
+    """Drops the members of ``versions`` (unresolved) and the ready members that are now beyond
+    the bound; returns the count."""
+    stale_ready = [k for k in self._ready if self._budget.expired(k[0])]
+    if (versions or stale_ready) and self.config.overage == "wait":
+      raise RuntimeError(f"controller invariant broken: members expired under overage 'wait' "
+                         f"at version {self.version}")
+    dropped = []
+    for key in stale_ready:
+      del self._members[key]
+      self._budget.drop(key[0], resolved=True)
+      dropped.append(key)
+    self._ready = [k for k in self._ready if not self._budget.expired(k[0])]
+    for v in versions:
+      for m in self._unresolved.pop(v):
+        rec = self._members[(v, m)]
+        rec.dropped = True
+        self._budget.drop(v, resolved=False)
+        dropped.append((v, m))
+        if rec.in_flight == 0:
+          del self._members[(v, m)]
+    if dropped:
+      gone = set(dropped)
+      self._pending = deque(j for j in self._pending if (j.version, j.member) not in gone)
+      self.stats["members_dropped"] += len(dropped)
+      self._event("drop", tuple(dropped))
+    return len(dropped)
+
+  # ---- checkpointing -------------------------------------------------------------------------
+
+  def state_dict(self) -> dict[str, Any]:
+    """JSON-serialisable state. Jobs in flight are saved to be reissued (same job_id, version,
+    member, task, episode, attempt) by the restored controller."""
+    b = self._budget
+    return {
+        "format": STATE_FORMAT,
+        "config": dataclasses.asdict(self.config),
+        "num_tasks": self.num_tasks,
+        "budget": {"version": b.version, "admitted": b.admitted, "dropped": b.dropped,
+                   "unresolved": sorted([v, c] for v, c in b.unresolved.items())},
+        "next_job_id": self._next_job_id,
+        "groups_at_version": self._groups_at_version,
+        "members": [[r.version, r.member, list(r.outcomes), r.dropped]
+                    for r in self._members.values()],
+        "unresolved": [[v, list(ms)] for v, ms in self._unresolved.items()],
+        # Reissued first, in job order, then what was pending.
+        "pending": [_job_row(j) for j in self.in_flight()] + [_job_row(j) for j in self._pending],
+        "reissue": sorted(self._reissue | set(self._in_flight)),
+        "ready": [list(k) for k in self._ready],
+        "held": [[u, [list(k) for k in ks]] for u, ks in sorted(self._held.items())],
+        "stats": dict(self.stats),
+    }
+
+  @classmethod
+  def from_state_dict(cls, state: dict[str, Any], log: list | None = None) -> "Controller":
+    if state.get("format") != STATE_FORMAT:
+      raise ValueError(f"controller state: format {state.get('format')!r}, expected {STATE_FORMAT}")
+    ctl = cls(ControllerConfig(**state["config"]), state["num_tasks"], log=log)
+    b = state["budget"]
+    ctl._budget.version, ctl._budget.admitted, ctl._budget.dropped = (
+        b["version"], b["admitted"], b["dropped"])
+    ctl._budget.unresolved = {v: c for v, c in b["unresolved"]}
+    ctl._next_job_id = state["next_job_id"]
+    ctl._groups_at_version = state["groups_at_version"]
+    for v, m, outcomes, dropped in state["members"]:
+      ctl._members[(v, m)] = _Member(v, m, list(outcomes), dropped=dropped)
+    ctl._unresolved = {v: dict.fromkeys(ms) for v, ms in state["unresolved"]}
+    ctl._pending = deque(Job(*row) for row in state["pending"])
+    # Members of dropped jobs that were in flight now have nothing outstanding: forget them.
+    ctl._pending = deque(j for j in ctl._pending if not ctl._members[(j.version, j.member)].dropped)
+    ctl._members = {k: r for k, r in ctl._members.items() if not r.dropped}
+    ctl._reissue = set(state["reissue"]) & {j.job_id for j in ctl._pending}
+    ctl._ready = [tuple(k) for k in state["ready"]]
+    ctl._held = {u: [tuple(k) for k in ks] for u, ks in state["held"]}
+    ctl.stats = dict(state["stats"])
+    return ctl

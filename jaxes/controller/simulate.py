@@ -1,0 +1,292 @@
+"""Discrete-event simulator: W workers on a virtual clock drive the real ``Controller``.
+
+One tick: apply every update that is due, abort jobs the controller dropped, hand jobs to idle
+workers, then advance the clock to the next completion and report every job finishing at that
+instant (in job-id order). A job's duration and infrastructure failure are drawn from a
+``random.Random`` seeded with the job's identity, so the run is a pure function of its arguments.
+
+CLI (prints a summary table, then one JSON line)::
+
+  python -m jaxes.controller.simulate --mode async --max_staleness 1 --workers 64 \
+      --population 32 --episodes_per_member 2 --durations lognormal:1.0 --updates 100
+"""
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import random
+import sys
+from collections import Counter
+from typing import Any, Protocol
+
+from jaxes.controller import durations as durations_lib
+from jaxes.controller.config import ControllerConfig
+from jaxes.controller.controller import Controller, Job, Update
+
+SANDBOX_ERROR = "SANDBOX_ERROR"
+CANCELLED = "CANCELLED"
+
+
+class Fitness(Protocol):
+  """Where rewards come from and what an update does with them."""
+
+  def reward(self, job: Job) -> float: ...
+
+  def apply(self, update: Update, live_versions: list[int]) -> dict[str, float]: ...
+
+
+class HashFitness:
+  """Pure scheduling runs: a reward in [0, 1) fixed by the job's identity; updates do nothing."""
+
+  def __init__(self, seed: int = 0):
+    self.seed = seed
+
+  def reward(self, job: Job) -> float:
+    return random.Random(f"jaxes.reward:{self.seed}:{job.version}:{job.member}:{job.task}:"
+                         f"{job.episode}").random()
+
+  def apply(self, update: Update, live_versions: list[int]) -> dict[str, float]:
+    return {}
+
+
+class Simulator:
+  def __init__(self, controller: Controller, workers: int, durations: durations_lib.DurationModel,
+               *, failure_rate: float = 0.0, seed: int = 0, fitness: Fitness | None = None):
+    if workers < 1:
+      raise ValueError(f"workers must be >= 1, got {workers}")
+    if not 0.0 <= failure_rate < 1.0:
+      raise ValueError(f"failure_rate must be in [0, 1), got {failure_rate}")
+    self.ctl = controller
+    self.workers = workers
+    self.durations = durations
+    self.failure_rate = failure_rate
+    self.seed = seed
+    self.fitness = fitness or HashFitness(seed)
+    self.clock = 0.0
+    self._idle = list(range(workers))                        # heap of worker ids
+    self._events: list[tuple[float, int]] = []               # heap of (finish time, job id)
+    self._running: dict[int, list] = {}                      # job id -> [job, worker, start, end, fails]
+    self.busy_seconds = 0.0
+    self.useful_seconds = 0.0
+    self._member_seconds: dict[tuple[int, int], float] = {}  # successful episode time per member
+    self.staleness_histogram: Counter[int] = Counter()
+    self.dropped = 0
+    self.excluded = 0
+    self.aborted = 0
+    self.updates: list[dict[str, Any]] = []   # per update: time, version, metrics
+
+  # ---- one job -------------------------------------------------------------------------------
+
+  def _draw(self, job: Job) -> tuple[float, bool]:
+    rng = random.Random(f"jaxes.sim:{self.seed}:{job.version}:{job.member}:{job.task}:"
+                        f"{job.episode}:{job.attempt}")
+    fails = rng.random() < self.failure_rate
+    return self.durations.sample(rng, job.task), fails
+
+  def _start(self, job: Job, worker: int, start: float, end: float, fails: bool) -> None:
+    self._running[job.job_id] = [job, worker, start, end, fails]
+    heapq.heappush(self._events, (end, job.job_id))
+
+  def _finish(self, job_id: int, now: float, aborted: bool) -> None:
+    job, worker, start, end, fails = self._running.pop(job_id)
+    heapq.heappush(self._idle, worker)
+    self.busy_seconds += now - start
+    if aborted:
+      self.aborted += 1
+      self.ctl.report(job_id, None, CANCELLED)
+    elif fails:
+      self.ctl.report(job_id, None, SANDBOX_ERROR)
+    else:
+      key = (job.version, job.member)
+      self._member_seconds[key] = self._member_seconds.get(key, 0.0) + (end - start)
+      self.ctl.report(job_id, self.fitness.reward(job))
+
+  # ---- the loop ------------------------------------------------------------------------------
+
+  def _apply_updates(self, limit: int) -> None:
+    while len(self.updates) < limit:
+      update = self.ctl.pop_update()
+      if update is None:
+        return
+      for (v, m, _), s in zip(update.results, update.staleness):
+        self.staleness_histogram[s] += 1
+        self.useful_seconds += self._member_seconds.pop((v, m), 0.0)
+      self.dropped += update.dropped
+      self.excluded += update.excluded
+      metrics = self.fitness.apply(update, self.ctl.live_versions())
+      self.updates.append({"time": self.clock, "version": update.version,
+                           "results": len(update.results), **metrics})
+
+  def tick(self, limit: int) -> None:
+    self._apply_updates(limit)
+    if len(self.updates) >= limit:
+      return
+    for job in self.ctl.doomed_jobs():
+      if job.job_id in self._running:
+        self._finish(job.job_id, self.clock, aborted=True)
+    for job in self.ctl.next_jobs(len(self._idle)):
+      duration, fails = self._draw(job)
+      self._start(job, heapq.heappop(self._idle), self.clock, self.clock + duration, fails)
+    if not self._running:
+      raise RuntimeError(f"simulator deadlock at version {self.ctl.version}: no job running, none "
+                         f"issuable, no update due; controller stats {self.ctl.stats}")
+    now = self._events[0][0]
+    self.clock = now
+    while self._events and self._events[0][0] == now:
+      _, job_id = heapq.heappop(self._events)
+      if job_id in self._running:        # aborted jobs leave stale heap entries
+        self._finish(job_id, now, aborted=False)
+
+  def run(self, updates: int) -> dict[str, Any]:
+    while len(self.updates) < updates:
+      self.tick(updates)
+    return self.summary()
+
+  def summary(self) -> dict[str, Any]:
+    elapsed = self.clock
+    in_flight = sum(self.clock - r[2] for r in self._running.values())
+    capacity = self.workers * elapsed
+    hist = dict(sorted(self.staleness_histogram.items()))
+    out = {
+        "updates": len(self.updates),
+        "virtual_hours": elapsed / 3600.0,
+        "utilization": (self.busy_seconds + in_flight) / capacity if capacity else 0.0,
+        "useful_utilization": self.useful_seconds / capacity if capacity else 0.0,
+        "updates_per_hour": len(self.updates) / (elapsed / 3600.0) if elapsed else 0.0,
+        "staleness_histogram": {str(k): v for k, v in hist.items()},
+        "max_staleness": max(hist) if hist else 0,
+        "mean_staleness": (sum(k * v for k, v in hist.items()) / sum(hist.values())) if hist else 0.0,
+        "dropped": self.dropped,
+        "excluded": self.excluded,
+        "aborted_jobs": self.aborted,
+        "retries": self.ctl.stats["retries"],
+        "failed_episodes": self.ctl.stats["failed_episodes"],
+        "jobs_issued": self.ctl.stats["jobs_issued"],
+    }
+    if self.updates and "objective" in self.updates[-1]:
+      out["objective_first"] = self.updates[0]["objective"]
+      out["objective_final"] = self.updates[-1]["objective"]
+    return out
+
+  # ---- checkpointing (scheduling fitness only) ------------------------------------------------
+
+  def state_dict(self) -> dict[str, Any]:
+    """Controller state plus the virtual workers' jobs in flight; JSON-serialisable."""
+    return {
+        "controller": self.ctl.state_dict(),
+        "clock": self.clock,
+        "running": [[job.job_id, worker, start, end, fails]
+                    for job, worker, start, end, fails in self._running.values()],
+        "busy_seconds": self.busy_seconds, "useful_seconds": self.useful_seconds,
+        "member_seconds": [[v, m, s] for (v, m), s in self._member_seconds.items()],
+        "staleness_histogram": [[k, c] for k, c in self.staleness_histogram.items()],
+        "dropped": self.dropped, "excluded": self.excluded, "aborted": self.aborted,
+        "updates": self.updates,
+    }
+
+  def load_state_dict(self, state: dict[str, Any], log: list | None = None) -> None:
+    """Restores a checkpoint; the restored controller reissues the jobs that were in flight and
+    they go back to the workers that held them, finishing when they would have."""
+    self.ctl = Controller.from_state_dict(state["controller"], log=log)
+    self.clock = state["clock"]
+    self.busy_seconds, self.useful_seconds = state["busy_seconds"], state["useful_seconds"]
+    self._member_seconds = {(v, m): s for v, m, s in state["member_seconds"]}
+    self.staleness_histogram = Counter({k: c for k, c in state["staleness_histogram"]})
+    self.dropped, self.excluded, self.aborted = state["dropped"], state["excluded"], state["aborted"]
+    self.updates = list(state["updates"])
+    running = {row[0]: row[1:] for row in state["running"]}
+    reissued = self.ctl.next_jobs(len(running))
+    if sorted(j.job_id for j in reissued) != sorted(running):
+      raise RuntimeError("restored controller did not reissue exactly the jobs in flight")
+    self._running, self._events = {}, []
+    busy = set()
+    for job in reissued:
+      worker, start, end, fails = running[job.job_id]
+      self._start(job, worker, start, end, fails)
+      busy.add(worker)
+    self._idle = [w for w in range(self.workers) if w not in busy]
+    heapq.heapify(self._idle)
+
+
+# ---- CLI ---------------------------------------------------------------------------------------
+
+def _parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(prog="python -m jaxes.controller.simulate", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--mode", choices=("sync", "async"), required=True)
+  p.add_argument("--max_staleness", type=int, default=None,
+                 help="K (default 0 for sync, 1 for async)")
+  p.add_argument("--overage", choices=("drop", "wait"), default="drop")
+  p.add_argument("--workers", type=int, required=True)
+  p.add_argument("--population", type=int, required=True)
+  p.add_argument("--episodes_per_member", type=int, default=1)
+  p.add_argument("--durations", default="lognormal:1.0",
+                 help="constant | lognormal:S | pareto:A | bimodal[:P[:R]] | per-task[:S]")
+  p.add_argument("--duration_scale", type=float, default=60.0,
+                 help="median (minimum for pareto) episode seconds")
+  p.add_argument("--updates", type=int, required=True)
+  p.add_argument("--delay_fraction", type=float, default=0.0)
+  p.add_argument("--delay_updates", type=int, default=0)
+  p.add_argument("--stress_all_stale", type=int, default=0)
+  p.add_argument("--failure_rate", type=float, default=0.0,
+                 help="probability that an attempt fails for an infrastructure reason")
+  p.add_argument("--max_retries", type=int, default=3)
+  p.add_argument("--num_tasks", type=int, default=1000)
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--no_objective", action="store_true",
+                 help="pure scheduling: hashed rewards instead of the synthetic ES objective")
+  p.add_argument("--dim", type=int, default=64, help="synthetic objective: parameter count")
+  p.add_argument("--sigma", type=float, default=0.1, help="synthetic objective: ES sigma")
+  p.add_argument("--learning_rate", type=float, default=0.05,
+                 help="synthetic objective: ES learning rate")
+  p.add_argument("--json", action="store_true", help="print only the JSON line")
+  return p
+
+
+def simulate(args: argparse.Namespace) -> dict[str, Any]:
+  k = args.max_staleness if args.max_staleness is not None else (0 if args.mode == "sync" else 1)
+  config = ControllerConfig(
+      mode=args.mode, population=args.population, episodes_per_member=args.episodes_per_member,
+      max_staleness=k, overage=args.overage, delay_fraction=args.delay_fraction,
+      delay_updates=args.delay_updates, stress_all_stale=args.stress_all_stale,
+      max_retries=args.max_retries, seed=args.seed)
+  model = durations_lib.parse(args.durations, args.duration_scale, args.seed)
+  fitness = None
+  if not args.no_objective:
+    from jaxes.controller.objective import SyntheticObjective   # imports JAX
+    fitness = SyntheticObjective(config, num_tasks=args.num_tasks, dim=args.dim, sigma=args.sigma,
+                                 learning_rate=args.learning_rate, seed=args.seed)
+  sim = Simulator(Controller(config, args.num_tasks), args.workers, model,
+                  failure_rate=args.failure_rate, seed=args.seed, fitness=fitness)
+  summary = sim.run(args.updates)
+  return {"mode": args.mode, "max_staleness_bound": k, "overage": args.overage,
+          "workers": args.workers, "population": args.population,
+          "episodes_per_member": args.episodes_per_member, "durations": args.durations,
+          **summary}
+
+
+def _table(summary: dict[str, Any]) -> str:
+  rows = [(k, v) for k, v in summary.items() if k != "staleness_histogram"]
+  rows.append(("staleness_histogram", " ".join(f"{s}:{c}" for s, c in
+                                              summary["staleness_histogram"].items())))
+  width = max(len(k) for k, _ in rows)
+  return "\n".join(f"{k:<{width}}  {v:.4g}" if isinstance(v, float) else f"{k:<{width}}  {v}"
+                   for k, v in rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+  args = _parser().parse_args(argv)
+  try:
+    summary = simulate(args)
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  if not args.json:
+    print(_table(summary))
+  print(json.dumps(summary, sort_keys=True))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -75,6 +75,8 @@ class Simulator:
     self.excluded = 0
     self.aborted = 0
     self.updates: list[dict[str, Any]] = []   # per update: time, version, metrics
+    objective = getattr(self.fitness, "objective", None)
+    self.objective_initial = objective() if objective else None
 
   # ---- one job -------------------------------------------------------------------------------
 
@@ -164,9 +166,9 @@ class Simulator:
         "failed_episodes": self.ctl.stats["failed_episodes"],
         "jobs_issued": self.ctl.stats["jobs_issued"],
     }
-    if self.updates and "objective" in self.updates[-1]:
-      out["objective_first"] = self.updates[0]["objective"]
-      out["objective_final"] = self.updates[-1]["objective"]
+    if self.objective_initial is not None:
+      out["objective_initial"] = self.objective_initial
+      out["objective_final"] = self.updates[-1]["objective"] if self.updates else None
     return out
 
   # ---- checkpointing (scheduling fitness only) ------------------------------------------------
@@ -182,7 +184,7 @@ class Simulator:
         "member_seconds": [[v, m, s] for (v, m), s in self._member_seconds.items()],
         "staleness_histogram": [[k, c] for k, c in self.staleness_histogram.items()],
         "dropped": self.dropped, "excluded": self.excluded, "aborted": self.aborted,
-        "updates": self.updates,
+        "updates": self.updates, "objective_initial": self.objective_initial,
     }
 
   def load_state_dict(self, state: dict[str, Any], log: list | None = None) -> None:
@@ -195,6 +197,7 @@ class Simulator:
     self.staleness_histogram = Counter({k: c for k, c in state["staleness_histogram"]})
     self.dropped, self.excluded, self.aborted = state["dropped"], state["excluded"], state["aborted"]
     self.updates = list(state["updates"])
+    self.objective_initial = state["objective_initial"]
     running = {row[0]: row[1:] for row in state["running"]}
     reissued = self.ctl.next_jobs(len(running))
     if sorted(j.job_id for j in reissued) != sorted(running):

@@ -158,6 +158,23 @@ def abstract_params(cfg) -> nnx.State:
   return nnx.state(model, nnx.Param)
 
 
+def init_params(cfg, mesh: Mesh, seed: int = 0,
+                rules: Sequence[tuple[str, Any]] = LOGICAL_RULES) -> tuple[nnx.GraphDef, nnx.State]:
+  """Randomly initialised parameters created directly in their shardings (jit with
+  out_shardings), so no device ever holds a full copy."""
+  from jaxes.models.qwen2 import Qwen2ForCausalLM
+  check_divisible(cfg, mesh)
+  graphdef, params = nnx.split(nnx.eval_shape(lambda: Qwen2ForCausalLM(cfg, rngs=nnx.Rngs(0))),
+                               nnx.Param)
+
+  def create():
+    return nnx.to_pure_dict(nnx.state(Qwen2ForCausalLM(cfg, rngs=nnx.Rngs(seed)), nnx.Param))
+
+  arrays = jax.jit(create, out_shardings=state_shardings(params, mesh, rules))()
+  nnx.replace_by_pure_dict(params, arrays)
+  return graphdef, params
+
+
 def main(argv: Sequence[str] | None = None) -> None:
   from jaxes.models.qwen2 import Qwen2Config
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -60,6 +60,18 @@ def _key_data(key: jax.Array) -> jax.Array:
   return key
 
 
+@functools.lru_cache(maxsize=32)
+def _compiled(cfg: noise.NoiseConfig, optimizer: str, learning_rate: float, weight_decay: float):
+  """Optimizer and jitted functions, shared by strategies with equal settings (one compile)."""
+  if optimizer == "adam":
+    tx = optax.adamw(learning_rate, weight_decay=weight_decay)
+  else:
+    tx = optax.chain(optax.add_decayed_weights(weight_decay), optax.sgd(learning_rate))
+  return (tx, jax.jit(functools.partial(update.apply, cfg=cfg, tx=tx)),
+          jax.jit(functools.partial(update.perturb, cfg=cfg)),
+          jax.jit(functools.partial(noiser.build, cfg=cfg)))
+
+
 @dataclasses.dataclass
 class Strategy:
   population: int
@@ -106,16 +118,9 @@ class Strategy:
     self.scanned = tuple(self.scanned)
     self._cfg = noise.NoiseConfig(self.mode, int(self.rank), bool(self.antithetic),
                                   bool(self.perturb_vectors), self.scanned)
-    self._tx = self._make_tx()
-    self._apply = jax.jit(functools.partial(update.apply, cfg=self._cfg, tx=self._tx))
-    self._perturb = jax.jit(functools.partial(update.perturb, cfg=self._cfg))
-    self._build_noiser = jax.jit(functools.partial(noiser.build, cfg=self._cfg))
+    self._tx, self._apply, self._perturb, self._build_noiser = _compiled(
+        self._cfg, self.optimizer, float(self.learning_rate), float(self.weight_decay))
     self._run_key = None
-
-  def _make_tx(self) -> optax.GradientTransformation:
-    if self.optimizer == "adam":
-      return optax.adamw(self.learning_rate, weight_decay=self.weight_decay)
-    return optax.chain(optax.add_decayed_weights(self.weight_decay), optax.sgd(self.learning_rate))
 
   @property
   def noise_config(self) -> noise.NoiseConfig:

@@ -173,8 +173,8 @@ def resolve_isolation(isolation: str = "auto", uid: int | None = None) -> str:
 
 
 def _warn_unisolated() -> None:
-  msg = ("jaxes local sandbox: NO NAMESPACE ISOLATION — commands run directly on the host with "
-         "your uid; only rlimits, timeouts and a /home/user path rewrite apply; the network is "
+  msg = ("jaxes local sandbox: NO NAMESPACE ISOLATION — commands run directly on the host (as "
+         "uid 65534 when started as root, else as you); only rlimits, timeouts and a /home/user path rewrite apply; the network is "
          "NOT cut. Use the docker backend or install bubblewrap for untrusted agents.")
   warnings.warn(msg, RuntimeWarning, stacklevel=3)
   log.warning(msg)
@@ -201,6 +201,19 @@ def _plain_test_names(source: str) -> list[str] | None:
     if isinstance(node, ast.FunctionDef) and node.name in ("setup_module", "teardown_module"):
       return None
   return names or None
+
+
+def _check_searchable(root_dir: str, uid: int) -> None:
+  path = os.path.abspath(root_dir)
+  while True:
+    st = os.stat(path)
+    if not (st.st_mode & 0o001 or st.st_uid == uid):
+      raise ValueError(f"root_dir={root_dir!r}: {path} (mode {oct(st.st_mode & 0o777)}) is not "
+                       f"searchable by the sandbox uid {uid}; use a root_dir under a "
+                       "world-searchable directory such as /tmp")
+    if path == "/":
+      return
+    path = os.path.dirname(path)
 
 
 def _rmtree(path: str) -> None:
@@ -234,6 +247,8 @@ class LocalSandbox(Sandbox):
     self.root_dir = root_dir or tempfile.mkdtemp(prefix="jaxes-local-")
     os.makedirs(self.root_dir, exist_ok=True)
     os.chmod(self.root_dir, 0o711)   # the sandbox uid must traverse it to reach its episode
+    if self.uid is not None:
+      _check_searchable(self.root_dir, self.uid)
     self._live: set[LocalHandle] = set()
     self._lock = threading.Lock()
 

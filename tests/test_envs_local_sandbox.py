@@ -1,0 +1,181 @@
+"""The local sandbox: private home, shell state, limits, timeouts, output caps, test runners."""
+import dataclasses
+import os
+import subprocess
+import time
+
+import pytest
+
+from jaxes.envs import local_sandbox, make_sandbox
+from jaxes.envs.sandbox import OutputCapture, SandboxError
+from jaxes.envs.task import Limits, Task
+
+TESTS = """\
+import os
+
+def test_hello():
+  with open("/home/user/hello.txt") as f:
+    assert f.read() == "hi\\n"
+
+def test_data_kept():
+  assert open("/home/user/data/in.txt").read() == "payload\\n"
+
+def test_fails_always():
+  assert 1 == 2, "this one fails on purpose"
+"""
+TASK = Task(name="local", instruction="x", files=(("/home/user/data/in.txt", b"payload\n"),),
+            setup="mkdir -p /home/user/made_by_setup", final_tests=TESTS)
+
+
+@pytest.fixture(scope="module")
+def sandbox():
+  sb = make_sandbox("local")
+  yield sb
+  sb.shutdown()
+  assert not os.path.exists(sb.root_dir)
+
+
+def test_private_home_files_and_setup(sandbox):
+  with sandbox.start(TASK) as h:
+    r = h.exec("pwd; cat data/in.txt; ls -d made_by_setup; echo $HOME", 10)
+    assert (r.exit_code, r.timed_out) == (0, False)
+    assert r.output == "/home/user\npayload\nmade_by_setup\n/home/user\n"
+    assert r.output_chars == len(r.output)
+    other = sandbox.start(TASK)
+    h.exec("echo mine > /home/user/private", 10)
+    assert other.exec("cat /home/user/private", 10).exit_code != 0   # episodes are separate
+    other.close()
+
+
+def test_shell_state_carries_over_and_exit_codes(sandbox):
+  with sandbox.start(TASK) as h:
+    assert h.exec("mkdir -p deep/er && cd deep/er && export GREETING=hola", 10).exit_code == 0
+    assert h.exec("pwd; echo $GREETING", 10).output == "/home/user/deep/er\nhola\n"
+    assert h.exec("exit 7", 10).exit_code == 7
+    assert h.exec("false", 10).exit_code == 1
+    assert h.exec("cat <<'EOF'\nmulti\nline\nEOF", 10).output == "multi\nline\n"
+    assert h.exec("read x; echo got:$x", 10).output == "got:\n"   # stdin is empty
+
+
+def test_timeout_kills_the_command_and_its_children(sandbox):
+  with sandbox.start(TASK) as h:
+    r = h.exec("(while true; do echo tick >> /home/user/ticks; sleep 0.05; done) & sleep 100", 0.5)
+    assert r.timed_out and r.exit_code == -1
+    size = os.path.getsize(os.path.join(h.home, "ticks"))
+    time.sleep(0.4)
+    assert os.path.getsize(os.path.join(h.home, "ticks")) == size, "a child kept running"
+    assert h.exec("echo alive", 10).output == "alive\n"
+
+
+def test_output_is_capped_head_and_tail_with_true_length(sandbox):
+  task = dataclasses.replace(TASK, limits=Limits(output_chars=1000))
+  with sandbox.start(task) as h:
+    r = h.exec("echo START; seq 1 100000; echo END", 10)
+  assert r.output_chars == len("START\n") + len("END\n") + sum(len(f"{i}\n") for i in range(1, 100001))
+  assert r.output.startswith("START\n1\n2\n") and r.output.endswith("99999\n100000\nEND\n")
+  assert "characters omitted" in r.output and len(r.output) < 1100
+
+
+def test_output_capture_counts_multibyte_characters():
+  cap = OutputCapture(8)
+  for piece in ("héllo wörld ", "ünïcode"):
+    data = piece.encode()
+    cap.feed(data[:3])
+    cap.feed(data[3:])
+  assert cap.total_chars == len("héllo wörld ünïcode")
+  assert cap.text() == "héll\n[... 11 characters omitted ...]\ncode"
+
+
+def test_rlimits_apply(sandbox):
+  task = dataclasses.replace(TASK, limits=Limits(file_size_mb=1, memory_mb=256))
+  with sandbox.start(task) as h:
+    r = h.exec("head -c 3000000 /dev/zero > big; stat -c %s big", 10)
+    assert r.output.strip().splitlines()[-1] == str(1 << 20)
+    r = h.exec("python3 -c 'x = bytearray(512 * 1024 * 1024)'", 10)
+    assert r.exit_code != 0 and "MemoryError" in r.output
+
+
+def test_light_runner_reports_counts(sandbox):
+  with sandbox.start(TASK) as h:
+    h.exec("echo hi > hello.txt", 10)
+    rep = h.run_tests()
+  assert (rep.passed, rep.num_passed, rep.num_tests, rep.timed_out) == (False, 2, 3, False)
+  assert "this one fails on purpose" in rep.report
+
+
+def _sandbox_has_pytest() -> bool:
+  return subprocess.run(["/usr/bin/python3", "-c", "import pytest"], capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not _sandbox_has_pytest(), reason="the sandbox's python3 has no pytest "
+                    "(apt-get install python3-pytest)")
+def test_real_pytest_agrees_with_light_runner():
+  sb = make_sandbox("local", use_pytest=True)
+  try:
+    with sb.start(TASK) as h:
+      h.exec("echo hi > hello.txt", 10)
+      rep = h.run_tests()
+  finally:
+    sb.shutdown()
+  assert (rep.passed, rep.num_passed, rep.num_tests) == (False, 2, 3)
+  assert "1 failed, 2 passed" in rep.report
+
+
+def test_pytest_style_files_go_to_pytest():
+  assert local_sandbox._plain_test_names(TESTS) == ["test_hello", "test_data_kept", "test_fails_always"]
+  assert local_sandbox._plain_test_names("import pytest\ndef test_a():\n  pass\n") is None
+  assert local_sandbox._plain_test_names("def test_a(tmp_path):\n  pass\n") is None
+
+
+def test_bad_inputs_are_named(sandbox, tmp_path):
+  outside = dataclasses.replace(TASK, files=(("/etc/evil", b"x"),))
+  with pytest.raises(ValueError, match="'/etc/evil' is outside /home/user"):
+    sandbox.start(outside)
+  broken = dataclasses.replace(TASK, setup="echo oops; exit 3")
+  with pytest.raises(SandboxError, match="setup failed \\(exit 3"):
+    sandbox.start(broken)
+  with pytest.raises(ValueError, match="isolation='chroot'"):
+    make_sandbox("local", isolation="chroot")
+  if os.geteuid() == 0:
+    hidden = tmp_path / "private"
+    hidden.mkdir(mode=0o700)
+    with pytest.raises(ValueError, match="is not searchable by the sandbox uid 65534"):
+      make_sandbox("local", root_dir=str(hidden / "eps"))
+  with pytest.raises(ValueError, match="unknown sandbox backend 'vm'"):
+    make_sandbox("vm")
+  assert sandbox.leftovers() == {"directories": 0}
+
+
+def test_closed_handle_refuses_and_close_is_idempotent(sandbox):
+  h = sandbox.start(TASK)
+  h.close()
+  h.close()
+  assert not os.path.exists(h.ep_dir)
+  with pytest.raises(SandboxError):
+    h.exec("true", 1)
+
+
+def test_unisolated_fallback_warns_and_still_works():
+  with pytest.warns(RuntimeWarning, match="NO NAMESPACE ISOLATION"):
+    sb = make_sandbox("local", isolation="none")
+  try:
+    with sb.start(TASK) as h:
+      assert h.exec("cd /home/user && echo hi > hello.txt && cat data/in.txt", 10).output == "payload\n"
+      rep = h.run_tests()
+  finally:
+    sb.shutdown()
+  assert (rep.num_passed, rep.num_tests) == (2, 3)
+
+
+@pytest.mark.parametrize("isolation", ["bwrap", "unshare"])
+def test_each_namespace_mechanism_when_available(isolation):
+  try:
+    sb = make_sandbox("local", isolation=isolation)
+  except SandboxError as e:
+    pytest.skip(str(e))
+  try:
+    with sb.start(TASK) as h:
+      assert h.exec("cat /home/user/data/in.txt", 10).output == "payload\n"
+      assert h.exec("touch /etc/owned 2>/dev/null || echo denied", 10).output == "denied\n"
+  finally:
+    sb.shutdown()

@@ -39,8 +39,29 @@ def play(sandbox, first_turn: str, task: Task = TASK):
 def test_fork_bomb(sandbox):
   obs, out = play(sandbox, "<command>:(){ :|:& };:</command>")
   assert obs.startswith("Command ") and obs[-len("(exit_code=0)"):-2] == "(exit_code="
-  assert "Resource temporarily unavailable" in obs   # the process limit stopped it
   assert out.passed
+
+
+FORK_UNTIL_REFUSED = """python3 -c '
+import os, time
+n = 0
+try:
+  while n < 1000:
+    if os.fork() == 0:
+      time.sleep(30)
+      os._exit(0)
+    n += 1
+except OSError:
+  print("refused after", n)
+'"""
+
+
+def test_process_limit_stops_forking(sandbox):
+  with sandbox.start(TASK) as handle:
+    r = handle.exec(FORK_UNTIL_REFUSED, 10)
+  assert not r.timed_out   # the sleeping children did not keep the command alive
+  assert r.output.startswith("refused after ") and int(r.output.split()[-1]) < TASK.limits.processes
+  assert descendant_processes() == 0
 
 
 def test_rm_rf_root(sandbox, tmp_path):

@@ -1,8 +1,9 @@
 """The ``local`` sandbox: one private directory per episode, seen as /home/user.
 
 Every command is a fresh ``bash`` inside new user, mount, pid, network, ipc and uts
-namespaces (bubblewrap, or util-linux ``unshare``): the host root is visible (read-only under
-bubblewrap), /tmp, /run and /home are private, there is no network (not even the host's
+namespaces (bubblewrap, or util-linux ``unshare``): under bubblewrap only the host's system
+directories (/usr, /etc, …) are visible, read-only; under ``unshare`` the host root stays
+visible with the sandbox uid's permissions; /tmp, /run and /home are private, there is no network (not even the host's
 loopback), and the pid namespace dies with the command, so nothing an agent starts outlives
 it. The shell's working directory and exported variables carry over between commands, as in
 an interactive terminal. rlimits (cpu seconds, address space, processes, file size) are set
@@ -105,10 +106,28 @@ trap 'pwd > {ctl}/cwd 2>/dev/null; export -p > {ctl}/env 2>/dev/null' EXIT
 """
 
 
+# Only the system directories are visible (read-only), not all of "/": fewer mounts start
+# faster, host data (/root, /var, /srv, /work, …) stays hidden, and a recursive bind of "/" can
+# fail while a container engine is changing overlay mounts under /var/lib/docker.
+_SYSTEM_DIRS = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "etc", "opt")
+
+
+@functools.lru_cache(maxsize=None)
+def _system_binds() -> tuple[str, ...]:
+  args = []
+  for name in _SYSTEM_DIRS:
+    path = "/" + name
+    if os.path.islink(path):      # merged /usr: /bin -> usr/bin
+      args += ["--symlink", os.readlink(path), path]
+    elif os.path.isdir(path):
+      args += ["--ro-bind", path, path]
+  return tuple(args)
+
+
 def _bwrap_argv(ep_dir: str, tests_dir: str | None) -> list[str]:
-  argv = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session",
-          "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
-          "--tmpfs", "/tmp", "--tmpfs", "/var/tmp", "--tmpfs", "/run", "--tmpfs", "/home",
+  argv = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", *_system_binds(),
+          "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp", "--tmpfs", "/var/tmp",
+          "--dir", "/run", "--dir", "/home",
           "--bind", os.path.join(ep_dir, "home"), HOME,
           "--bind", os.path.join(ep_dir, "ctl"), CTL,
           "--hostname", "sandbox", "--chdir", HOME]

@@ -1,0 +1,113 @@
+"""Compare jaxes' Qwen2 logits with transformers' (torch, CPU) on a local HF checkpoint.
+
+    python -m jaxes.models.check_logits --hf_dir DIR [--dtype float32|bfloat16]
+        [--mesh data=1,fsdp=4,tensor=2] [--prompt TEXT]
+
+Prints a per-position table, then, last, one JSON line
+``{"max_abs_diff": ..., "kl": ..., "top1_agreement": ...}``; exits 0 iff within tolerance
+(float32: max |Δlogit| <= 1e-4). Tokens come from the checkpoint's tokenizer when the directory
+has one, else from the prompt's UTF-8 bytes modulo the vocabulary. On a CPU-only machine a mesh
+of N devices gets N host CPU devices.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from typing import Sequence
+
+import numpy as np
+
+# float32 must match to 1e-4 (the parity bar); bfloat16 differs by op order, so it is judged on
+# the distributions instead.
+TOLERANCES = {
+  "float32": {"max_abs_diff": 1e-4},
+  "bfloat16": {"kl": 1e-2, "top1_agreement": 0.9},
+}
+DEFAULT_PROMPT = "Write a shell command that counts the lines of every *.py file under src/."
+
+
+def _tokens(hf_dir: str, prompt: str, vocab_size: int) -> np.ndarray:
+  if os.path.exists(os.path.join(hf_dir, "tokenizer.json")):
+    from jaxes import tokenization
+    ids = tokenization.load_tokenizer(hf_dir).encode(prompt)
+  else:
+    ids = [b % vocab_size for b in prompt.encode()]
+  if not ids:
+    raise SystemExit("check_logits: the prompt encodes to no tokens")
+  return np.asarray(ids, np.int64)[None]
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+  x = x.astype(np.float64)
+  x = x - x.max(-1, keepdims=True)
+  return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def compare(reference: np.ndarray, ours: np.ndarray) -> dict:
+  """Metrics over positions of [T, V] logits: max |Δ|, mean KL(reference || ours), top-1 match."""
+  log_p, log_q = _log_softmax(reference), _log_softmax(ours)
+  kl = (np.exp(log_p) * (log_p - log_q)).sum(-1)
+  return {"max_abs_diff": float(np.abs(reference - ours).max()), "kl": float(kl.mean()),
+          "top1_agreement": float((reference.argmax(-1) == ours.argmax(-1)).mean()),
+          "per_position_kl": kl}
+
+
+def within_tolerance(metrics: dict, dtype: str) -> bool:
+  tol = TOLERANCES[dtype]
+  return (metrics["max_abs_diff"] <= tol.get("max_abs_diff", math.inf)
+          and metrics["kl"] <= tol.get("kl", math.inf)
+          and metrics["top1_agreement"] >= tol.get("top1_agreement", 0.0))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--hf_dir", required=True)
+  parser.add_argument("--dtype", default="float32", choices=sorted(TOLERANCES))
+  parser.add_argument("--mesh", default=None, help="e.g. data=1,fsdp=4,tensor=2")
+  parser.add_argument("--prompt", default=DEFAULT_PROMPT)
+  args = parser.parse_args(argv)
+
+  import jax
+  from jaxes import sharding
+  mesh_sizes = sharding.parse_mesh(args.mesh) if args.mesh else None
+  if mesh_sizes and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    # Only takes effect on the CPU backend and before it starts; accelerators are left alone.
+    jax.config.update("jax_num_cpu_devices", math.prod(mesh_sizes.values()))
+
+  import torch
+  import transformers
+  from jaxes.models import hf, qwen2
+
+  mesh = sharding.make_mesh(**mesh_sizes) if mesh_sizes else None
+  cfg, graphdef, params = hf.load(args.hf_dir, mesh=mesh, param_dtype=args.dtype, dtype=args.dtype)
+  tokens = _tokens(args.hf_dir, args.prompt, cfg.vocab_size)
+  T = tokens.shape[1]
+  ours, _ = jax.jit(qwen2.forward, static_argnums=0)(
+    graphdef, params, jax.numpy.asarray(tokens, np.int32), jax.numpy.arange(T)[None],
+    jax.numpy.ones((1, T), bool))
+  ours = np.asarray(ours[0], np.float32)
+
+  torch_model = transformers.Qwen2ForCausalLM.from_pretrained(
+    args.hf_dir, dtype=getattr(torch, args.dtype), local_files_only=True).eval()
+  with torch.no_grad():
+    reference = torch_model(torch.as_tensor(tokens)).logits[0].float().numpy()
+
+  metrics = compare(reference, ours)
+  devices = mesh.devices.size if mesh is not None else 1
+  print(f"checkpoint {args.hf_dir}: {cfg.num_layers} layers, vocab {cfg.vocab_size}, "
+        f"dtype {args.dtype}, {devices} device(s) {mesh_sizes or ''}")
+  print(f"{'pos':>4} {'token':>7} {'hf_top1':>8} {'jax_top1':>8} {'max|dlogit|':>12} {'kl':>10}")
+  for t in range(T):
+    print(f"{t:>4} {tokens[0, t]:>7} {reference[t].argmax():>8} {ours[t].argmax():>8} "
+          f"{np.abs(reference[t] - ours[t]).max():>12.3e} {metrics['per_position_kl'][t]:>10.3e}")
+  ok = within_tolerance(metrics, args.dtype)
+  print(f"{'PASS' if ok else 'FAIL'}: tolerance {TOLERANCES[args.dtype]}")
+  print(json.dumps({k: metrics[k] for k in ("max_abs_diff", "kl", "top1_agreement")}))
+  return 0 if ok else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -52,7 +52,8 @@ class HashFitness:
 
 class Simulator:
   def __init__(self, controller: Controller, workers: int, durations: durations_lib.DurationModel,
-               *, failure_rate: float = 0.0, seed: int = 0, fitness: Fitness | None = None):
+               *, failure_rate: float = 0.0, seed: int = 0, fitness: Fitness | None = None,
+               abort_doomed: bool = True):
     if workers < 1:
       raise ValueError(f"workers must be >= 1, got {workers}")
     if not 0.0 <= failure_rate < 1.0:
@@ -63,6 +64,9 @@ class Simulator:
     self.failure_rate = failure_rate
     self.seed = seed
     self.fitness = fitness or HashFitness(seed)
+    # Abort jobs whose member was dropped (a rollout engine can free such a slot); without it
+    # they run to the end and their results are ignored.
+    self.abort_doomed = abort_doomed
     self.clock = 0.0
     self._idle = list(range(workers))                        # heap of worker ids
     self._events: list[tuple[float, int]] = []               # heap of (finish time, job id)
@@ -124,7 +128,7 @@ class Simulator:
     self._apply_updates(limit)
     if len(self.updates) >= limit:
       return
-    for job in self.ctl.doomed_jobs():
+    for job in self.ctl.doomed_jobs() if self.abort_doomed else ():
       if job.job_id in self._running:
         self._finish(job.job_id, self.clock, aborted=True)
     for job in self.ctl.next_jobs(len(self._idle)):
@@ -236,6 +240,8 @@ def _parser() -> argparse.ArgumentParser:
                  help="probability that an attempt fails for an infrastructure reason")
   p.add_argument("--max_retries", type=int, default=3)
   p.add_argument("--num_tasks", type=int, default=1000)
+  p.add_argument("--keep_doomed", action="store_true",
+                 help="let jobs of dropped members run to the end instead of aborting them")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--no_objective", action="store_true",
                  help="pure scheduling: hashed rewards instead of the synthetic ES objective")
@@ -261,7 +267,8 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
     fitness = SyntheticObjective(config, num_tasks=args.num_tasks, dim=args.dim, sigma=args.sigma,
                                  learning_rate=args.learning_rate, seed=args.seed)
   sim = Simulator(Controller(config, args.num_tasks), args.workers, model,
-                  failure_rate=args.failure_rate, seed=args.seed, fitness=fitness)
+                  failure_rate=args.failure_rate, seed=args.seed, fitness=fitness,
+                  abort_doomed=not args.keep_doomed)
   summary = sim.run(args.updates)
   return {"mode": args.mode, "max_staleness_bound": k, "overage": args.overage,
           "workers": args.workers, "population": args.population,

@@ -1,0 +1,227 @@
+"""Slot-based continuous batching over a KV cache, every slot with its own (version, member).
+
+``B`` slots share one cache ``[L, B, S, ...]``. A slot holds one episode: its prompt is prefilled
+in fixed-size chunks, then tokens are decoded one per step until ``<|im_end|>`` (or another stop
+id) or the turn's token budget; the finished turn is handed back and the slot is *parked* (its
+cache row kept) while the caller runs the command in a sandbox; ``continue_turn`` closes the
+assistant turn and queues the observation for prefill, and decoding resumes.
+
+Shapes are fixed — ``[B, prefill_chunk]`` for prefill, ``[B, 1]`` for decode — so the step
+compiles twice for the life of the engine. Each call covers all slots of one live policy version:
+rows of other versions, parked or free rows are marked invalid, which leaves their cache rows
+untouched. A slot's policy is its member's perturbation of that version's parameters, applied
+in-graph by the noiser (``make_noiser``), which is rebuilt only when slot assignments change.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxes.models import qwen2
+from jaxes.rollout import sampling
+
+FREE, PREFILL, DECODE, PARKED = "free", "prefill", "decode", "parked"
+
+
+@dataclasses.dataclass
+class Slot:
+  index: int
+  state: str = FREE
+  version: int = 0
+  member: int = -1               # -1: unperturbed policy
+  stream: int = 0                # sampling stream (one per job), see sampling.row_keys
+  temperature: float = 0.0
+  top_p: float = 1.0
+  length: int = 0                # tokens in this slot's cache row
+  pending: list = dataclasses.field(default_factory=list)    # tokens waiting for prefill
+  generated: list = dataclasses.field(default_factory=list)  # this turn's sampled tokens
+  max_new: int = 0
+  sampled: int = 0               # tokens sampled in this episode (the sampling counter)
+  tag: Any = None                # the caller's handle for this episode
+
+
+@dataclasses.dataclass(frozen=True)
+class Turn:
+  slot: int
+  tokens: list                   # sampled ids, stop id included when one ended the turn
+  stopped: bool                  # True: a stop id ended it; False: the token budget did
+  tag: Any
+
+
+@dataclasses.dataclass
+class EngineStats:
+  prefill_calls: int = 0
+  decode_calls: int = 0
+  rows_busy: int = 0             # sum over calls of rows doing work
+  rows_total: int = 0            # sum over calls of B
+  tokens_prefilled: int = 0
+  tokens_decoded: int = 0
+
+  @property
+  def utilisation(self) -> float:
+    return self.rows_busy / self.rows_total if self.rows_total else 0.0
+
+
+def _step(graphdef, params, noiser, cache, tokens, positions, valid, base_key, streams, counters,
+          temperature, top_p):
+  logits, cache = qwen2.forward(graphdef, params, tokens, positions, valid, cache=cache, noiser=noiser)
+  last = jnp.maximum(valid.sum(axis=1) - 1, 0)
+  last_logits = logits[jnp.arange(tokens.shape[0]), last]
+  keys = sampling.row_keys(base_key, streams, counters)
+  return sampling.sample(last_logits, keys, temperature, top_p), cache
+
+
+def _reset_rows(cache: qwen2.KVCache, rows: jax.Array) -> qwen2.KVCache:
+  return dataclasses.replace(cache, index=jnp.where(rows, 0, cache.index),
+                             valid=jnp.where(rows[:, None], False, cache.valid))
+
+
+class Engine:
+  """``make_noiser(params, versions[B], members[B], row_group[B]) -> Noiser`` (jittable) or None
+  for plain inference. ``params_by_version`` passed to ``step`` must hold every slot's version."""
+
+  def __init__(self, graphdef, model_config: qwen2.Qwen2Config, *, num_slots: int, max_len: int,
+               prefill_chunk: int, max_new_tokens: int, stop_ids, im_end_id: int,
+               make_noiser: Callable | None = None, seed: int = 0):
+    if max_len <= max_new_tokens:
+      raise ValueError(f"max_len={max_len} must exceed max_new_tokens={max_new_tokens}")
+    self.num_slots, self.max_len, self.chunk = num_slots, max_len, prefill_chunk
+    self.max_new_tokens = max_new_tokens
+    self.stop_ids = frozenset(int(i) for i in stop_ids) | {int(im_end_id)}
+    self.im_end_id = int(im_end_id)
+    self.slots = [Slot(i) for i in range(num_slots)]
+    self.cache = qwen2.KVCache.init(model_config, num_slots, max_len)
+    self.base_key = jax.random.key(seed)
+    self.stats = EngineStats()
+    self._step = jax.jit(functools.partial(_step, graphdef), donate_argnames=("cache",))
+    self._reset = jax.jit(_reset_rows, donate_argnames=("cache",))
+    self._make_noiser = None if make_noiser is None else jax.jit(make_noiser)
+    self._noisers: dict[int, Any] = {}
+    self._to_reset = np.zeros(num_slots, bool)
+
+  # -- slot management (host) -------------------------------------------------------------------
+  def free_slots(self) -> list[int]:
+    return [s.index for s in self.slots if s.state == FREE]
+
+  def busy(self) -> bool:
+    return any(s.state in (PREFILL, DECODE) for s in self.slots)
+
+  def live_versions(self) -> set[int]:
+    return {s.version for s in self.slots if s.state != FREE}
+
+  def start(self, index: int, prompt: list[int], *, version: int, member: int, stream: int,
+            temperature: float = 0.0, top_p: float = 1.0, tag: Any = None) -> bool:
+    """Begin an episode in a free slot; False (slot untouched) if the prompt leaves no room."""
+    slot = self.slots[index]
+    if slot.state != FREE:
+      raise ValueError(f"slot {index} is {slot.state}, not free")
+    if len(prompt) + 1 > self.max_len:
+      return False
+    self.slots[index] = Slot(index, PREFILL, version, member, stream, temperature, top_p,
+                             pending=list(prompt), tag=tag)
+    self._to_reset[index] = True
+    self._noisers.clear()
+    return True
+
+  def continue_turn(self, index: int, observation: list[int]) -> bool:
+    """Close the parked slot's assistant turn and queue the observation; False if the cache row
+    cannot hold it plus one new token (the caller then ends the episode)."""
+    slot = self.slots[index]
+    if slot.state != PARKED:
+      raise ValueError(f"slot {index} is {slot.state}, not parked")
+    last = slot.generated[-1]
+    closing = [last] if last == self.im_end_id else [last, self.im_end_id]
+    tokens = closing + list(observation)
+    if slot.length + len(tokens) + 1 > self.max_len:
+      return False
+    slot.pending, slot.generated, slot.state = tokens, [], PREFILL
+    return True
+
+  def release(self, index: int) -> None:
+    if self.slots[index].state != FREE:
+      self.slots[index] = Slot(index)
+      self._noisers.clear()
+
+  # -- device steps -----------------------------------------------------------------------------
+  def _noiser(self, version: int, params):
+    if self._make_noiser is None:
+      return None
+    if version not in self._noisers:
+      versions = np.array([s.version for s in self.slots], np.int32)
+      members = np.array([s.member if s.state != FREE else -1 for s in self.slots], np.int32)
+      self._noisers[version] = self._make_noiser(params, versions, members,
+                                                 np.arange(self.num_slots, dtype=np.int32))
+    return self._noisers[version]
+
+  def _call(self, params, version, rows, tokens, positions, valid):
+    slots = self.slots
+    streams = np.array([s.stream for s in slots], np.uint32)
+    counters = np.array([s.sampled for s in slots], np.int32)
+    temperature = np.array([s.temperature for s in slots], np.float32)
+    top_p = np.array([s.top_p for s in slots], np.float32)
+    next_tokens, self.cache = self._step(params, self._noiser(version, params), self.cache, tokens,
+                                         positions, valid, self.base_key, streams, counters,
+                                         temperature, top_p)
+    self.stats.rows_busy += len(rows)
+    self.stats.rows_total += self.num_slots
+    return np.asarray(next_tokens)
+
+  def _sampled(self, slot: Slot, token: int, finished: list) -> None:
+    slot.generated.append(int(token))
+    slot.sampled += 1
+    stopped = int(token) in self.stop_ids
+    if stopped or len(slot.generated) >= slot.max_new:
+      slot.state = PARKED
+      finished.append(Turn(slot.index, list(slot.generated), stopped, slot.tag))
+
+  def step(self, params_by_version: dict) -> list[Turn]:
+    """One prefill chunk (slots with queued tokens) and one decode step (decoding slots), each
+    once per live version. Returns the turns that finished."""
+    if self._to_reset.any():
+      self.cache = self._reset(self.cache, self._to_reset)
+      self._to_reset[:] = False
+    finished: list[Turn] = []
+    B = self.num_slots
+    for version in sorted({s.version for s in self.slots if s.state == PREFILL}):
+      rows = [s for s in self.slots if s.state == PREFILL and s.version == version]
+      tokens = np.zeros((B, self.chunk), np.int32)
+      valid = np.zeros((B, self.chunk), bool)
+      positions = np.zeros((B, self.chunk), np.int32)
+      for s in rows:
+        n = min(self.chunk, len(s.pending))
+        tokens[s.index, :n] = s.pending[:n]
+        valid[s.index, :n] = True
+        positions[s.index] = s.length + np.arange(self.chunk)
+      out = self._call(params_by_version[version], version, rows, tokens, positions, valid)
+      self.stats.prefill_calls += 1
+      for s in rows:
+        n = min(self.chunk, len(s.pending))
+        s.pending, s.length = s.pending[n:], s.length + n
+        self.stats.tokens_prefilled += n
+        if not s.pending:  # prompt done: its last logits gave the turn's first token
+          s.state, s.max_new = DECODE, min(self.max_new_tokens, self.max_len - s.length)
+          self._sampled(s, out[s.index], finished)
+    for version in sorted({s.version for s in self.slots if s.state == DECODE}):
+      rows = [s for s in self.slots if s.state == DECODE and s.version == version]
+      tokens = np.zeros((B, 1), np.int32)
+      valid = np.zeros((B, 1), bool)
+      positions = np.zeros((B, 1), np.int32)
+      for s in rows:
+        tokens[s.index, 0], valid[s.index, 0], positions[s.index, 0] = s.generated[-1], True, s.length
+      out = self._call(params_by_version[version], version, rows, tokens, positions, valid)
+      self.stats.decode_calls += 1
+      for s in rows:
+        s.length += 1
+        self.stats.tokens_decoded += 1
+        self._sampled(s, out[s.index], finished)
+    return finished
+
+  def compilations(self) -> int:
+    """Programs compiled so far by this engine's jitted functions (fixed shapes: stays small)."""
+    fns = [self._step, self._reset] + ([self._make_noiser] if self._make_noiser else [])
+    return sum(f._cache_size() for f in fns)

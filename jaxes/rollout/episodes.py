@@ -1,0 +1,188 @@
+"""Multi-turn episodes on the engine, with sandbox work on host threads.
+
+``EpisodeRunner`` owns an ``Engine``, a thread pool and a sandbox backend. ``submit`` reserves a
+slot and starts the task's sandbox on a worker thread; from then on ``poll`` drives the episode:
+prefill the prompt, decode a turn, hand the text to the agent protocol on a worker (the slot is
+parked while the command runs, other slots keep decoding), prefill the observation, ... and
+finally run the verifier on a worker. The slot is freed as soon as decoding is over, so the
+verifier overlaps with the next episode's decoding.
+
+Every sandbox handle the runner opened is closed by ``close()``, also after an exception.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import time
+from typing import Any
+
+from jaxes.rollout import chat
+from jaxes.rollout.engine import Engine
+
+SANDBOX_ERROR = "SANDBOX_ERROR"
+CONTEXT_FULL = "CONTEXT_FULL"  # the KV-cache row is full: the episode ends, its verifier still runs
+
+
+@dataclasses.dataclass(frozen=True)
+class EpisodeSpec:
+  key: Any                       # the caller's id (a controller Job, an eval index, ...)
+  task: Any                      # jaxes.envs.task.Task
+  version: int
+  member: int                    # -1: unperturbed
+  stream: int                    # sampling stream: the same spec decodes the same tokens
+  temperature: float = 0.0
+  top_p: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class EpisodeResult:
+  spec: EpisodeSpec
+  reward: float | None           # None: infrastructure failure (retry it)
+  passed: bool
+  turns: int
+  failure: str | None
+  truncated: bool                # ended because the cache row was full
+  env_s: float                   # worker seconds spent in the sandbox for this episode
+
+
+@dataclasses.dataclass
+class _Live:
+  spec: EpisodeSpec
+  slot: int
+  episode: Any = None
+  handle: Any = None
+  truncated: bool = False
+  env_s: float = 0.0
+
+
+class EpisodeRunner:
+  def __init__(self, engine: Engine, tokenizer, sandbox, *, make_episode, workers: int):
+    """``make_episode(task, handle) -> protocol.Episode``."""
+    self.engine, self.tok, self.sandbox = engine, tokenizer, sandbox
+    self._make_episode = make_episode
+    self._pool = cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sandbox")
+    self._futures: dict[cf.Future, tuple[str, _Live]] = {}
+    self._reserved: set[int] = set()
+    self._handles: set = set()
+    self.wait_s = 0.0            # main-thread time spent waiting for sandbox workers
+    self.decode_s = 0.0          # main-thread time spent in engine steps
+
+  # -- worker functions (sandbox threads) -------------------------------------------------------
+  def _start(self, live: _Live):
+    t = time.perf_counter()
+    handle = self.sandbox.start(live.spec.task)
+    live.handle = handle
+    self._handles.add(handle)
+    live.episode = self._make_episode(live.spec.task, handle)
+    live.env_s += time.perf_counter() - t
+
+  def _act(self, live: _Live, text: str):
+    t = time.perf_counter()
+    done = live.episode.step(text)
+    live.env_s += time.perf_counter() - t
+    return done
+
+  def _finish(self, live: _Live):
+    t = time.perf_counter()
+    try:
+      return live.episode.finish()
+    finally:
+      self._close(live)
+      live.env_s += time.perf_counter() - t
+
+  def _close(self, live: _Live):
+    if live.handle is not None:
+      live.handle.close()
+      self._handles.discard(live.handle)
+
+  # -- host API ---------------------------------------------------------------------------------
+  def free_slots(self) -> list[int]:
+    return [i for i in self.engine.free_slots() if i not in self._reserved]
+
+  def live_versions(self) -> set[int]:
+    return self.engine.live_versions() | {live.spec.version for _, live in self._futures.values()}
+
+  def idle(self) -> bool:
+    return not self._futures and not self.engine.busy() and not self._reserved
+
+  def submit(self, spec: EpisodeSpec) -> None:
+    free = self.free_slots()
+    if not free:
+      raise RuntimeError("submit: no free slot")
+    live = _Live(spec, free[0])
+    self._reserved.add(live.slot)
+    self._futures[self._pool.submit(self._start, live)] = ("start", live)
+
+  def _result(self, live, outcome=None, error: str | None = None) -> EpisodeResult:
+    if outcome is None or outcome.failure == SANDBOX_ERROR:
+      return EpisodeResult(live.spec, None, False, getattr(outcome, "turns", 0), error or SANDBOX_ERROR,
+                           live.truncated, live.env_s)
+    failure = outcome.failure or (CONTEXT_FULL if live.truncated else None)
+    return EpisodeResult(live.spec, float(outcome.reward), bool(outcome.passed), int(outcome.turns),
+                         failure, live.truncated, live.env_s)
+
+  def _end(self, live: _Live, truncated: bool = False):
+    self.engine.release(live.slot)
+    live.truncated = truncated
+    self._futures[self._pool.submit(self._finish, live)] = ("finish", live)
+
+  def poll(self, params_by_version: dict, block: bool = False, timeout: float = 1.0) -> list[EpisodeResult]:
+    """Advance every episode once: take finished sandbox work, run one engine step. With
+    ``block`` and nothing to decode, wait for sandbox work (up to ``timeout`` s)."""
+    results = []
+    if block and not self.engine.busy() and self._futures:
+      t = time.perf_counter()
+      cf.wait(list(self._futures), timeout=timeout, return_when=cf.FIRST_COMPLETED)
+      self.wait_s += time.perf_counter() - t
+    for fut in [f for f in self._futures if f.done()]:
+      kind, live = self._futures.pop(fut)
+      error = fut.exception()
+      if kind == "start":
+        self._reserved.discard(live.slot)
+        if error is not None:
+          self._close(live)
+          results.append(self._result(live, error=f"{SANDBOX_ERROR}: {type(error).__name__}: {error}"))
+          continue
+        ok = self.engine.start(live.slot, chat.prompt_ids(self.tok, live.episode.messages),
+                               version=live.spec.version, member=live.spec.member,
+                               stream=live.spec.stream, temperature=live.spec.temperature,
+                               top_p=live.spec.top_p, tag=live)
+        if not ok:  # the prompt alone overflows the cache row
+          live.truncated = True
+          self._futures[self._pool.submit(self._finish, live)] = ("finish", live)
+      elif kind == "act":
+        if error is not None:
+          self.engine.release(live.slot)
+          self._close(live)
+          results.append(self._result(live, error=f"{SANDBOX_ERROR}: {type(error).__name__}: {error}"))
+        elif fut.result():
+          self._end(live)
+        elif not self.engine.continue_turn(
+            live.slot, chat.observation_ids(self.tok, live.episode.messages[-1]["content"])):
+          self._end(live, truncated=True)
+      else:  # finish
+        results.append(self._result(live, error=f"{SANDBOX_ERROR}: {type(error).__name__}: {error}")
+                       if error is not None else self._result(live, fut.result()))
+    if self.engine.busy():
+      t = time.perf_counter()
+      turns = self.engine.step(params_by_version)
+      self.decode_s += time.perf_counter() - t
+      for turn in turns:
+        live = turn.tag
+        ids = turn.tokens[:-1] if turn.stopped else turn.tokens
+        text = self.tok.decode(ids, skip_special_tokens=True)
+        self._futures[self._pool.submit(self._act, live, text)] = ("act", live)
+    return results
+
+  def close(self) -> None:
+    """Stop all work and close every sandbox handle this runner opened (idempotent)."""
+    for fut in self._futures:
+      fut.cancel()
+    self._pool.shutdown(wait=True, cancel_futures=True)
+    for handle in list(self._handles):
+      handle.close()
+    self._handles.clear()
+    self._futures.clear()
+    self._reserved.clear()
+    for i in range(self.engine.num_slots):
+      self.engine.release(i)

@@ -1,0 +1,92 @@
+"""Supervised warm start on oracle transcripts (the CPU demo's stand-in for an Instruct model).
+
+An oracle transcript is a real episode played by the task's reference solution: turn 1 runs the
+solution as one command in a sandbox (the observation is the real output), turn 2 says done; only
+transcripts whose final tests pass are kept. Training is plain next-token cross-entropy on the
+assistant tokens (``chat.transcript_ids``) with AdamW, a few hundred steps at most.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxes.models import qwen2
+from jaxes.rollout import chat
+
+
+def oracle_messages(task, sandbox, make_episode) -> list[dict] | None:
+  """The transcript of the oracle playing ``task``, or None if it does not pass."""
+  if not task.solution:
+    return None
+  handle = sandbox.start(task)
+  try:
+    episode = make_episode(task, handle)
+    episode.step(oracle_turn(task.solution))
+    if not episode.done:
+      episode.step("<action>done</action>")
+    outcome = episode.finish()
+  finally:
+    handle.close()
+  return list(episode.messages) if outcome.passed else None
+
+
+def oracle_turn(solution: str) -> str:
+  return f"<command>{solution.strip()}</command>"
+
+
+def oracle_transcripts(tasks, sandbox, make_episode, workers: int) -> list[list[dict]]:
+  with cf.ThreadPoolExecutor(workers) as pool:
+    out = list(pool.map(lambda t: oracle_messages(t, sandbox, make_episode), tasks))
+  return [m for m in out if m is not None]
+
+
+def encode(tok, transcripts, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+  """``tokens [N, seq_len]`` int32 and ``loss_mask [N, seq_len]`` (True where the *next* token
+  is an assistant token); long transcripts are cut at ``seq_len``."""
+  tokens = np.zeros((len(transcripts), seq_len), np.int32)
+  mask = np.zeros((len(transcripts), seq_len), bool)
+  for i, messages in enumerate(transcripts):
+    ids, assistant = chat.transcript_ids(tok, messages)
+    ids, assistant = ids[:seq_len], assistant[:seq_len]
+    tokens[i, :len(ids)] = ids
+    mask[i, :len(ids) - 1] = assistant[1:]
+  return tokens, mask
+
+
+def _loss(params, graphdef, tokens, mask):
+  positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+  valid = jnp.ones(tokens.shape, bool)
+  logits, _ = qwen2.forward(graphdef, params, tokens, positions, valid)
+  logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
+  nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+  m = mask[:, :-1].astype(jnp.float32)
+  return jnp.sum(nll * m) / jnp.maximum(m.sum(), 1.0)
+
+
+def train(graphdef, params, tokens: np.ndarray, mask: np.ndarray, *, steps: int, batch_size: int,
+          learning_rate: float, seed: int, log_every: int = 50, log=print):
+  """``steps`` AdamW steps on random batches; returns (params, list of (step, loss))."""
+  tx = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, learning_rate, min(20, steps), steps),
+                   weight_decay=0.0)
+  opt_state = tx.init(params)
+
+  @jax.jit
+  def step(params, opt_state, tokens, mask):
+    loss, grads = jax.value_and_grad(_loss)(params, graphdef, tokens, mask)
+    grads, _ = optax.clip_by_global_norm(1.0).update(grads, None)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  rng = np.random.default_rng(seed)
+  history = []
+  for i in range(steps):
+    idx = rng.choice(len(tokens), size=min(batch_size, len(tokens)), replace=False)
+    params, opt_state, loss = step(params, opt_state, tokens[idx], mask[idx])
+    if (i + 1) % log_every == 0 or i + 1 == steps:
+      history.append((i + 1, float(loss)))
+      log(f"warm start step {i + 1}/{steps}: assistant-token loss {float(loss):.3f}")
+  return params, history

@@ -1,0 +1,160 @@
+"""Rollout engine: cached continuous batching equals plain uncached decoding, per-slot members
+equal materialised perturbed parameters, and shapes never recompile."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxes import es
+from jaxes.models import qwen2
+from jaxes.rollout import sampling
+from jaxes.rollout.engine import DECODE, FREE, PARKED, Engine
+
+IM_END = 3
+
+
+@pytest.fixture(scope="module")
+def model():
+  cfg = qwen2.Qwen2Config.preset("tiny-gqa", vocab_size=64)
+  graphdef, params = nnx.split(qwen2.Qwen2ForCausalLM(cfg, rngs=nnx.Rngs(0)), nnx.Param)
+  return cfg, graphdef, params
+
+
+PAD = 96
+
+
+@jax.jit
+def _last_logits(graphdef, params, tokens, n):
+  valid = jnp.arange(PAD)[None] < n
+  logits, _ = qwen2.forward(graphdef, params, tokens, jnp.arange(PAD)[None], valid)
+  return logits[0, n - 1]
+
+
+def reference(graphdef, params, ids, max_new):
+  """Greedy decoding by re-running the whole (right-padded) sequence without a cache."""
+  ids, out = list(ids), []
+  for _ in range(max_new):
+    tokens = jnp.array([ids + [0] * (PAD - len(ids))], jnp.int32)
+    out.append(int(jnp.argmax(_last_logits(graphdef, params, tokens, len(ids)))))
+    ids.append(out[-1])
+    if out[-1] == IM_END:
+      break
+  return out
+
+
+def run_until_turns(engine, params_by_version, n):
+  turns = {}
+  while len(turns) < n:
+    assert engine.busy()
+    for t in engine.step(params_by_version):
+      turns[t.slot] = t
+  return turns
+
+
+def test_multi_turn_continuous_batching_matches_uncached_greedy(model):
+  cfg, graphdef, params = model
+  engine = Engine(graphdef, cfg, num_slots=4, max_len=96, prefill_chunk=8, max_new_tokens=5,
+                  stop_ids=[], im_end_id=IM_END)
+  prompts = {0: [5, 6, 7], 1: list(range(10, 31)), 3: [9] * 11}  # slot 2 stays free
+  for slot, p in prompts.items():
+    assert engine.start(slot, p, version=0, member=-1, stream=slot)
+  turns = run_until_turns(engine, {0: params}, 3)
+  assert engine.slots[2].state == FREE
+  history = {}
+  for slot, p in prompts.items():
+    assert turns[slot].tokens == reference(graphdef, params, p, 5)
+    assert engine.slots[slot].state == PARKED
+    history[slot] = p + turns[slot].tokens
+  # Second turn for two slots (different observation lengths) while slot 0 stays parked.
+  for slot, obs in ((1, [20, 21, 22]), (3, list(range(40, 52)))):
+    closing = [] if history[slot][-1] == IM_END else [IM_END]
+    assert engine.continue_turn(slot, obs)
+    history[slot] = history[slot] + closing + obs
+  turns = run_until_turns(engine, {0: params}, 2)
+  for slot in (1, 3):
+    assert turns[slot].tokens == reference(graphdef, params, history[slot], 5)
+  assert engine.slots[0].state == PARKED and engine.stats.rows_busy < engine.stats.rows_total
+
+
+def test_each_slot_decodes_its_own_member_and_version(model):
+  cfg, graphdef, params = model
+  strategy = es.Strategy(population=4, sigma=0.3, learning_rate=0.1, mode="lowrank", rank=2)
+  state0 = strategy.init(params, jax.random.key(1))
+  state1, _ = strategy.update(state0, [(0, m, float(m)) for m in range(4)])
+  run_key = state0.run_key
+
+  def make_noiser(p, versions, members, row_group):
+    return strategy.member_noiser(p, versions, members, row_group, run_key=run_key)
+
+  engine = Engine(graphdef, cfg, num_slots=4, max_len=64, prefill_chunk=8, max_new_tokens=6,
+                  stop_ids=[], im_end_id=IM_END, make_noiser=make_noiser)
+  prompt = [7, 8, 9, 10, 11]
+  jobs = {0: (0, 0), 1: (0, 1), 2: (1, 2), 3: (1, -1)}  # slot: (version, member)
+  for slot, (v, m) in jobs.items():
+    engine.start(slot, prompt, version=v, member=m, stream=slot)
+  turns = run_until_turns(engine, {0: state0.params, 1: state1.params}, 4)
+  states = {0: state0, 1: state1}
+  outs = set()
+  for slot, (v, m) in jobs.items():
+    theta = strategy.perturbed(states[v], (v, m))
+    assert turns[slot].tokens == reference(graphdef, theta, prompt, 6), (slot, v, m)
+    outs.add(tuple(turns[slot].tokens))
+  assert len(outs) > 1  # the perturbations are large enough to change the decoded text
+
+
+def test_fixed_shapes_compile_once(model):
+  cfg, graphdef, params = model
+  engine = Engine(graphdef, cfg, num_slots=3, max_len=64, prefill_chunk=4, max_new_tokens=4,
+                  stop_ids=[], im_end_id=IM_END)
+  rng = np.random.default_rng(0)
+  before = engine.compilations()  # jit caches are shared by engines over the same graphdef
+
+  def episodes(k):
+    for e in range(k):
+      for slot in engine.free_slots():
+        engine.start(slot, list(rng.integers(4, 64, size=int(rng.integers(1, 12)))), version=0,
+                     member=-1, stream=e * 3 + slot, temperature=float(rng.uniform(0, 1)), top_p=0.9)
+      while engine.busy():
+        for t in engine.step({0: params}):
+          if engine.slots[t.slot].length < 40:
+            engine.continue_turn(t.slot, list(rng.integers(4, 64, size=3)))
+          else:
+            engine.release(t.slot)
+      for s in engine.slots:
+        engine.release(s.index)
+
+  episodes(2)
+  warm = engine.compilations()
+  assert warm - before <= 3  # prefill step, decode step, row reset
+  episodes(6)
+  assert engine.compilations() == warm
+
+
+def test_prompt_and_turn_that_do_not_fit_are_refused(model):
+  cfg, graphdef, params = model
+  engine = Engine(graphdef, cfg, num_slots=1, max_len=16, prefill_chunk=8, max_new_tokens=4,
+                  stop_ids=[], im_end_id=IM_END)
+  assert not engine.start(0, list(range(4, 20)), version=0, member=-1, stream=0)
+  assert engine.start(0, list(range(4, 12)), version=0, member=-1, stream=0)
+  (turn,) = run_until_turns(engine, {0: params}, 1).values()
+  assert len(turn.tokens) <= 4 and engine.slots[0].length <= 16
+  assert not engine.continue_turn(0, list(range(4, 12)))
+  assert engine.slots[0].state == PARKED
+
+
+def test_sampling_greedy_top_p_and_reproducible_streams():
+  logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]] * 4000, jnp.float32))
+  base = jax.random.key(0)
+  keys = sampling.row_keys(base, jnp.arange(4000, dtype=jnp.uint32), jnp.zeros(4000, jnp.int32))
+  ones, zeros = jnp.ones(4000), jnp.zeros(4000)
+  assert (sampling.sample(logits, keys, zeros, ones) == 0).all()          # greedy
+  full = np.asarray(sampling.sample(logits, keys, ones, ones))
+  freq = np.bincount(full, minlength=4) / 4000
+  np.testing.assert_allclose(freq, [0.5, 0.3, 0.15, 0.05], atol=0.03)
+  nucleus = np.asarray(sampling.sample(logits, keys, ones, jnp.full(4000, 0.7)))
+  assert set(np.unique(nucleus)) == {0, 1}                               # 0.5 + 0.3 >= 0.7
+  np.testing.assert_allclose((nucleus == 0).mean(), 0.5 / 0.8, atol=0.03)
+  again = sampling.sample(logits, sampling.row_keys(base, jnp.arange(4000, dtype=jnp.uint32),
+                                                    jnp.zeros(4000, jnp.int32)), ones, ones)
+  assert (np.asarray(again) == full).all()

@@ -222,6 +222,13 @@ def _plain_test_names(source: str) -> list[str] | None:
   return names or None
 
 
+def _default_parent() -> str | None:
+  """/dev/shm when usable: episode directories are small and memory-backed directory
+  operations are ~100x faster than on disk (closing an episode costs ~0.1 ms, not ~15 ms)."""
+  shm = "/dev/shm"
+  return shm if os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK) else None
+
+
 def _check_searchable(root_dir: str, uid: int) -> None:
   path = os.path.abspath(root_dir)
   while True:
@@ -248,7 +255,8 @@ def _rmtree(path: str) -> None:
 
 
 class LocalSandbox(Sandbox):
-  """Starts local episodes. ``root_dir`` holds one directory per live episode.
+  """Starts local episodes. ``root_dir`` holds one directory per live episode (default: a new
+  directory in /dev/shm, else in the system temp directory; removed by ``shutdown``).
 
   isolation: "auto" (bwrap, else unshare, else "none" with a warning), or one of them.
   run_as_uid: uid commands run as; default 65534 (nobody) when we are root, else our own.
@@ -263,7 +271,7 @@ class LocalSandbox(Sandbox):
     self.isolation = resolve_isolation(isolation, self.uid)
     self.use_pytest = use_pytest
     self._own_root = root_dir is None
-    self.root_dir = root_dir or tempfile.mkdtemp(prefix="jaxes-local-")
+    self.root_dir = root_dir or tempfile.mkdtemp(prefix="jaxes-local-", dir=_default_parent())
     os.makedirs(self.root_dir, exist_ok=True)
     os.chmod(self.root_dir, 0o711)   # the sandbox uid must traverse it to reach its episode
     if self.uid is not None:

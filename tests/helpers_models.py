@@ -14,6 +14,22 @@ TOKENIZER_CORPUS = [
 ]
 
 
+def tiny_model(preset: str = "tiny-gqa", seed: int = 0, **overrides):
+  """``(cfg, graphdef, params)`` of a randomly initialised tiny Qwen2."""
+  from flax import nnx
+  from jaxes.models.qwen2 import Qwen2ForCausalLM
+
+  cfg = Qwen2Config.preset(preset, **overrides)
+  return (cfg, *nnx.split(Qwen2ForCausalLM(cfg, rngs=nnx.Rngs(seed)), nnx.Param))
+
+
+def tiny_tokenizer(out_dir: str, vocab_size: int = 300):
+  """A byte-level BPE with Qwen's special tokens and chat template, trained on a fixed corpus."""
+  from jaxes import tokenization
+
+  return tokenization.build_tokenizer(TOKENIZER_CORPUS * 4, vocab_size, out_dir)
+
+
 def save_random_hf_checkpoint(out_dir: str, cfg: Qwen2Config, seed: int = 0,
                               torch_dtype: str = "float32"):
   """A transformers Qwen2ForCausalLM with random weights — including non-zero biases and norm

@@ -7,7 +7,7 @@ from flax import nnx
 
 from jaxes.models import hf, qwen2
 from jaxes.models.noiser import IdentityNoiser
-from helpers_models import hf_logits, save_random_hf_checkpoint
+from helpers_models import hf_logits, save_random_hf_checkpoint, tiny_model
 
 PARITY_CONFIGS = {
   "tied-mha-odd": qwen2.Qwen2Config(vocab_size=97, hidden_size=40, intermediate_size=56,
@@ -59,13 +59,8 @@ def test_left_padding_matches_transformers(checkpoint):
     np.testing.assert_allclose(np.asarray(ours)[row, T - n:], ref, atol=1e-4, rtol=0)
 
 
-def _tiny_model(seed=0, **overrides):
-  cfg = qwen2.Qwen2Config.preset("tiny-gqa", **overrides)
-  return cfg, *nnx.split(qwen2.Qwen2ForCausalLM(cfg, rngs=nnx.Rngs(seed)), nnx.Param)
-
-
 def test_cached_decode_equals_full_forward_ragged():
-  cfg, graphdef, params = _tiny_model(vocab_size=61)
+  cfg, graphdef, params = tiny_model(vocab_size=61)
   rng = np.random.RandomState(3)
   lengths = [7, 12, 3, 0]  # the last row never receives a token
   seqs = [rng.randint(0, cfg.vocab_size, n) for n in lengths]
@@ -107,7 +102,7 @@ def test_cached_decode_equals_full_forward_ragged():
 
 
 def test_bfloat16_close_to_float32():
-  cfg, graphdef, params = _tiny_model(seed=1)
+  cfg, graphdef, params = tiny_model(seed=1)
   bf_cfg = qwen2.Qwen2Config.preset("tiny-gqa", param_dtype="bfloat16", dtype="bfloat16")
   bf_graphdef, bf_params = nnx.split(qwen2.Qwen2ForCausalLM(bf_cfg, rngs=nnx.Rngs(1)), nnx.Param)
   nnx.replace_by_pure_dict(bf_params, jax.tree.map(lambda x: x.astype(jnp.bfloat16),

@@ -2,7 +2,7 @@
 import pytest
 
 from jaxes import tokenization
-from helpers_models import TOKENIZER_CORPUS
+from helpers_models import tiny_tokenizer
 
 CONVERSATIONS = {
   "user-only": [{"role": "user", "content": "list files"}],
@@ -24,8 +24,7 @@ CONVERSATIONS = {
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
-  return tokenization.build_tokenizer(TOKENIZER_CORPUS * 4, vocab_size=300,
-                                      out_dir=str(tmp_path_factory.mktemp("tok")))
+  return tiny_tokenizer(str(tmp_path_factory.mktemp("tok")), vocab_size=300)
 
 
 @pytest.mark.parametrize("name", sorted(CONVERSATIONS))

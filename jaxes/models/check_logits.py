@@ -85,9 +85,11 @@ def main(argv: Sequence[str] | None = None) -> int:
   cfg, graphdef, params = hf.load(args.hf_dir, mesh=mesh, param_dtype=args.dtype, dtype=args.dtype)
   tokens = _tokens(args.hf_dir, args.prompt, cfg.vocab_size)
   T = tokens.shape[1]
-  ours, _ = jax.jit(qwen2.forward, static_argnums=0)(
-    graphdef, params, jax.numpy.asarray(tokens, np.int32), jax.numpy.arange(T)[None],
-    jax.numpy.ones((1, T), bool))
+  # float32 parity needs true float32 matmuls; GPUs and TPUs default to reduced-precision passes.
+  with jax.default_matmul_precision("float32" if args.dtype == "float32" else "default"):
+    ours, _ = jax.jit(qwen2.forward, static_argnums=0)(
+      graphdef, params, jax.numpy.asarray(tokens, np.int32), jax.numpy.arange(T)[None],
+      jax.numpy.ones((1, T), bool))
   ours = np.asarray(ours[0], np.float32)
 
   torch_model = transformers.Qwen2ForCausalLM.from_pretrained(

@@ -160,29 +160,34 @@ def plot(rows, curves, path):
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
-  for model in MODELS:
+  fig, axes = plt.subplots(2, 2, figsize=(14, 9.5))
+  (ax_rate, ax_useful), (ax_time, ax_step) = axes
+  colors = plt.get_cmap("tab10").colors
+  for model, color in zip(MODELS, colors):
     for overage, style in (("drop", "-"), ("wait", "--")):
-      pts = [(r["k"], r) for r in rows if r["model"] == model and
-             (r["overage"] == overage or (r["k"] == 0 and r["overage"] == "sync"))]
-      ks = [k for k, _ in pts]
-      line, = axes[0].plot(ks, [r["updates_per_hour"] for _, r in pts], style, marker="o",
-                           label=f"{model} {overage}" if overage == "drop" else None)
-      axes[1].plot(ks, [r["useful_utilization"] for _, r in pts], style, marker="o",
-                   color=line.get_color())
-  axes[0].set(xlabel="max_staleness K (0 = sync)", ylabel="updates / virtual hour",
-              title=f"Updates per hour (W={W}, N={N}, E={E}); solid drop, dashed wait")
-  axes[1].set(xlabel="max_staleness K (0 = sync)", ylabel="useful utilisation",
-              title="Worker time whose results were consumed", ylim=(0, 1.02))
-  axes[0].legend(fontsize=7)
+      pts = [r for r in rows if r["model"] == model and (r["overage"] in (overage, "sync"))]
+      ks = [r["k"] for r in pts]
+      label = f"{model} ({overage})"
+      ax_rate.plot(ks, [r["updates_per_hour"] for r in pts], style, marker="o", color=color,
+                   label=label)
+      ax_useful.plot(ks, [r["useful_utilization"] for r in pts], style, marker="o", color=color,
+                     label=label)
+  ax_rate.set(xlabel="max_staleness K (0 = sync)", ylabel="updates / virtual hour",
+              title=f"Updates per hour (W={W}, N={N}, E={E})")
+  ax_useful.set(xlabel="max_staleness K (0 = sync)", ylabel="useful utilisation",
+                title="Worker time whose results were consumed", ylim=(0, 1.02))
+  ax_rate.legend(fontsize=7, ncol=2)
   for name, s in curves.items():
-    axes[2].plot([0.0] + [t for t, _ in s["curve"]],
-                 [s["objective_initial"]] + [o for _, o in s["curve"]], label=name)
-  axes[2].set(xlabel="virtual hours (lognormal(1.0) durations)", ylabel="objective",
-              title="Synthetic objective through jaxes.es")
-  axes[2].legend(fontsize=7)
+    obj = [s["objective_initial"]] + [o for _, o in s["curve"]]
+    ax_time.plot([0.0] + [t for t, _ in s["curve"]], obj, label=name)
+    ax_step.plot(range(len(obj)), obj, label=name)
+  ax_time.set(xlabel="virtual hours (lognormal(1.0) durations)", ylabel="objective",
+              title="Synthetic objective through jaxes.es vs time")
+  ax_step.set(xlabel="updates", ylabel="objective", title="... vs updates (effect of staleness)")
+  ax_time.legend(fontsize=8)
+  ax_step.legend(fontsize=8)
   fig.tight_layout()
-  fig.savefig(path, dpi=110)
+  fig.savefig(path, dpi=100)
 
 
 def main():
@@ -205,11 +210,13 @@ def main():
   ok_busy = all(a1["utilization"] >= 0.95 for _, _, a1, _, _ in checks)
   ok_speed = all(a1["updates_per_hour"] >= 2.5 * s["updates_per_hour"] for _, s, a1, _, _ in checks)
   ok_book = min(rate for rate, _ in book.values()) >= 10_000
-  cpu = subprocess.run(["sh", "-c", "nproc; uname -m"], capture_output=True, text=True).stdout.split()
+  cpu = subprocess.run(["sh", "-c", "nproc; uname -m"], capture_output=True, text=True)
+  cores, arch = cpu.stdout.split()
+  when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
   report = "\n\n".join([
       f"Run: `python benchmarks/async_vs_sync.py --updates {args.updates} --curve_updates "
-      f"{args.curve_updates} --seeds {args.seeds}`; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
-      f"bookkeeping measured on {cpu[0]}-core {cpu[1]} host.",
+      f"{args.curve_updates} --seeds {args.seeds}`; {when}; bookkeeping measured on a "
+      f"{cores}-core {arch} host.",
       "### Sweep (virtual clock; exact)\n\n" + _fmt_sweep(rows),
       "### Target check: lognormal(1.0), W=64, N=32, E=2\n\n" + _fmt_target(checks) +
       f"\n\nAsync-1 busy >= 95%: {'PASS' if ok_busy else 'FAIL'}; "

@@ -68,9 +68,9 @@ class Simulator:
     # they run to the end and their results are ignored.
     self.abort_doomed = abort_doomed
     self.clock = 0.0
-    self._idle = list(range(workers))                        # heap of worker ids
-    self._events: list[tuple[float, int]] = []               # heap of (finish time, job id)
-    self._running: dict[int, list] = {}                      # job id -> [job, worker, start, end, fails]
+    self._idle = list(range(workers))            # heap of worker ids
+    self._events: list[tuple[float, int]] = []   # heap of (finish time, job id)
+    self._running: dict[int, list] = {}          # job id -> [job, worker, start, end, fails]
     self.busy_seconds = 0.0
     self.useful_seconds = 0.0
     self._member_seconds: dict[tuple[int, int], float] = {}  # successful episode time per member
@@ -162,7 +162,7 @@ class Simulator:
         "updates_per_hour": len(self.updates) / (elapsed / 3600.0) if elapsed else 0.0,
         "staleness_histogram": {str(k): v for k, v in hist.items()},
         "max_staleness": max(hist) if hist else 0,
-        "mean_staleness": (sum(k * v for k, v in hist.items()) / sum(hist.values())) if hist else 0.0,
+        "mean_staleness": sum(k * v for k, v in hist.items()) / max(1, sum(hist.values())),
         "dropped": self.dropped,
         "excluded": self.excluded,
         "aborted_jobs": self.aborted,
@@ -199,7 +199,8 @@ class Simulator:
     self.busy_seconds, self.useful_seconds = state["busy_seconds"], state["useful_seconds"]
     self._member_seconds = {(v, m): s for v, m, s in state["member_seconds"]}
     self.staleness_histogram = Counter({k: c for k, c in state["staleness_histogram"]})
-    self.dropped, self.excluded, self.aborted = state["dropped"], state["excluded"], state["aborted"]
+    self.dropped, self.excluded = state["dropped"], state["excluded"]
+    self.aborted = state["aborted"]
     self.updates = list(state["updates"])
     self.objective_initial = state["objective_initial"]
     running = {row[0]: row[1:] for row in state["running"]}

@@ -1,4 +1,6 @@
 """Qwen2 decoder: parity with transformers, KV-cache decode == full forward, noiser coverage."""
+import dataclasses
+
 import numpy as np
 import jax
 import jax.numpy as jnp
@@ -160,12 +162,14 @@ def test_every_parameter_goes_through_the_noiser(tied):
 def test_presets_have_published_shapes():
   seven = qwen2.Qwen2Config.preset("qwen2.5-7b")
   assert (seven.hidden_size, seven.num_layers, seven.num_heads, seven.num_kv_heads,
-          seven.intermediate_size, seven.vocab_size, seven.head_dim,
+          seven.intermediate_size, seven.vocab_size, seven.head_size,
           seven.tie_word_embeddings) == (3584, 28, 28, 4, 18944, 152064, 128, False)
   half = qwen2.Qwen2Config.preset("qwen2.5-0.5b")
-  assert (half.hidden_size, half.num_layers, half.num_heads, half.num_kv_heads, half.head_dim,
+  assert (half.hidden_size, half.num_layers, half.num_heads, half.num_kv_heads, half.head_size,
           half.tie_word_embeddings) == (896, 24, 14, 2, 64, True)
   with pytest.raises(ValueError, match="unknown Qwen2 preset 'qwen3'"):
     qwen2.Qwen2Config.preset("qwen3")
+  resized = dataclasses.replace(qwen2.Qwen2Config.preset("tiny"), hidden_size=32)
+  assert resized.head_size == 8  # derived again, not carried over from the preset
   with pytest.raises(ValueError, match="num_heads=6 is not a multiple of num_kv_heads=4"):
     qwen2.Qwen2Config.preset("tiny", num_heads=6, num_kv_heads=4, head_dim=16)

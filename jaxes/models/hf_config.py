@@ -81,6 +81,6 @@ def hf_dict_from_config(cfg: "Qwen2Config") -> dict:
     use_sliding_window=False, attention_dropout=0.0, dtype=cfg.param_dtype,
     torch_dtype=cfg.param_dtype,
   )
-  if cfg.head_dim != cfg.hidden_size // cfg.num_heads:
+  if cfg.head_dim is not None:
     d["head_dim"] = cfg.head_dim
   return d

@@ -54,7 +54,7 @@ class Qwen2Config:
   num_layers: int
   num_heads: int
   num_kv_heads: int
-  head_dim: int | None = None  # None: hidden_size // num_heads (resolved on construction)
+  head_dim: int | None = None  # as configured; None means hidden_size // num_heads (head_size)
   rope_theta: float = 1e6
   rms_norm_eps: float = 1e-6
   tie_word_embeddings: bool = True
@@ -71,16 +71,21 @@ class Qwen2Config:
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f"Qwen2Config: num_heads={self.num_heads} is not a multiple of "
                        f"num_kv_heads={self.num_kv_heads}")
-    if self.head_dim is None:
-      if self.hidden_size % self.num_heads:
-        raise ValueError(f"Qwen2Config: hidden_size={self.hidden_size} is not divisible by "
-                         f"num_heads={self.num_heads}; set head_dim explicitly")
-      object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
-    if self.head_dim % 2:
-      raise ValueError(f"Qwen2Config.head_dim must be even for RoPE, got {self.head_dim}")
+    if self.head_dim is None and self.hidden_size % self.num_heads:
+      raise ValueError(f"Qwen2Config: hidden_size={self.hidden_size} is not divisible by "
+                       f"num_heads={self.num_heads}; set head_dim explicitly")
+    if self.head_size % 2 or self.head_size <= 0:
+      raise ValueError(f"Qwen2Config: the head size must be even and positive for RoPE, "
+                       f"got {self.head_size}")
     for key in ("param_dtype", "dtype"):
       if getattr(self, key) not in DTYPES:
         raise ValueError(f"Qwen2Config.{key} must be one of {DTYPES}, got {getattr(self, key)!r}")
+
+  @property
+  def head_size(self) -> int:
+    """Per-head dimension: ``head_dim``, or ``hidden_size // num_heads`` when that is None. Kept
+    apart from the field so ``dataclasses.replace(cfg, hidden_size=...)`` re-derives it."""
+    return self.hidden_size // self.num_heads if self.head_dim is None else self.head_dim
 
   @property
   def num_groups(self) -> int:
@@ -125,7 +130,7 @@ class KVCache:
 
   @classmethod
   def init(cls, cfg: Qwen2Config, batch_size: int, max_len: int, dtype: str | None = None):
-    shape = (cfg.num_layers, batch_size, max_len, cfg.num_kv_heads, cfg.head_dim)
+    shape = (cfg.num_layers, batch_size, max_len, cfg.num_kv_heads, cfg.head_size)
     dtype = jnp.dtype(dtype or cfg.dtype)
     return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
                index=jnp.zeros((batch_size,), jnp.int32),
@@ -207,8 +212,8 @@ class Attention(nnx.Module):
 
   def __init__(self, cfg: Qwen2Config, *, rngs: nnx.Rngs):
     self.cfg = cfg
-    d, q_dim, kv_dim, L = (cfg.hidden_size, cfg.num_heads * cfg.head_dim,
-                           cfg.num_kv_heads * cfg.head_dim, cfg.num_layers)
+    d, q_dim, kv_dim, L = (cfg.hidden_size, cfg.num_heads * cfg.head_size,
+                           cfg.num_kv_heads * cfg.head_size, cfg.num_layers)
     common = dict(layers=L, cfg=cfg, rngs=rngs)
     self.q_proj = Linear("layers/attn/q_proj", d, q_dim, ("embed", "heads"), bias=True, **common)
     self.k_proj = Linear("layers/attn/k_proj", d, kv_dim, ("embed", "kv_heads"), bias=True,
@@ -222,9 +227,9 @@ class Attention(nnx.Module):
     [B, S, KVH, hd] or None (then the keys are the T tokens themselves)."""
     cfg = self.cfg
     B, T, _ = x.shape
-    q = self.q_proj(x, noiser, layer).reshape(B, T, cfg.num_heads, cfg.head_dim)
-    k = self.k_proj(x, noiser, layer).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
-    v = self.v_proj(x, noiser, layer).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
+    q = self.q_proj(x, noiser, layer).reshape(B, T, cfg.num_heads, cfg.head_size)
+    k = self.k_proj(x, noiser, layer).reshape(B, T, cfg.num_kv_heads, cfg.head_size)
+    v = self.v_proj(x, noiser, layer).reshape(B, T, cfg.num_kv_heads, cfg.head_size)
     q = apply_rope(q, positions, cfg.rope_theta)
     k = apply_rope(k, positions, cfg.rope_theta)
     if kv is not None:
@@ -234,9 +239,9 @@ class Attention(nnx.Module):
       k = cache_k.at[rows, write_slots].set(k.astype(cache_k.dtype), mode="drop")
       v = cache_v.at[rows, write_slots].set(v.astype(cache_v.dtype), mode="drop")
       kv = (k, v)
-    q = q.reshape(B, T, cfg.num_kv_heads, cfg.num_groups, cfg.head_dim)
+    q = q.reshape(B, T, cfg.num_kv_heads, cfg.num_groups, cfg.head_size)
     scores = jnp.einsum("btkgh,bskh->bkgts", q, k.astype(q.dtype),
-                        preferred_element_type=jnp.float32) * cfg.head_dim ** -0.5
+                        preferred_element_type=jnp.float32) * cfg.head_size ** -0.5
     # A finite floor (not -inf) keeps rows without any visible key (padding) free of NaN.
     scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)

@@ -58,7 +58,7 @@ def base_config() -> config_dict.ConfigDict:
   c.env = config_dict.ConfigDict()
   c.env.sandbox = "local"
   c.env.families = ""            # comma-separated subset of generator.FAMILIES; empty = all
-  c.env.difficulty = 1
+  c.env.difficulty = 0            # 1..3; 0 cycles through 1, 2, 3 (as generator.split)
   c.env.num_train_tasks = 1000
   c.env.num_heldout_tasks = 100
   c.env.partial_credit = False

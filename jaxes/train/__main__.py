@@ -9,7 +9,7 @@ import json
 import os
 import sys
 
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to an ml-collections config file "
@@ -21,6 +21,7 @@ flags.mark_flags_as_required(["config", "workdir"])
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
   from jaxes.train.config import ConfigError, validate
   config = _CONFIG.value
   try:

@@ -125,7 +125,7 @@ def validate(config: config_dict.ConfigDict) -> None:
     for fam in c.env.families.split(","):
       check("env.families", fam.strip() in generator.FAMILIES,
             f"{fam.strip()!r} is not a task family; known: {', '.join(generator.FAMILIES)}")
-  at_least("env.difficulty", 1)
+  one_of("env.difficulty", (0, 1, 2, 3))
   at_least("env.num_train_tasks", 1)
   at_least("env.num_heldout_tasks", 1)
   at_least("env.max_turns", 1)

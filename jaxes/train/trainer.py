@@ -54,14 +54,18 @@ def mesh_shape(config, num_devices: int) -> tuple[int, int, int]:
 
 
 def make_tasks(config, split: str, n: int):
+  """``n`` generated tasks of a split: task i is family i mod F of the configured families (all by
+  default) at ``env.difficulty``, or cycling through 1..3 when it is 0 (as ``generator.split``)."""
   from jaxes.envs import generator
-  families = [f.strip() for f in config.env.families.split(",") if f.strip()]
-  tasks = generator.split(split, n if not families else n * len(generator.FAMILIES) * 2,
-                          seed=config.seed, difficulty=config.env.difficulty)
-  if families:
-    tasks = [t for t in tasks if t.family in families][:n]
-  return [dataclasses.replace(t, limits=dataclasses.replace(t.limits, max_turns=config.env.max_turns))
-          for t in tasks]
+  families = [f.strip() for f in config.env.families.split(",") if f.strip()] or list(generator.FAMILIES)
+  tasks = []
+  for i in range(n):
+    difficulty = config.env.difficulty or generator.DIFFICULTIES[(i // len(families)) % 3]
+    task = generator.generate(families[i % len(families)], generator.split_seed(split, i, config.seed),
+                              difficulty)
+    tasks.append(dataclasses.replace(
+        task, limits=dataclasses.replace(task.limits, max_turns=config.env.max_turns)))
+  return tasks
 
 
 def make_sandbox(config, **kwargs):
@@ -127,8 +131,11 @@ class Trainer:
     return cfg, graphdef, params
 
   def _strategy(self) -> es.Strategy:
-    e = self.config.es
-    return es.Strategy(population=e.population, sigma=e.sigma, learning_rate=e.learning_rate,
+    e, k = self.config.es, self.config.controller.max_staleness
+    # The asynchronous controller numbers members within a version beyond N (admission allows
+    # up to (K + 1) N live members, more when drops free room); Strategy checks ids against its
+    # `population`, which only bounds ids and pads the update, so give it that bound.
+    return es.Strategy(population=2 * (k + 1) * e.population, sigma=e.sigma, learning_rate=e.learning_rate,
                        mode=e.mode, rank=e.rank, antithetic=e.antithetic, shaping=e.shaping,
                        sigma_schedule=e.sigma_schedule,
                        sigma_final=e.sigma_final if e.sigma_schedule != "constant" else None,

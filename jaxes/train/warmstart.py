@@ -70,7 +70,7 @@ def _loss(params, graphdef, tokens, mask):
 def train(graphdef, params, tokens: np.ndarray, mask: np.ndarray, *, steps: int, batch_size: int,
           learning_rate: float, seed: int, log_every: int = 50, log=print):
   """``steps`` AdamW steps on random batches; returns (params, list of (step, loss))."""
-  tx = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, learning_rate, min(20, steps), steps),
+  tx = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, learning_rate, max(steps // 10, 1), max(steps, 2)),
                    weight_decay=0.0)
   opt_state = tx.init(params)
 

@@ -197,12 +197,12 @@ class Strategy:
     weights = weights * np.array([self.sigma_at(int(v)) for v in versions]) / self.sigma
     weights = weights * self._staleness_weights(staleness)
 
-    size = self._padded_size(n)
-    pad = size - n
+    keyed = update.combine_pairs(versions, members, weights, self.antithetic)
+    pad = self._padded_size(len(keyed[0])) - len(keyed[0])
     new_params, new_opt, norm = self._apply(
         state.params, state.opt_state, state.run_key,
-        jnp.asarray(np.pad(versions, (0, pad))), jnp.asarray(np.pad(members, (0, pad))),
-        jnp.asarray(np.pad(weights, (0, pad)), jnp.float32), jnp.int32(n))
+        *(jnp.asarray(np.pad(x, (0, pad))) for x in keyed[:2]),
+        jnp.asarray(np.pad(keyed[2], (0, pad)), jnp.float32), jnp.int32(n))
     new_state = ESState(new_params, new_opt, state.key, v_now + 1)
     hist = np.bincount(staleness, minlength=1) if n else np.zeros(1, np.int64)
     metrics = {
@@ -218,7 +218,7 @@ class Strategy:
         "staleness_max": int(staleness.max()) if n else 0,
         "sigma": float(self.sigma_at(v_now + 1)),
         "update_norm": float(norm),
-        "zero_step": bool(not np.any(weights != 0)),
+        "zero_step": bool(not np.any(keyed[2] != 0)),
     }
     return new_state, metrics
 
@@ -253,5 +253,7 @@ class Strategy:
     return float(sw) ** staleness.astype(np.float64)
 
   def _padded_size(self, n: int) -> int:
-    """Pad the result count to a multiple of the population, so the update compiles once."""
-    return max(1, -(-n // self.population)) * self.population
+    """Pad the number of noise keys to a multiple of the pairs (or members) in a population, so
+    the update compiles once for the usual cohort sizes."""
+    bucket = self.population // 2 if self.antithetic else self.population
+    return max(1, -(-n // bucket)) * bucket

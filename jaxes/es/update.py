@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jaxes.es import keys, noise
@@ -56,22 +57,45 @@ def apply(params, opt_state, run_key: jax.Array, versions: jax.Array, members: j
   change. Returns ``(params, opt_state, update_norm)``, the norm of the applied change.
   """
   specs = noise.plan(params, cfg)
-  params32 = jax.tree_util.tree_map(lambda p: p.astype(jnp.float32), params)
 
   def step(_):
+    params32 = jax.tree_util.tree_map(lambda p: p.astype(jnp.float32), params)
     g = direction(params, run_key, versions, members, weights, cfg)
     grads = jax.tree_util.tree_map(lambda d: -d / jnp.maximum(count, 1).astype(jnp.float32), g)
     updates, new_opt = tx.update(grads, opt_state, params32)
-    new_leaves = []
+    new_leaves, sq = [], jnp.float32(0)
     for spec, p, p32, u in zip(specs, jax.tree_util.tree_leaves(params),
                                jax.tree_util.tree_leaves(params32), jax.tree_util.tree_leaves(updates)):
-      new_leaves.append(p if spec.kind == "frozen" else (p32 + u).astype(p.dtype))
-    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params), new_leaves), new_opt
+      if spec.kind == "frozen":
+        new_leaves.append(p)
+        continue
+      new = (p32 + u).astype(p.dtype)
+      sq = sq + jnp.sum(jnp.square(new.astype(jnp.float32) - p32))
+      new_leaves.append(new)
+    new_params = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params), new_leaves)
+    return new_params, new_opt, jnp.sqrt(sq)
 
-  new_params, new_opt = jax.lax.cond(jnp.any(weights != 0), step, lambda _: (params, opt_state), None)
-  sq = sum(jnp.sum(jnp.square(n.astype(jnp.float32) - p32)) for n, p32 in
-           zip(jax.tree_util.tree_leaves(new_params), jax.tree_util.tree_leaves(params32)))
-  return new_params, new_opt, jnp.sqrt(sq)
+  return jax.lax.cond(jnp.any(weights != 0), step,
+                      lambda _: (params, opt_state, jnp.float32(0)), None)
+
+
+def combine_pairs(versions: np.ndarray, members: np.ndarray, weights: np.ndarray, antithetic: bool
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """Merge results that share a noise key (antithetic partners of one version) into one entry.
+
+  ``w_+ eps - w_- eps = (w_+ - w_-) eps``: the update then draws each pair's noise once, halving
+  its cost when both partners are present. Returns (versions, members, weights) with members
+  even (sign +1) and weights float64, in first-appearance order (deterministic).
+  """
+  if not antithetic:
+    return versions, members, weights
+  combined: dict[tuple[int, int], float] = {}
+  for v, m, w in zip(versions.tolist(), members.tolist(), weights.tolist()):
+    key = (v, m // 2)
+    combined[key] = combined.get(key, 0.0) + (w if m % 2 == 0 else -w)
+  v_out = np.array([k[0] for k in combined], np.int32)
+  m_out = np.array([2 * k[1] for k in combined], np.int32)
+  return v_out, m_out, np.array(list(combined.values()), np.float64)
 
 
 def perturb(params, run_key: jax.Array, version: jax.Array, member: jax.Array, sigma: jax.Array,

@@ -1,0 +1,228 @@
+"""Perturb-and-update microbenchmarks of ``jaxes.es`` (CPU or accelerator, whatever JAX sees).
+
+  JAX_PLATFORMS=cpu python benchmarks/perturb_update.py [--dim 2097152] [--population 16]
+
+(a) full-rank update vs N noise generations over theta and vs one read+write pass over theta
+    (N antithetic results share N/2 keys, so the update draws N/2 noises); compiled temporary
+    memory of the update as N grows (must stay flat);
+(b) low-rank update vs the read+write pass;
+(c) population decode tokens/s with a KV cache, low-rank perturbed (factors cached per member,
+    one member per row) vs unperturbed at the same batch, at two model sizes; for reference also
+    low-rank with factors regenerated every step, and full-rank with one weight copy per row;
+(d) evosax ``Open_ES`` ask+tell at the same D and N, in the same run.
+
+Prints a table, then one JSON line with every number. Times are the minimum of ``--repeats``
+runs after a warm-up (compile) run; ratios compare runs made side by side in this process.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from jaxes import es
+from jaxes.es import keys, noise, update
+from jaxes.models import qwen2
+
+
+def timed(fn, *args, repeats: int) -> float:
+  jax.block_until_ready(fn(*args))
+  best = float("inf")
+  for _ in range(repeats):
+    t = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    best = min(best, time.perf_counter() - t)
+  return best
+
+
+def theta_of_size(dim: int) -> dict:
+  """A parameter tree of ~dim float32 values: stacked matrices, an embedding-like matrix, vectors."""
+  width = 1024
+  rows = max(dim // (2 * width * 4), 1)
+  return {"layers": {"w": jnp.zeros((4, rows, width)), "b": jnp.zeros((4, width))},
+          "embed": jnp.zeros((4 * rows, width))}
+
+
+def temp_bytes(jitted, *args) -> int:
+  return int(jitted.lower(*args).compile().memory_analysis().temp_size_in_bytes)
+
+
+def bench_update(dim: int, population: int, repeats: int) -> dict:
+  params = theta_of_size(dim)
+  d = sum(x.size for x in jax.tree_util.tree_leaves(params))
+  cfg_full, cfg_low = noise.NoiseConfig(mode="full"), noise.NoiseConfig(mode="lowrank", rank=1)
+  tx = optax.sgd(0.1)
+  run_key = jax.random.key(0)
+  # N fresh antithetic results, merged into N/2 noise keys exactly as Strategy.update does.
+  versions, members, weights = (jnp.asarray(x) for x in update.combine_pairs(
+      np.zeros(population, np.int32), np.arange(population, dtype=np.int32),
+      np.random.default_rng(0).normal(size=population), antithetic=True))
+  weights = weights.astype(jnp.float32)
+  count = jnp.int32(population)
+
+  apply_full = jax.jit(functools.partial(update.apply, cfg=cfg_full, tx=tx))
+  apply_low = jax.jit(functools.partial(update.apply, cfg=cfg_low, tx=tx))
+  specs = noise.plan(params, cfg_full)
+
+  @jax.jit
+  def one_noise_generation(run_key):
+    mkey = keys.member_key(run_key, 0, 0, True)
+    return [noise.full_noise(mkey, s) for s in specs]
+
+  read_write = jax.jit(lambda p: jax.tree_util.tree_map(lambda x: x * 0.5 + 1.0, p))
+  args = (params, tx.init(params), run_key, versions, members, weights, count)
+  t_full = timed(apply_full, *args, repeats=repeats)
+  t_low = timed(apply_low, *args, repeats=repeats)
+  t_noise = timed(one_noise_generation, run_key, repeats=repeats)
+  t_rw = timed(read_write, params, repeats=repeats)
+
+  memory = {}
+  for n in sorted({4, 16, 64, 256, population}):
+    memory[n] = temp_bytes(apply_full, params, tx.init(params), run_key, jnp.zeros(n // 2, jnp.int32),
+                           2 * jnp.arange(n // 2, dtype=jnp.int32), jnp.ones(n // 2, jnp.float32),
+                           jnp.int32(n))
+  return dict(dim=d, population=population, full_update_s=t_full, lowrank_update_s=t_low,
+              noise_generation_s=t_noise, read_write_s=t_rw,
+              full_vs_n_noise=t_full / (population * t_noise), full_vs_read_write=t_full / t_rw,
+              lowrank_vs_read_write=t_low / t_rw,
+              full_update_temp_bytes={str(n): b for n, b in memory.items()},
+              theta_bytes=4 * d)
+
+
+def bench_evosax(dim: int, population: int, repeats: int) -> dict:
+  from evosax.algorithms import Open_ES
+  params = theta_of_size(dim)
+  d = sum(x.size for x in jax.tree_util.tree_leaves(params))
+  strategy = Open_ES(population_size=population, solution=jnp.zeros(d), optimizer=optax.sgd(0.1))
+  es_params = strategy.default_params
+  state = strategy.init(jax.random.key(0), jnp.zeros(d), es_params)
+  fitness = jnp.asarray(np.random.default_rng(0).normal(size=population), jnp.float32)
+
+  @jax.jit
+  def ask_tell(key, state, fitness):
+    k1, k2 = jax.random.split(key)
+    population_x, state = strategy.ask(k1, state, es_params)
+    state, _ = strategy.tell(k2, population_x, fitness, state, es_params)
+    return state
+
+  t = timed(ask_tell, jax.random.key(1), state, fitness, repeats=repeats)
+  mem = temp_bytes(ask_tell, jax.random.key(1), state, fitness)
+  return dict(evosax_ask_tell_s=t, evosax_temp_bytes=mem)
+
+
+def decode_model(size: str):
+  if size == "tiny":
+    cfg = qwen2.Qwen2Config.preset("tiny")
+  else:
+    cfg = qwen2.Qwen2Config.preset("tiny-gqa", vocab_size=4096, hidden_size=256,
+                                   intermediate_size=704, num_layers=4, num_heads=4, num_kv_heads=2)
+  graphdef, params = nnx.split(qwen2.Qwen2ForCausalLM(cfg, rngs=nnx.Rngs(0)), nnx.Param)
+  return cfg, graphdef, params
+
+
+def bench_decode(size: str, batch: int, steps: int, repeats: int) -> dict:
+  cfg, graphdef, params = decode_model(size)
+  n_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
+  low = es.Strategy(population=batch, sigma=0.01, learning_rate=0.1, mode="lowrank", rank=1)
+  full = es.Strategy(population=batch, sigma=0.01, learning_rate=0.1, mode="full")
+  low.init(params, jax.random.key(0))
+  full.init(params, jax.random.key(0))
+  versions = jnp.zeros(batch, jnp.int32)
+  members = jnp.arange(batch, dtype=jnp.int32)
+  rows = jnp.arange(batch, dtype=jnp.int32)
+
+  def decode(params, noiser_fn):
+    cache = qwen2.KVCache.init(cfg, batch, steps)
+    tokens = jnp.zeros((batch, 1), jnp.int32)
+
+    def step(carry, t):
+      cache, tokens = carry
+      noiser = noiser_fn()
+      logits, cache = qwen2.forward(graphdef, params, tokens, jnp.full((batch, 1), t, jnp.int32),
+                                    jnp.ones((batch, 1), bool), cache, noiser)
+      return (cache, jnp.argmax(logits[:, -1], -1).astype(jnp.int32)[:, None]), None
+
+    (cache, tokens), _ = jax.lax.scan(step, (cache, tokens), jnp.arange(steps))
+    return tokens
+
+  plain = jax.jit(lambda p: decode(p, lambda: None))
+  cached = jax.jit(lambda p, n: decode(p, lambda: n))
+  regen = jax.jit(lambda p: decode(p, lambda: low.member_noiser(p, versions, members, rows)))
+  full_rows = jax.jit(lambda p, n: decode(p, lambda: n))
+  low_noiser = jax.jit(low.member_noiser)(params, versions, members, rows)
+  full_noiser = jax.jit(full.member_noiser)(params, versions, members, rows)
+  tokens = batch * steps
+  t_plain = timed(plain, params, repeats=repeats)
+  t_cached = timed(cached, params, low_noiser, repeats=repeats)
+  t_regen = timed(regen, params, repeats=repeats)
+  t_full = timed(full_rows, params, full_noiser, repeats=repeats)
+  return dict(model=size, params=n_params, batch=batch, steps=steps,
+              plain_tok_s=tokens / t_plain, lowrank_tok_s=tokens / t_cached,
+              lowrank_regen_tok_s=tokens / t_regen, full_rows_tok_s=tokens / t_full,
+              lowrank_vs_plain=t_plain / t_cached, lowrank_regen_vs_plain=t_plain / t_regen,
+              full_rows_vs_plain=t_plain / t_full)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--dim", type=int, default=2 ** 21)
+  parser.add_argument("--population", type=int, default=16)
+  parser.add_argument("--batch", type=int, default=16)
+  parser.add_argument("--steps", type=int, default=32)
+  parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--no-evosax", action="store_true")
+  args = parser.parse_args()
+
+  out = {"backend": jax.default_backend(), "devices": len(jax.devices())}
+  out.update(bench_update(args.dim, args.population, args.repeats))
+  if not args.no_evosax:
+    out.update(bench_evosax(args.dim, args.population, args.repeats))
+    out["full_vs_evosax"] = out["full_update_s"] / out["evosax_ask_tell_s"]
+    out["evosax_vs_full_temp_memory"] = out["evosax_temp_bytes"] / out["full_update_temp_bytes"][str(args.population)]
+  out["decode"] = [bench_decode(size, args.batch, args.steps, args.repeats) for size in ("tiny", "small")]
+
+  d, n = out["dim"], out["population"]
+  print(f"theta: D = {d:,} float32 ({4 * d / 2**20:.1f} MiB), N = {n}, backend {out['backend']}")
+  print(f"{'measurement':52s} {'value':>12s}")
+  rows = [
+      ("(a) full-rank update [s]", f"{out['full_update_s']:.4f}"),
+      ("    one noise generation over theta [s]", f"{out['noise_generation_s']:.4f}"),
+      ("    one read+write pass over theta [s]", f"{out['read_write_s']:.4f}"),
+      ("    full update / (N x noise generation)", f"{out['full_vs_n_noise']:.2f}x"),
+      ("    full update / read+write pass", f"{out['full_vs_read_write']:.1f}x"),
+  ]
+  rows += [(f"    update temp memory, N={k} [MiB] (theta {4 * d / 2**20:.1f})", f"{v / 2**20:.1f}")
+           for k, v in out["full_update_temp_bytes"].items()]
+  rows += [
+      ("(b) low-rank update (r=1) [s]", f"{out['lowrank_update_s']:.4f}"),
+      ("    low-rank update / read+write pass", f"{out['lowrank_vs_read_write']:.1f}x"),
+  ]
+  for dec in out["decode"]:
+    rows += [
+        (f"(c) decode {dec['model']} ({dec['params']:,} params, B={dec['batch']}) plain [tok/s]",
+         f"{dec['plain_tok_s']:.0f}"),
+        ("    low-rank, factors cached per member [tok/s]", f"{dec['lowrank_tok_s']:.0f}"),
+        ("    low-rank / plain", f"{dec['lowrank_vs_plain']:.2f}x"),
+        ("    low-rank, factors regenerated every step / plain", f"{dec['lowrank_regen_vs_plain']:.2f}x"),
+        ("    full-rank, one weight copy per row / plain", f"{dec['full_rows_vs_plain']:.2f}x"),
+    ]
+  if "evosax_ask_tell_s" in out:
+    rows += [
+        ("(d) evosax Open_ES ask+tell [s]", f"{out['evosax_ask_tell_s']:.4f}"),
+        ("    jaxes full update / evosax ask+tell", f"{out['full_vs_evosax']:.2f}x"),
+        ("    evosax temp memory / jaxes full update temp memory", f"{out['evosax_vs_full_temp_memory']:.1f}x"),
+    ]
+  for name, value in rows:
+    print(f"{name:52s} {value:>12s}")
+  print(json.dumps(out))
+
+
+if __name__ == "__main__":
+  main()

@@ -31,6 +31,10 @@ def test_cli_passes_on_a_random_checkpoint_on_an_8_device_mesh(tmp_path):
   assert metrics["max_abs_diff"] <= 1e-4 and metrics["top1_agreement"] == 1.0
 
 
+def test_cli_reports_an_unusable_checkpoint_in_one_line(tmp_path):
+  assert check_logits.main(["--hf_dir", str(tmp_path / "missing")]) == 2
+
+
 def test_tolerance_rule():
   rng = np.random.RandomState(0)
   reference = rng.normal(size=(5, 40)).astype(np.float32)

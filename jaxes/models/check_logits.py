@@ -5,9 +5,10 @@
 
 Prints a per-position table, then, last, one JSON line
 ``{"max_abs_diff": ..., "kl": ..., "top1_agreement": ...}``; exits 0 iff within tolerance
-(float32: max |Δlogit| <= 1e-4). Tokens come from the checkpoint's tokenizer when the directory
-has one, else from the prompt's UTF-8 bytes modulo the vocabulary. On a CPU-only machine a mesh
-of N devices gets N host CPU devices.
+(float32: max |Δlogit| <= 1e-4), 1 when outside it, 2 when the checkpoint or mesh is unusable.
+Tokens come from the checkpoint's tokenizer when the directory has one, else from the prompt's
+UTF-8 bytes modulo the vocabulary. On a CPU-only machine a mesh of N devices gets N host CPU
+devices.
 """
 from __future__ import annotations
 
@@ -77,12 +78,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Only takes effect on the CPU backend and before it starts; accelerators are left alone.
     jax.config.update("jax_num_cpu_devices", math.prod(mesh_sizes.values()))
 
-  import torch
+  try:
+    import torch
+  except ImportError:
+    print("check_logits: needs torch for the transformers reference (pip install -e '.[test]')",
+          file=sys.stderr)
+    return 2
   import transformers
   from jaxes.models import hf, qwen2
 
   mesh = sharding.make_mesh(**mesh_sizes) if mesh_sizes else None
-  cfg, graphdef, params = hf.load(args.hf_dir, mesh=mesh, param_dtype=args.dtype, dtype=args.dtype)
+  try:
+    cfg, graphdef, params = hf.load(args.hf_dir, mesh=mesh, param_dtype=args.dtype,
+                                    dtype=args.dtype)
+  except ValueError as e:  # CheckpointError, UnsupportedConfigError, mesh/divisibility errors
+    print(f"check_logits: {e}", file=sys.stderr)
+    return 2
   tokens = _tokens(args.hf_dir, args.prompt, cfg.vocab_size)
   T = tokens.shape[1]
   # float32 parity needs true float32 matmuls; GPUs and TPUs default to reduced-precision passes.

@@ -44,17 +44,28 @@ SHELL_ENV = {
   "HOME": SANDBOX_HOME, "USER": SANDBOX_USER, "LOGNAME": SANDBOX_USER, "SHELL": "/bin/bash",
   "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8",
   "LC_ALL": "C.UTF-8", "TERM": "dumb", "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1"}
-# Restores the previous command's cwd and exported variables, applies rlimits, records the
-# process group (for the flood kill), runs the command sourced (so `cd`, `export` and `exit`
-# behave as in a terminal) and saves the state again.
+# Restores the previous command's cwd and exported variables, applies rlimits, runs the command
+# sourced (so `cd`, `export` and `exit` behave as in a terminal), saves the state again and
+# kills whatever the command left running (as the local backend's per-command pid namespace
+# does), so background jobs and `setsid` escapees never outlive their command.
 _PRELUDE = """\
 ulimit -S -c 0
 ulimit -t {cpu} -f {fsize_blocks} 2>/dev/null
-echo "$PPID" > {ctl}/pgid
 cd {home}
 if [ -f {ctl}/env ]; then . {ctl}/env 2>/dev/null; fi
 if [ -f {ctl}/cwd ]; then cd "$(cat {ctl}/cwd)" 2>/dev/null; fi
-trap 'pwd > {ctl}/cwd 2>/dev/null; export -p > {ctl}/env 2>/dev/null' EXIT
+_jaxes_reap() {{
+  local pass p others
+  for pass in $(seq 20); do
+    others=""
+    for p in $(pgrep -U "$EUID"); do
+      [ "$p" = $$ ] || [ "$p" = "$PPID" ] || others="$others $p"
+    done
+    [ -z "$others" ] && return
+    kill -STOP $others 2>/dev/null; kill -KILL $others 2>/dev/null
+  done
+}}
+trap 'pwd > {ctl}/cwd 2>/dev/null; export -p > {ctl}/env 2>/dev/null; _jaxes_reap' EXIT
 printf '%s\\n' "$1" > {ctl}/cmd
 shift
 . {ctl}/cmd
@@ -328,12 +339,14 @@ class DockerHandle(SandboxHandle):
       read = 0
       try:
         for chunk in api.exec_start(exec_id, stream=True):
-          read += len(chunk)
-          if read <= MAX_READ_BYTES:
+          if read < MAX_READ_BYTES:
             output.feed(chunk)
-          elif not flooded.is_set():
+          read += len(chunk)
+          if read >= MAX_READ_BYTES and not flooded.is_set():
             flooded.set()
-            self._kill_command_group()
+            # Kill from another thread and keep draining: a stream nobody reads stalls the
+            # engine's exec machinery for this container, the kill included.
+            threading.Thread(target=self._kill_agent_processes, daemon=True).start()
       except BaseException as err:  # reported to the caller below
         stream_error.append(err)
 
@@ -354,12 +367,13 @@ class DockerHandle(SandboxHandle):
     return ((-1 if exit_code is None else exit_code), output.text(), output.total_chars,
             time.monotonic() - started, flooded.is_set())
 
-  def _kill_command_group(self) -> None:
-    """Kills the running agent command's process group (its pgid is saved by the prelude)."""
+  def _kill_agent_processes(self) -> None:
+    """Kills every process of the agent's user (a flooding or timed-out command and anything
+    it spawned, even in a new session)."""
     try:
-      self._container.exec_run(["bash", "-c", f"kill -KILL -- -$(cat {CTL}/pgid)"], user="root")
+      self._container.exec_run(["pkill", "-KILL", "-u", SANDBOX_USER], user="root")
     except _DOCKER_ERRORS:
-      pass  # the timeout still kills it
+      pass  # the container is gone or the timeout still kills the command
 
   def _root_script(self, script: str, timeout_s: float, cap_chars: int = 200_000):
     argv = ["timeout", "-s", "KILL", f"{timeout_s:g}s", "bash", "-c", script]
@@ -399,6 +413,8 @@ class DockerHandle(SandboxHandle):
     exit_code, output, chars, seconds, flooded = self._exec(
       argv, SANDBOX_USER, timeout_s, limits.output_chars)
     timed_out = exit_code == KILL_EXIT_CODE and seconds >= timeout_s and not flooded
+    if timed_out:  # the KILL skipped the prelude's clean-up
+      self._kill_agent_processes()
     if flooded:
       output += f"\n[output exceeded {MAX_READ_BYTES >> 20} MiB; the command was killed]"
     return ExecResult(exit_code=-1 if (timed_out or flooded) else exit_code, output=output,

@@ -1,0 +1,353 @@
+"""Docker sandbox against a real engine (skipped, with the reason, when none answers or the base
+image is missing: `bash launch/docker/setup.sh` provides both)."""
+import concurrent.futures
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+import uuid
+
+import pytest
+
+docker = pytest.importorskip("docker")
+
+from jaxes.envs import docker_sandbox, loaders  # noqa: E402
+from jaxes.envs.docker_sandbox import DockerSandbox  # noqa: E402
+from jaxes.envs.image import DEFAULT_TAG  # noqa: E402
+from jaxes.envs.sandbox import SandboxError  # noqa: E402
+from jaxes.envs.task import Limits, Task  # noqa: E402
+
+pytestmark = pytest.mark.docker
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _engine_or_skip():
+  try:
+    client = docker.from_env()
+    client.ping()
+  except Exception as err:  # any failure to reach an engine means: skip
+    reason = f"no docker engine answers ({err}); run `bash launch/docker/setup.sh`"
+    print(reason, file=sys.stderr)
+    pytest.skip(reason)
+  try:
+    client.images.get(DEFAULT_TAG)
+  except docker.errors.ImageNotFound:
+    reason = f"image {DEFAULT_TAG} missing; run `python -m jaxes.envs.image build`"
+    print(reason, file=sys.stderr)
+    pytest.skip(reason)
+  return client
+
+
+@pytest.fixture(scope="module")
+def client():
+  return _engine_or_skip()
+
+
+@pytest.fixture(scope="module")
+def sandbox(client):
+  sb = DockerSandbox(run_label=f"test-{uuid.uuid4().hex[:8]}", exec_grace_s=3.0)
+  yield sb
+  sb.shutdown()
+  assert sb.leftovers() == {"containers": 0}
+
+
+COUNT_TESTS = textwrap.dedent("""\
+  def test_count():
+    assert open("/home/user/count.txt").read().strip() == "2"
+
+  def test_untouched():
+    assert open("/home/user/logs/app.log").read().count("ERROR") == 2
+  """)
+
+
+def count_task(**overrides):
+  fields = dict(
+    name="count-errors", instruction="Count ERROR lines of logs/app.log into count.txt.",
+    files=(("/home/user/logs/app.log", b"ERROR a\nINFO b\nERROR c\n"),),
+    setup="mkdir -p /home/user/out && echo made > /home/user/out/setup.txt",
+    final_tests=COUNT_TESTS, solution="grep -c ERROR logs/app.log > count.txt",
+    env=(("GREETING", "hi there"),))
+  fields.update(overrides)
+  return Task(**fields)
+
+
+def test_episode_runs_as_user_with_state_carried_over(sandbox):
+  with sandbox.start(count_task()) as handle:
+    res = handle.exec("id -un; pwd; echo $GREETING; cat out/setup.txt; stat -c %U logs/app.log", 5)
+    assert res.output == "user\n/home/user\nhi there\nmade\nuser\n" and res.exit_code == 0
+    assert handle.exec("cd logs && export MARK=7", 5).exit_code == 0
+    assert handle.exec("pwd; echo $MARK", 5).output == "/home/user/logs\n7\n"
+    assert handle.exec("exit 3", 5).exit_code == 3
+    res = handle.exec("no-such-command", 5)
+    assert res.exit_code == 127 and "command not found" in res.output
+    report = handle.run_tests()
+    assert (report.passed, report.num_passed, report.num_tests) == (False, 1, 2)
+    handle.exec("cd ~ && grep -c ERROR logs/app.log > count.txt", 5)
+    report = handle.run_tests()
+    assert (report.passed, report.num_passed, report.num_tests, report.timed_out) == (
+      True, 2, 2, False)
+
+
+def test_agent_cannot_touch_tests_or_root_files(sandbox):
+  with sandbox.start(count_task()) as handle:
+    res = handle.exec(f"ls {docker_sandbox.TESTS_DIR} ; touch /etc/x", 5)
+    assert res.exit_code != 0 and "Permission denied" in res.output
+    # A pytest.py or conftest.py planted by the agent must not change the verdict.
+    for planted in ("pytest.py", "sitecustomize.py", "conftest.py"):
+      handle.exec(f"echo 'import os; os._exit(0)' > {planted}", 5)
+    assert not handle.run_tests().passed
+
+
+def test_command_timeout_kills_everything_it_started(sandbox):
+  with sandbox.start(count_task()) as handle:
+    start = time.monotonic()
+    res = handle.exec("setsid sleep 1000 & sleep 1000", 1)
+    assert res.timed_out and res.exit_code == -1
+    assert time.monotonic() - start < 1 + sandbox.exec_grace_s
+    assert "sleep" not in handle.exec("ps -eo user,args | grep ^user", 5).output
+    # Background jobs of a command that ends normally do not outlive it either.
+    handle.exec("sleep 500 & disown; nohup sleep 600 >/dev/null 2>&1 &", 5)
+    assert "sleep" not in handle.exec("ps -eo user,args | grep ^user", 5).output
+
+
+@pytest.mark.parametrize("command, check", [
+  (":(){ :|:& };:", None),                                            # fork bomb
+  ("rm -rf --no-preserve-root / 2>/dev/null; ls /", None),           # rm -rf /
+  ("yes", lambda r: r.exit_code == -1 and r.output_chars >= docker_sandbox.MAX_READ_BYTES
+   and len(r.output) < 2 * 50_000 + 200 and "command was killed" in r.output),
+  ("sleep 1000", lambda r: r.timed_out),
+  ("head -c 5000 /dev/urandom; printf '\\xff\\xfe\\x00end'", lambda r: r.output.endswith("end")),
+  ("python3 -c \"import socket; socket.create_connection(('172.17.0.1', 2375), 2)\"",
+   lambda r: r.exit_code != 0 and "unreachable" in r.output),
+  ("python3 -c \"import socket; socket.create_connection(('127.0.0.1', 2375), 2)\"",
+   lambda r: r.exit_code != 0 and "refused" in r.output),
+  ("cat /sys/class/net/*/address; ls /sys/class/net", lambda r: r.output.split()[-1] == "lo"),
+])
+def test_hostile_commands_leave_the_sandbox_usable(sandbox, command, check):
+  sentinel = tempfile.NamedTemporaryFile(prefix="jaxes-host-sentinel-")
+  with sandbox.start(count_task()) as handle:
+    res = handle.exec(command, 4)
+    if check is not None:
+      assert check(res), res
+    assert handle.exec("echo alive", 5).output == "alive\n"
+  assert os.path.exists(sentinel.name)  # the host is unharmed
+  sentinel.close()
+
+
+def test_killed_container_is_a_sandbox_error(sandbox, client):
+  handle = sandbox.start(count_task())
+  client.containers.get(handle.container_id).kill()
+  with pytest.raises(SandboxError):
+    handle.exec("echo hi", 5)
+  with pytest.raises(SandboxError):
+    handle.run_tests()
+  handle.close()
+  handle.close()  # idempotent
+
+
+def freeze_timeout(client, handle):
+  """Fault injection: SIGSTOPs the `timeout` wrapping the running command, so the exec can
+  never end by itself (the engine-side picture of a wedged exec). Pausing the container would
+  do, but a cgroup-v1 freeze that fails half-way wedges the whole engine."""
+  client.containers.get(handle.container_id).exec_run(["pkill", "-STOP", "-x", "timeout"],
+                                                      user="root")
+
+
+def test_hung_exec_is_a_sandbox_error_and_the_container_is_removed(sandbox, client):
+  handle = sandbox.start(count_task())
+  threading.Timer(0.3, freeze_timeout, (client, handle)).start()
+  start = time.monotonic()
+  with pytest.raises(SandboxError, match="past its"):
+    handle.exec("sleep 0.3; sleep 5", 1)
+  assert time.monotonic() - start < 1 + sandbox.exec_grace_s + 6
+  with pytest.raises(docker.errors.NotFound):
+    client.containers.get(handle.container_id)
+  handle.close()
+
+
+class FlakyCreate(DockerSandbox):
+  """Fault injection: the calling thread's next ``n`` creates fail as an overloaded engine's
+  would (per thread, so concurrent episodes do not consume each other's faults)."""
+
+  def __init__(self, **kwargs):
+    self._faults = threading.local()
+    super().__init__(**kwargs)
+
+  def fail_next_creates(self, n):
+    self._faults.remaining = n
+
+  def _create_container(self, memory_mb, pids):
+    if getattr(self._faults, "remaining", 0) > 0:
+      self._faults.remaining -= 1
+      raise docker.errors.APIError("injected create failure")
+    return super()._create_container(memory_mb, pids)
+
+
+def test_create_is_retried_with_backoff(client):
+  sb = FlakyCreate(create_retries=2, retry_backoff_s=0.01)
+  try:
+    sb.fail_next_creates(2)
+    with sb.start(count_task()) as handle:
+      assert handle.exec("echo ok", 5).output == "ok\n"
+    sb.fail_next_creates(3)
+    with pytest.raises(SandboxError, match="injected create failure"):
+      sb.start(count_task())
+    # An engine-rejected configuration fails the same way, leaving nothing behind.
+    with pytest.raises(SandboxError, match="could not start a container"):
+      sb.start(count_task(limits=Limits(memory_mb=1)))
+    assert sb.leftovers() == {"containers": 0}
+  finally:
+    sb.shutdown()
+
+
+def test_setup_failure_is_a_sandbox_error_naming_the_task(sandbox):
+  with pytest.raises(SandboxError, match="task broken: setup exited 3"):
+    sandbox.start(count_task(name="broken", setup="echo about to fail; exit 3"))
+  assert sandbox.leftovers() == {"containers": 0}
+
+
+def test_warm_pool_serves_starts_and_refills(client):
+  sb = DockerSandbox(pool_size=2)
+  try:
+    deadline = time.monotonic() + 60
+    while sb.leftovers()["containers"] < 2 and time.monotonic() < deadline:
+      time.sleep(0.1)
+    pooled = {c.id for c in docker_sandbox.list_run_containers(client, sb.run_label)}
+    assert len(pooled) == 2
+    with sb.start(count_task()) as handle:
+      assert handle.container_id in pooled
+      assert handle.exec("cat logs/app.log | wc -l", 5).output == "3\n"
+    # A task asking for tighter limits than the pool's gets its own container.
+    with sb.start(count_task(limits=Limits(memory_mb=512))) as handle:
+      assert handle.container_id not in pooled
+  finally:
+    sb.shutdown()
+  assert sb.leftovers() == {"containers": 0}
+
+
+OWNER_SCRIPT = """
+import os, sys
+from jaxes.envs.docker_sandbox import DockerSandbox
+from jaxes.envs.task import Task
+sb = DockerSandbox(run_label=sys.argv[1])
+sb.start(Task(name="t", instruction="x"))
+print("started", flush=True)
+if sys.argv[2] == "crash":
+  os._exit(0)   # no atexit, no shutdown: like a SIGKILLed trainer
+"""
+
+
+def test_leftovers_of_exited_and_crashed_runs_are_removed(client):
+  env = {**os.environ, "PYTHONPATH": REPO}
+  labels = {}
+  for mode in ("exit", "crash"):
+    labels[mode] = f"test-{mode}-{uuid.uuid4().hex[:8]}"
+    out = subprocess.run([sys.executable, "-c", OWNER_SCRIPT, labels[mode], mode], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert "started" in out.stdout, out.stderr
+  assert docker_sandbox.list_run_containers(client, labels["exit"]) == []   # atexit cleaned up
+  assert len(docker_sandbox.list_run_containers(client, labels["crash"])) == 1
+  sb = DockerSandbox()   # a new run sweeps containers whose owner process is dead
+  try:
+    assert sb.orphans_removed >= 1
+    assert docker_sandbox.list_run_containers(client, labels["crash"]) == []
+  finally:
+    sb.shutdown()
+
+
+def test_loaded_endless_terminals_task_runs_with_its_oracle(sandbox, tmp_path):
+  folder = tmp_path / "task_et"
+  (folder / "data").mkdir(parents=True)
+  (folder / "task.json").write_text('{"description": "Count ERROR lines", "truth": "2", '
+                                    '"name": "et-count"}')
+  (folder / "data" / "app.log").write_text("ERROR a\nINFO b\nERROR c\n")
+  (folder / "test_initial_state.py").write_text(
+    "def test_log():\n  assert open('/home/user/logs/app.log').read().count('ERROR') == 2\n")
+  (folder / "test_final_state.py").write_text(COUNT_TESTS)
+  (folder / "solution.sh").write_text("cd /home/user && grep -c ERROR logs/app.log > count.txt\n")
+  (folder / "container.def").write_text(textwrap.dedent("""\
+    Bootstrap: localimage
+    From: ./ubuntu_22.04.sif
+
+    %post
+        apt update && apt install -y python3-pip git
+        pip3 install pytest
+        useradd -m -s /bin/bash user
+        mkdir -p /home/user/logs
+        chown -R user:user /home/user
+
+    %files
+        data/app.log /home/user/logs/app.log
+
+    %environment
+        export LANG=C.UTF-8
+    """))
+  task = loaders.load_task(str(folder))
+  checked = DockerSandbox(run_label=f"test-et-{uuid.uuid4().hex[:8]}", check_initial_state=True)
+  try:
+    with checked.start(task) as handle:
+      assert not handle.run_tests().passed
+      handle.exec(task.solution, 10)
+      assert handle.run_tests().passed
+  finally:
+    checked.shutdown()
+
+
+def _child_processes():
+  me = str(os.getpid())
+  children = 0
+  for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+      with open(f"/proc/{pid}/stat") as f:
+        children += f.read().rsplit(")", 1)[1].split()[1] == me
+    except (FileNotFoundError, ProcessLookupError):
+      pass
+  return children
+
+
+def test_soak_200_episodes_with_injected_faults_leaks_nothing(client):
+  """200 short episodes on 4 workers; every 10th container is killed mid-episode, every 10th
+  exec hangs (its timeout frozen), every 10th create fails, every 10th command times out."""
+  tmp_before = set(os.listdir(tempfile.gettempdir()))
+  children_before = _child_processes()
+  sb = FlakyCreate(run_label=f"soak-{uuid.uuid4().hex[:8]}", exec_grace_s=1.0,
+                   create_retries=1, retry_backoff_s=0.01)
+
+  def episode(i):
+    kind = ("kill", "hang", "create", "timeout", *["ok"] * 6)[i % 10]
+    sb.fail_next_creates(2 if kind == "create" else 0)   # both attempts of this start fail
+    try:
+      handle = sb.start(count_task(name=f"soak-{i}"))
+    except SandboxError:
+      return kind, "start-failed"
+    try:
+      if kind == "kill":
+        client.containers.get(handle.container_id).kill()
+      if kind == "hang":
+        threading.Timer(0.3, freeze_timeout, (client, handle)).start()
+      # Generous timeouts: the machine may be loaded; the hang is injected at 0.3 s.
+      command, timeout_s = {"hang": ("sleep 60", 5), "timeout": ("sleep 60", 1)}.get(
+        kind, ("grep -c ERROR logs/app.log > count.txt", 30))
+      res = handle.exec(command, timeout_s)
+      return kind, ("timeout" if res.timed_out else
+                    "passed" if handle.run_tests().passed else "failed")
+    except SandboxError:
+      return kind, "sandbox-error"
+    finally:
+      handle.close()
+
+  try:
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+      outcomes = list(pool.map(episode, range(200)))
+  finally:
+    sb.shutdown()
+  expected = {"ok": "passed", "kill": "sandbox-error", "hang": "sandbox-error",
+              "create": "start-failed", "timeout": "timeout"}
+  wrong = [(i, kind, got) for i, (kind, got) in enumerate(outcomes) if expected[kind] != got]
+  assert wrong == []
+  assert client.containers.list(all=True, filters={"label": f"jaxes.run={sb.run_label}"}) == []
+  assert _child_processes() == children_before
+  assert set(os.listdir(tempfile.gettempdir())) - tmp_before == set()

@@ -179,3 +179,16 @@ def test_each_namespace_mechanism_when_available(isolation):
       assert h.exec("touch /etc/owned 2>/dev/null || echo denied", 10).output == "denied\n"
   finally:
     sb.shutdown()
+
+
+def test_orphaned_roots_of_dead_runs_are_removed(tmp_path):
+  dead = subprocess.Popen(["true"])
+  dead.wait()
+  orphan = tmp_path / f"jaxes-local-{dead.pid}-abc123"
+  (orphan / "ep-1" / "home").mkdir(parents=True)
+  alive = tmp_path / f"jaxes-local-{os.getpid()}-def456"
+  alive.mkdir()
+  unrelated = tmp_path / "jaxes-local-notapid"
+  unrelated.mkdir()
+  assert local_sandbox.remove_orphans(str(tmp_path)) == 1
+  assert not orphan.exists() and alive.exists() and unrelated.exists()

@@ -49,6 +49,7 @@ TESTS = "/run/jaxes-tests"      # final tests, mounted read-only only while they
 NOBODY = 65534
 MAX_READ_BYTES = 16 << 20       # a command printing more than this is killed
 SETUP_TIMEOUT_S = 120.0
+_ROOT_PREFIX = "jaxes-local-"
 _KILL_GRACE_S = 2.0
 _RESULT_TAG = "JAXES_TEST_RESULT "
 _PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -229,6 +230,29 @@ def _default_parent() -> str | None:
   return shm if os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK) else None
 
 
+def remove_orphans(parent: str) -> int:
+  """Removes episode roots under ``parent`` left by processes that died without ``shutdown``
+  (killed runs); returns how many. Roots carry their creator's pid in their name."""
+  removed = 0
+  for name in os.listdir(parent):
+    m = re.fullmatch(re.escape(_ROOT_PREFIX) + r"(\d+)-\w+", name)
+    if not m or _pid_alive(int(m.group(1))):
+      continue
+    _rmtree(os.path.join(parent, name))
+    removed += 1
+  return removed
+
+
+def _pid_alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True
+  return True
+
+
 def _check_searchable(root_dir: str, uid: int) -> None:
   path = os.path.abspath(root_dir)
   while True:
@@ -271,7 +295,11 @@ class LocalSandbox(Sandbox):
     self.isolation = resolve_isolation(isolation, self.uid)
     self.use_pytest = use_pytest
     self._own_root = root_dir is None
-    self.root_dir = root_dir or tempfile.mkdtemp(prefix="jaxes-local-", dir=_default_parent())
+    if root_dir is None:
+      parent = _default_parent() or tempfile.gettempdir()
+      remove_orphans(parent)
+      root_dir = tempfile.mkdtemp(prefix=f"{_ROOT_PREFIX}{os.getpid()}-", dir=parent)
+    self.root_dir = root_dir
     os.makedirs(self.root_dir, exist_ok=True)
     os.chmod(self.root_dir, 0o711)   # the sandbox uid must traverse it to reach its episode
     if self.uid is not None:

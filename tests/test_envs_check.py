@@ -40,3 +40,20 @@ def test_bad_agent_and_bad_replay_file_fail_clearly(tmp_path):
   bad.write_text("{not json")
   with pytest.raises(SystemExit, match="cannot read"):
     check.main(["--generated", "1", "--agent", f"replay:{bad}"])
+
+
+def test_unplayable_tasks_are_counted_not_fatal():
+  from jaxes.envs import make_sandbox
+  from jaxes.envs.task import Task
+  tests = "def test_x():\n  assert False\n"
+  tasks = [Task(name="outside", instruction="x", final_tests=tests, solution="true",
+                files=(("/etc/x", b"x"),)),
+           Task(name="no-oracle", instruction="x", final_tests=tests)]
+  sandbox = make_sandbox("local")
+  try:
+    results, leaked = check.run_checks(sandbox, tasks, "oracle", progress=False)
+  finally:
+    sandbox.shutdown()
+  summary = check.summarize(results, leaked)
+  assert summary["failures"] == {"NO_SOLUTION": 1, "TASK_ERROR": 1} and leaked == 0
+  assert "TASK_ERROR=1" in check.family_table(results)

@@ -28,6 +28,7 @@ from jaxes.envs.task import Task
 DONE = "<action>done</action>"
 FAILED_TESTS = "FAILED_TESTS"     # the episode ran normally but the final tests failed
 NO_SOLUTION = "NO_SOLUTION"       # oracle asked for a task that has none
+TASK_ERROR = "TASK_ERROR"         # the backend cannot run this task (e.g. files outside /home/user)
 
 
 def make_agent(spec: str) -> Callable[[Task], Callable[[list], str] | None]:
@@ -83,15 +84,20 @@ def descendant_processes() -> int:
 
 
 def run_checks(sandbox, tasks: list[Task], agent_spec: str, workers: int = 1,
-               progress: bool = True) -> tuple[list[tuple[Task, protocol.EpisodeOutcome | None]], int]:
-  """Plays every task; returns (task, outcome or None when no oracle) pairs and leftovers."""
+               progress: bool = True) -> tuple[list[tuple[Task, protocol.EpisodeOutcome | str]], int]:
+  """Plays every task; returns (task, outcome or the reason it could not be played) pairs and
+  the number of leftovers."""
   factory = make_agent(agent_spec)
 
   def one(task: Task):
     agent = factory(task)
     if agent is None:
-      return task, None
-    return task, protocol.run_episode(sandbox, task, agent)
+      return task, NO_SOLUTION
+    try:
+      return task, protocol.run_episode(sandbox, task, agent)
+    except ValueError as e:
+      print(f"{task.name}: {e}", file=sys.stderr)
+      return task, TASK_ERROR
 
   results = []
   with concurrent.futures.ThreadPoolExecutor(max(workers, 1)) as pool:
@@ -108,11 +114,11 @@ def run_checks(sandbox, tasks: list[Task], agent_spec: str, workers: int = 1,
 def summarize(results, leaked: int) -> dict:
   failures = collections.Counter()
   for _task, outcome in results:
-    if outcome is None:
-      failures[NO_SOLUTION] += 1
+    if isinstance(outcome, str):
+      failures[outcome] += 1
     elif not outcome.passed:
       failures[outcome.failure or FAILED_TESTS] += 1
-  passed = sum(o is not None and o.passed for _t, o in results)
+  passed = sum(not isinstance(o, str) and o.passed for _t, o in results)
   return {"tasks": len(results), "passed": passed,
           "pass_rate": passed / len(results) if results else 0.0,
           "failures": dict(sorted(failures.items())), "leaked": leaked}
@@ -123,13 +129,13 @@ def family_table(results) -> str:
   for task, outcome in results:
     row = rows[task.family]
     row[0] += 1
-    if outcome is not None:
+    if isinstance(outcome, str):
+      row[3][outcome] += 1
+    else:
       row[1] += outcome.passed
       row[2] += outcome.turns
       if not outcome.passed:
         row[3][outcome.failure or FAILED_TESTS] += 1
-    else:
-      row[3][NO_SOLUTION] += 1
   lines = [f"{'family':<16} {'tasks':>5} {'passed':>6} {'rate':>6} {'turns':>5}  failures"]
   for family in sorted(rows):
     n, p, turns, fails = rows[family]

@@ -44,7 +44,8 @@ log = logging.getLogger(__name__)
 
 ISOLATIONS = ("auto", "bwrap", "unshare", "none")
 HOME = "/home/user"
-CTL = "/run/jaxes"              # per-episode shell state (cwd, exported variables, command)
+CTL = "/run/jaxes"              # per-episode shell state (cwd, exported variables), agent-writable
+CMD = "/run/jaxes-in"           # the command to run, read-only to the agent
 TESTS = "/run/jaxes-tests"      # final tests, mounted read-only only while they run
 NOBODY = 65534
 MAX_READ_BYTES = 16 << 20       # a command printing more than this is killed
@@ -94,7 +95,8 @@ print("%s%s" % (TAG, json.dumps({"passed": passed, "failed": failed,
 """.replace("TAG", repr(_RESULT_TAG))
 
 # Restores the previous command's cwd and exported variables, applies rlimits, runs the
-# command (sourced, so `exit`, `cd` and `export` behave as in a terminal) and saves the state.
+# command (eval'd in this shell, so `exit`, `cd` and `export` behave as in a terminal and
+# errors read "bash: line 1: ...") and saves the state.
 _PRELUDE = """\
 ulimit -S -c 0
 ulimit -t {cpu} -v {mem_kb} -f {fsize_blocks} 2>/dev/null
@@ -103,7 +105,7 @@ cd {home}
 if [ -f {ctl}/env ]; then . {ctl}/env 2>/dev/null; fi
 if [ -f {ctl}/cwd ]; then cd "$(cat {ctl}/cwd)" 2>/dev/null; fi
 trap 'pwd > {ctl}/cwd 2>/dev/null; export -p > {ctl}/env 2>/dev/null' EXIT
-. {ctl}/cmd
+eval "$(< {cmd}/cmd)"
 """
 
 
@@ -131,6 +133,7 @@ def _bwrap_argv(ep_dir: str, tests_dir: str | None) -> list[str]:
           "--dir", "/run", "--dir", "/home",
           "--bind", os.path.join(ep_dir, "home"), HOME,
           "--bind", os.path.join(ep_dir, "ctl"), CTL,
+          "--ro-bind", os.path.join(ep_dir, "in"), CMD,
           "--hostname", "sandbox", "--chdir", HOME]
   if tests_dir:
     argv += ["--ro-bind", tests_dir, TESTS]
@@ -139,7 +142,8 @@ def _bwrap_argv(ep_dir: str, tests_dir: str | None) -> list[str]:
 
 def _unshare_argv(ep_dir: str, tests_dir: str | None) -> list[str]:
   # Mapped root inside a fresh user namespace may mount; the mounts vanish with the namespace.
-  mounts = [f"mount --bind {ep_dir}/home {HOME}", f"mount --bind {ep_dir}/ctl {CTL}"]
+  mounts = [f"mount --bind {ep_dir}/home {HOME}", f"mount --bind {ep_dir}/ctl {CTL}",
+            f"mkdir {CMD} && mount --bind -o ro {ep_dir}/in {CMD}"]
   if tests_dir:
     mounts.append(f"mkdir {TESTS} && mount --bind -o ro {tests_dir} {TESTS}")
   script = " && ".join([
@@ -156,9 +160,9 @@ def _probe(isolation: str, uid: int | None) -> bool:
   """Whether this isolation mechanism works here (one trial run, cached per process)."""
   with tempfile.TemporaryDirectory(prefix="jaxes-probe-") as root:
     os.chmod(root, 0o711)
-    for sub in ("home", "ctl"):
+    for sub in ("home", "ctl", "in"):
       os.mkdir(os.path.join(root, sub))
-      if uid is not None:
+      if uid is not None and sub != "in":
         os.chown(os.path.join(root, sub), uid, uid)
     argv = (_bwrap_argv if isolation == "bwrap" else _unshare_argv)(root, None)
     try:
@@ -269,9 +273,10 @@ def _check_searchable(root_dir: str, uid: int) -> None:
 def _rmtree(path: str) -> None:
   """Removes a tree even where the agent left directories without write/exec permission."""
   def fix(func, p, _exc):
-    try:
-      os.chmod(os.path.dirname(p), 0o700)
-      os.chmod(p, 0o700)
+    try:   # chmod follows symlinks: never chmod through one
+      for q in (os.path.dirname(p), p):
+        if not os.path.islink(q):
+          os.chmod(q, 0o700)
       func(p)
     except OSError:
       pass
@@ -347,6 +352,9 @@ class LocalHandle(SandboxHandle):
     self.ep_dir = ep_dir
     self.home = os.path.join(ep_dir, "home")
     self.ctl = os.path.join(ep_dir, "ctl")
+    # Written by us and mounted read-only: never write into a directory the agent controls
+    # (as root, a planted symlink there would redirect our write onto a host file).
+    self.cmd_dir = os.path.join(ep_dir, "in")
     self._closed = False
 
   # ---- set-up -------------------------------------------------------------------------------
@@ -354,6 +362,7 @@ class LocalHandle(SandboxHandle):
     os.mkdir(self.ep_dir, 0o711)
     os.mkdir(self.home, 0o755)
     os.mkdir(self.ctl, 0o700)
+    os.mkdir(self.cmd_dir, 0o755)
     for path, data in self.task.files:
       self._place(path, data)
     self._chown_tree(self.home)
@@ -395,7 +404,7 @@ class LocalHandle(SandboxHandle):
     return self._run(command, timeout_s)
 
   def _env(self) -> dict[str, str]:
-    env = {"HOME": HOME, "USER": "user", "LOGNAME": "user", "PATH": _PATH, "LANG": "C.UTF-8",
+    env = {"HOME": self._localise(HOME), "USER": "user", "LOGNAME": "user", "PATH": _PATH, "LANG": "C.UTF-8",
            "LC_ALL": "C.UTF-8", "TERM": "dumb", "SHELL": "/bin/bash",
            "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1"}
     env.update(dict(self.task.env))
@@ -405,13 +414,13 @@ class LocalHandle(SandboxHandle):
     """Without namespaces the sandbox paths do not exist: rewrite them to the episode's."""
     if self._sb.isolation != "none":
       return text
-    return (text.replace(TESTS, os.path.join(self.ep_dir, "tests"))
+    return (text.replace(TESTS, os.path.join(self.ep_dir, "tests")).replace(CMD, self.cmd_dir)
             .replace(CTL, self.ctl).replace(HOME, self.home))
 
   def _delocalise(self, text: str) -> str:
     if self._sb.isolation != "none":
       return text
-    return text.replace(self.home, HOME).replace(self.ctl, CTL)
+    return text.replace(self.home, HOME).replace(self.ctl, CTL).replace(self.cmd_dir, CMD)
 
   def _argv(self, inner: list[str], tests_dir: str | None = None) -> list[str]:
     iso = self._sb.isolation
@@ -425,15 +434,17 @@ class LocalHandle(SandboxHandle):
            tests_dir: str | None = None) -> ExecResult:
     limits = self.task.limits
     if argv is None:
-      with open(os.path.join(self.ctl, "cmd"), "w", encoding="utf-8", errors="replace") as f:
+      with open(os.path.join(self.cmd_dir, "cmd"), "w", encoding="utf-8", errors="replace") as f:
         f.write(self._localise(command) + "\n")
       prelude = _PRELUDE.format(
           cpu=limits.cpu_s, mem_kb=limits.memory_mb * 1024, fsize_blocks=limits.file_size_mb * 1024,
           # Host root is exempt from RLIMIT_NPROC and counts every root process: skip it there.
           nproc_line=("" if self._sb.uid is None and os.geteuid() == 0
                       else f"ulimit -u {limits.processes} 2>/dev/null"),
-          home=self._localise(HOME), ctl=self._localise(CTL))
-      argv = ["bash", "--noprofile", "--norc", "-c", prelude]
+          home=self._localise(HOME), ctl=self._localise(CTL), cmd=self._localise(CMD))
+      # One line, so bash reports errors as "bash: x: command not found", without line numbers.
+      one_line = "; ".join(line for line in prelude.splitlines() if line.strip())
+      argv = ["bash", "--noprofile", "--norc", "-c", one_line]
     full = self._argv(argv, tests_dir)
     cwd = self.home if self._sb.isolation == "none" else "/"
     capture = OutputCapture(limits.output_chars)

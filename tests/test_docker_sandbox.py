@@ -296,6 +296,12 @@ def test_loaded_endless_terminals_task_runs_with_its_oracle(sandbox, tmp_path):
     checked.shutdown()
 
 
+def _jaxes_temp_entries():
+  """Host temp entries a sandbox could leave (the machine is shared: others' files are ignored)."""
+  return {os.path.join(d, name) for d in {tempfile.gettempdir(), "/var/tmp"}
+          for name in os.listdir(d) if "jaxes" in name}
+
+
 def _child_processes():
   me = str(os.getpid())
   children = 0
@@ -311,7 +317,7 @@ def _child_processes():
 def test_soak_200_episodes_with_injected_faults_leaks_nothing(client):
   """200 short episodes on 4 workers; every 10th container is killed mid-episode, every 10th
   exec hangs (its timeout frozen), every 10th create fails, every 10th command times out."""
-  tmp_before = set(os.listdir(tempfile.gettempdir()))
+  tmp_before = _jaxes_temp_entries()
   children_before = _child_processes()
   sb = FlakyCreate(run_label=f"soak-{uuid.uuid4().hex[:8]}", exec_grace_s=1.0,
                    create_retries=1, retry_backoff_s=0.01)
@@ -350,4 +356,4 @@ def test_soak_200_episodes_with_injected_faults_leaks_nothing(client):
   assert wrong == []
   assert client.containers.list(all=True, filters={"label": f"jaxes.run={sb.run_label}"}) == []
   assert _child_processes() == children_before
-  assert set(os.listdir(tempfile.gettempdir())) - tmp_before == set()
+  assert _jaxes_temp_entries() - tmp_before == set()

@@ -53,13 +53,14 @@ ulimit -S -c 0
 ulimit -t {cpu} -f {fsize_blocks} 2>/dev/null
 cd {home}
 if [ -f {ctl}/env ]; then . {ctl}/env 2>/dev/null; fi
-if [ -f {ctl}/cwd ]; then cd "$(cat {ctl}/cwd)" 2>/dev/null; fi
+if [ -f {ctl}/cwd ]; then cd "$(< {ctl}/cwd)" 2>/dev/null; fi
 _jaxes_reap() {{
   local pass p others
-  for pass in $(seq 20); do
+  for pass in {{1..20}}; do
     others=""
-    for p in $(pgrep -U "$EUID"); do
-      [ "$p" = $$ ] || [ "$p" = "$PPID" ] || others="$others $p"
+    for p in /proc/[0-9]*; do  # pure bash: no fork per command
+      p=${{p#/proc/}}
+      [ -O /proc/$p ] && [ "$p" != $$ ] && [ "$p" != "$PPID" ] && others="$others $p"
     done
     [ -z "$others" ] && return
     kill -STOP $others 2>/dev/null; kill -KILL $others 2>/dev/null

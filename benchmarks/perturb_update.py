@@ -32,13 +32,17 @@ from jaxes.es import keys, noise, update
 from jaxes.models import qwen2
 
 
-def timed(fn, *args, repeats: int) -> float:
-  jax.block_until_ready(fn(*args))
-  best = float("inf")
-  for _ in range(repeats):
-    t = time.perf_counter()
+def timed_interleaved(calls, repeats: int) -> list[float]:
+  """Minimum time of each (fn, args), the variants run in turn (ABCD ABCD ...) so that load
+  changes on a shared machine hit all of them alike."""
+  for fn, args in calls:
     jax.block_until_ready(fn(*args))
-    best = min(best, time.perf_counter() - t)
+  best = [float("inf")] * len(calls)
+  for _ in range(repeats):
+    for i, (fn, args) in enumerate(calls):
+      t = time.perf_counter()
+      jax.block_until_ready(fn(*args))
+      best[i] = min(best[i], time.perf_counter() - t)
   return best
 
 
@@ -54,7 +58,7 @@ def temp_bytes(jitted, *args) -> int:
   return int(jitted.lower(*args).compile().memory_analysis().temp_size_in_bytes)
 
 
-def bench_update(dim: int, population: int, repeats: int) -> dict:
+def bench_update(dim: int, population: int, repeats: int, with_evosax: bool) -> dict:
   params = theta_of_size(dim)
   d = sum(x.size for x in jax.tree_util.tree_leaves(params))
   cfg_full, cfg_low = noise.NoiseConfig(mode="full"), noise.NoiseConfig(mode="lowrank", rank=1)
@@ -78,17 +82,24 @@ def bench_update(dim: int, population: int, repeats: int) -> dict:
 
   read_write = jax.jit(lambda p: jax.tree_util.tree_map(lambda x: x * 0.5 + 1.0, p))
   args = (params, tx.init(params), run_key, versions, members, weights, count)
-  t_full = timed(apply_full, *args, repeats=repeats)
-  t_low = timed(apply_low, *args, repeats=repeats)
-  t_noise = timed(one_noise_generation, run_key, repeats=repeats)
-  t_rw = timed(read_write, params, repeats=repeats)
+  calls = [(apply_full, args), (apply_low, args), (one_noise_generation, (run_key,)),
+           (read_write, (params,))]
+  if with_evosax:
+    calls.append(evosax_ask_tell(d, population))
+  times = timed_interleaved(calls, repeats=repeats)
+  t_full, t_low, t_noise, t_rw = times[:4]
 
   memory = {}
   for n in sorted({4, 16, 64, 256, population}):
     memory[n] = temp_bytes(apply_full, params, tx.init(params), run_key, jnp.zeros(n // 2, jnp.int32),
                            2 * jnp.arange(n // 2, dtype=jnp.int32), jnp.ones(n // 2, jnp.float32),
                            jnp.int32(n))
-  return dict(dim=d, population=population, full_update_s=t_full, lowrank_update_s=t_low,
+  out = {}
+  if with_evosax:
+    out = dict(evosax_ask_tell_s=times[4], evosax_temp_bytes=temp_bytes(calls[4][0], *calls[4][1]),
+               full_vs_evosax=t_full / times[4])
+    out["evosax_vs_full_temp_memory"] = out["evosax_temp_bytes"] / memory[population]
+  return out | dict(dim=d, population=population, full_update_s=t_full, lowrank_update_s=t_low,
               noise_generation_s=t_noise, read_write_s=t_rw,
               full_vs_n_noise=t_full / (population * t_noise), full_vs_read_write=t_full / t_rw,
               lowrank_vs_read_write=t_low / t_rw,
@@ -96,13 +107,12 @@ def bench_update(dim: int, population: int, repeats: int) -> dict:
               theta_bytes=4 * d)
 
 
-def bench_evosax(dim: int, population: int, repeats: int) -> dict:
+def evosax_ask_tell(dim: int, population: int):
+  """evosax Open_ES ask+tell on a flat vector of ``dim``: a jitted call and its arguments."""
   from evosax.algorithms import Open_ES
-  params = theta_of_size(dim)
-  d = sum(x.size for x in jax.tree_util.tree_leaves(params))
-  strategy = Open_ES(population_size=population, solution=jnp.zeros(d), optimizer=optax.sgd(0.1))
+  strategy = Open_ES(population_size=population, solution=jnp.zeros(dim), optimizer=optax.sgd(0.1))
   es_params = strategy.default_params
-  state = strategy.init(jax.random.key(0), jnp.zeros(d), es_params)
+  state = strategy.init(jax.random.key(0), jnp.zeros(dim), es_params)
   fitness = jnp.asarray(np.random.default_rng(0).normal(size=population), jnp.float32)
 
   @jax.jit
@@ -112,9 +122,7 @@ def bench_evosax(dim: int, population: int, repeats: int) -> dict:
     state, _ = strategy.tell(k2, population_x, fitness, state, es_params)
     return state
 
-  t = timed(ask_tell, jax.random.key(1), state, fitness, repeats=repeats)
-  mem = temp_bytes(ask_tell, jax.random.key(1), state, fitness)
-  return dict(evosax_ask_tell_s=t, evosax_temp_bytes=mem)
+  return ask_tell, (jax.random.key(1), state, fitness)
 
 
 def decode_model(size: str):
@@ -159,10 +167,9 @@ def bench_decode(size: str, batch: int, steps: int, repeats: int) -> dict:
   low_noiser = jax.jit(low.member_noiser)(params, versions, members, rows)
   full_noiser = jax.jit(full.member_noiser)(params, versions, members, rows)
   tokens = batch * steps
-  t_plain = timed(plain, params, repeats=repeats)
-  t_cached = timed(cached, params, low_noiser, repeats=repeats)
-  t_regen = timed(regen, params, repeats=repeats)
-  t_full = timed(full_rows, params, full_noiser, repeats=repeats)
+  t_plain, t_cached, t_regen, t_full = timed_interleaved(
+      [(plain, (params,)), (cached, (params, low_noiser)), (regen, (params,)),
+       (full_rows, (params, full_noiser))], repeats=repeats)
   return dict(model=size, params=n_params, batch=batch, steps=steps,
               plain_tok_s=tokens / t_plain, lowrank_tok_s=tokens / t_cached,
               lowrank_regen_tok_s=tokens / t_regen, full_rows_tok_s=tokens / t_full,
@@ -176,16 +183,12 @@ def main():
   parser.add_argument("--population", type=int, default=16)
   parser.add_argument("--batch", type=int, default=16)
   parser.add_argument("--steps", type=int, default=32)
-  parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--no-evosax", action="store_true")
   args = parser.parse_args()
 
   out = {"backend": jax.default_backend(), "devices": len(jax.devices())}
-  out.update(bench_update(args.dim, args.population, args.repeats))
-  if not args.no_evosax:
-    out.update(bench_evosax(args.dim, args.population, args.repeats))
-    out["full_vs_evosax"] = out["full_update_s"] / out["evosax_ask_tell_s"]
-    out["evosax_vs_full_temp_memory"] = out["evosax_temp_bytes"] / out["full_update_temp_bytes"][str(args.population)]
+  out.update(bench_update(args.dim, args.population, args.repeats, not args.no_evosax))
   out["decode"] = [bench_decode(size, args.batch, args.steps, args.repeats) for size in ("tiny", "small")]
 
   d, n = out["dim"], out["population"]

@@ -9,8 +9,8 @@ eps(v, m)`` (the same noise the ES update regenerates), up to float rounding.
 How each leaf kind (see ``jaxes.es.noise``) is applied, and what it costs (G groups, B rows):
 
 * ``lowrank`` matrices: base matmul shared by all rows, plus a per-row correction
-  ``s_b * (x @ A_g) @ B_g^T / sqrt(r)``. ``A, B`` for the G members are generated once when the
-  noiser is built and reused across decode steps. Memory: ``G * r * sum(in + out)`` float32 over
+  ``(x @ A'_g) @ B_g^T`` with ``A' = s_g A / sqrt(r)``. ``A', B`` for the G members are generated
+  (and pre-scaled) once when the noiser is built and reused across decode steps. Memory: ``G * r * sum(in + out)`` float32 over
   all matrices (Qwen2.5-7B, r=1, G=64: ~0.75 GB); per-row gathers ``B * r * (in + out)`` transient.
   Compute: ~``2r/min(in, out)`` on top of the base matmul.
 * ``full`` leaves: the member values ``theta + s_g * eps_g`` are materialised once per group in
@@ -33,15 +33,14 @@ from jaxes.es import keys, noise
 
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["group_scale", "row_group", "factors", "values"],
-                   meta_fields=["specs", "rank"])
+                   meta_fields=["specs"])
 @dataclasses.dataclass(frozen=True)
 class PopulationNoiser:
   group_scale: jax.Array  # [G] float32: sigma_v * sign_m, 0 for member -1
   row_group: jax.Array    # [B] int32
-  factors: dict           # lowrank leaf name -> (A [G, (L,) in, r], B [G, (L,) out, r]) float32
+  factors: dict           # lowrank leaf name -> (s A / sqrt(r) [G, (L,) in, r], B [G, (L,) out, r])
   values: dict            # full leaf name -> member values [G, (L,) ...] in the parameter dtype
   specs: tuple            # LeafSpec per parameter leaf
-  rank: int
 
   # -- helpers -------------------------------------------------------------------------------
   def _spec(self, name: str, layer) -> noise.LeafSpec:
@@ -68,10 +67,6 @@ class PopulationNoiser:
 
   def _per_group0(self, table: jax.Array, layer) -> jax.Array:
     return table[0] if layer is None else table[0, layer]
-
-  def _row_scale(self, ndim: int) -> jax.Array:
-    scale = self.group_scale[self.row_group] / math.sqrt(self.rank)
-    return scale.reshape((-1,) + (1,) * (ndim - 1))
 
   def _vector(self, value: jax.Array, name: str, layer, like: jax.Array) -> jax.Array:
     """A perturbed vector broadcastable against ``like`` ([B, ..., n]), in ``like``'s dtype."""
@@ -101,7 +96,7 @@ class PopulationNoiser:
       if spec.kind == "lowrank":
         a, b = (self._per_row(f, layer).astype(x.dtype) for f in self.factors[name])
         xa = jnp.einsum("b...i,bir->b...r", x, a)
-        y = y + jnp.einsum("b...r,bor->b...o", xa, b) * self._row_scale(y.ndim).astype(x.dtype)
+        y = y + jnp.einsum("b...r,bor->b...o", xa, b)
     if bias is None:
       return y
     if bias_name is None:
@@ -118,7 +113,7 @@ class PopulationNoiser:
     if spec.kind == "lowrank":
       a, b = self.factors[name]
       corr = jnp.einsum("b...r,bdr->b...d", a[rows, ids], b[self.row_group])
-      out = (out.astype(jnp.float32) + corr * self._row_scale(out.ndim)).astype(table.dtype)
+      out = (out.astype(jnp.float32) + corr).astype(table.dtype)
     return out
 
   def attend(self, x, table, *, name):
@@ -133,7 +128,7 @@ class PopulationNoiser:
     if spec.kind == "lowrank":
       a, b = (f[self.row_group].astype(x.dtype) for f in self.factors[name])
       xb = jnp.einsum("b...d,bdr->b...r", x, b)
-      y = y + jnp.einsum("b...r,bvr->b...v", xb, a) * self._row_scale(y.ndim).astype(x.dtype)
+      y = y + jnp.einsum("b...r,bvr->b...v", xb, a)
     return y
 
   def scale(self, x, scale, *, name, layer=None):
@@ -160,10 +155,12 @@ def build(params, run_key: jax.Array, versions: jax.Array, members: jax.Array,
   factors, values = {}, {}
   for spec, leaf in zip(specs, jax.tree_util.tree_leaves(params)):
     if spec.kind == "lowrank":
-      factors[spec.name] = jax.vmap(lambda k: noise.lowrank_factors(k, spec, cfg.rank))(mkeys)
+      a, b = jax.vmap(lambda k: noise.lowrank_factors(k, spec, cfg.rank))(mkeys)
+      scale = (group_scale / math.sqrt(cfg.rank)).reshape((-1,) + (1,) * (a.ndim - 1))
+      factors[spec.name] = (a * scale, b)
     elif spec.kind == "full":
       values[spec.name] = jax.vmap(
           lambda k, s: (leaf.astype(jnp.float32) + s * noise.full_noise(k, spec)).astype(leaf.dtype)
       )(mkeys, group_scale)
   return PopulationNoiser(group_scale.astype(jnp.float32), row_group, factors, values,
-                          tuple(specs), cfg.rank)
+                          tuple(specs))

@@ -236,3 +236,26 @@ def test_members_perturbed_and_antithetic_pairs():
     np.testing.assert_allclose(p - t, -(m - t), atol=1e-6)
     assert np.abs(p - t).max() > 0
   assert strategy.perturbed(state, (0, -1)) is state.params
+
+
+def test_update_and_perturbed_on_sharded_params_equal_unsharded():
+  devices = np.array(jax.devices()[:8])
+  if devices.size < 2:
+    pytest.skip(f"needs >= 2 devices, have {devices.size} (set XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+  mesh = jax.sharding.Mesh(devices, ("fsdp",))
+  rng = np.random.default_rng(9)
+  params = {"layers": {"w": jnp.asarray(rng.normal(size=(2, 16, 8)), jnp.float32)},
+            "embed": jnp.asarray(rng.normal(size=(32, 8)), jnp.float32)}
+  spec = {"layers": {"w": jax.sharding.PartitionSpec(None, "fsdp", None)},
+          "embed": jax.sharding.PartitionSpec("fsdp", None)}
+  sharded = jax.device_put(params, jax.tree_util.tree_map(
+      lambda s: jax.sharding.NamedSharding(mesh, s), spec))
+  for mode in ("full", "lowrank"):
+    strategy = es.Strategy(population=4, sigma=0.1, learning_rate=0.1, mode=mode)
+    plain, dist = strategy.init(params, jax.random.key(0)), strategy.init(sharded, jax.random.key(0))
+    results = [(0, 0, 1.0), (0, 1, -0.5), (0, 3, 2.0)]
+    for a, b in zip(_leaves64(strategy.update(plain, results)[0].params),
+                    _leaves64(strategy.update(dist, results)[0].params)):
+      np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    for a, b in zip(_leaves64(strategy.perturbed(plain, (0, 3))), _leaves64(strategy.perturbed(dist, (0, 3)))):
+      np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)

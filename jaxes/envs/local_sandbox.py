@@ -96,16 +96,17 @@ print("%s%s" % (TAG, json.dumps({"passed": passed, "failed": failed,
 
 # Restores the previous command's cwd and exported variables, applies rlimits, runs the
 # command (eval'd in this shell, so `exit`, `cd` and `export` behave as in a terminal and
-# errors read "bash: line 1: ...") and saves the state.
+# errors read "bash: line 1: ...") and saves the state. Builtins only: every fork costs ~1 ms.
 _PRELUDE = """\
 ulimit -S -c 0
 ulimit -t {cpu} -v {mem_kb} -f {fsize_blocks} 2>/dev/null
 {nproc_line}
 cd {home}
 if [ -f {ctl}/env ]; then . {ctl}/env 2>/dev/null; fi
-if [ -f {ctl}/cwd ]; then cd "$(cat {ctl}/cwd)" 2>/dev/null; fi
+if [ -f {ctl}/cwd ]; then IFS= read -r __cwd < {ctl}/cwd; cd "$__cwd" 2>/dev/null; unset __cwd; fi
 trap 'pwd > {ctl}/cwd 2>/dev/null; export -p > {ctl}/env 2>/dev/null' EXIT
-eval "$(< {cmd}/cmd)"
+IFS= read -r -d '' __command < {cmd}/cmd
+eval "$__command"
 """
 
 

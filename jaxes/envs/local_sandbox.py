@@ -22,7 +22,6 @@ from __future__ import annotations
 import ast
 import re
 import functools
-import json
 import logging
 import os
 import selectors
@@ -56,11 +55,11 @@ _RESULT_TAG = "JAXES_TEST_RESULT "
 _PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 # Runs inside the sandbox with ``python3 -I``: imports the final-test file and calls every
-# ``test*`` function (and ``Test*`` class method) the way pytest would, without pytest's ~300 ms
-# start-up. Used only for files the host-side check below finds plain (no pytest import, no
-# fixtures, no decorators); anything else goes to real pytest.
+# module-level ``test*`` function the way pytest would, without pytest's ~300 ms start-up.
+# Used only for files the host-side check below finds plain (no pytest import, no fixtures,
+# decorators or test classes); anything else goes to real pytest.
 _LIGHT_RUNNER = r"""
-import io, json, sys, traceback, types, contextlib
+import contextlib, io, sys, types
 path = sys.argv[1]
 mod = types.ModuleType("test_final_state")
 mod.__file__ = path
@@ -68,15 +67,10 @@ sys.modules[mod.__name__] = mod
 passed, failed, lines = 0, 0, []
 try:
   exec(compile(open(path, encoding="utf-8").read(), path, "exec"), mod.__dict__)
-  tests = []
-  for name, obj in list(vars(mod).items()):
-    if name.startswith("test") and callable(obj) and not isinstance(obj, type):
-      tests.append((name, obj))
-    elif name.startswith("Test") and isinstance(obj, type):
-      for attr in list(vars(obj)):
-        if attr.startswith("test") and callable(getattr(obj, attr)):
-          tests.append((name + "::" + attr, lambda c=obj, a=attr: getattr(c(), a)()))
+  tests = [(name, obj) for name, obj in list(vars(mod).items())
+           if name.startswith("test") and callable(obj) and not isinstance(obj, type)]
 except BaseException:
+  import traceback
   tests = None
   lines.append("ERROR collecting " + path + "\n" + traceback.format_exc(limit=3))
 for name, fn in tests or ():
@@ -90,8 +84,7 @@ for name, fn in tests or ():
     failed += 1
     lines.append("FAILED " + name + " - " + type(e).__name__ + ": " + str(e)[:2000])
 print("\n".join(lines))
-print("%s%s" % (TAG, json.dumps({"passed": passed, "failed": failed,
-                                  "collected": tests is not None})))
+print("%s%d %d %d" % (TAG, passed, failed, tests is not None))
 """.replace("TAG", repr(_RESULT_TAG))
 
 # Restores the previous command's cwd and exported variables, applies rlimits, runs the
@@ -568,10 +561,8 @@ def _count_tests(source: str) -> int:
 def _parse_light(output: str, expected: int) -> tuple[int, int]:
   for line in reversed(output.splitlines()):
     if line.startswith(_RESULT_TAG):
-      r = json.loads(line[len(_RESULT_TAG):])
-      if not r["collected"]:
-        return 0, expected
-      return r["passed"], r["passed"] + r["failed"]
+      passed, failed, collected = map(int, line[len(_RESULT_TAG):].split())
+      return (passed, passed + failed) if collected else (0, expected)
   return 0, expected    # killed (rlimit) or crashed before reporting
 
 

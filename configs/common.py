@@ -62,6 +62,7 @@ def base_config() -> config_dict.ConfigDict:
   c.env.num_train_tasks = 1000
   c.env.num_heldout_tasks = 100
   c.env.partial_credit = False
+  c.env.system_prompt = ""       # empty = jaxes.envs.protocol.SYSTEM_PROMPT
   c.env.max_turns = 16
   c.env.sandbox_workers = 8
 

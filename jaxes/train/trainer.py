@@ -87,7 +87,8 @@ class Trainer:
   # -- set-up ---------------------------------------------------------------------------------
   def _episode(self, task, handle):
     from jaxes.envs import protocol
-    return protocol.Episode(task, handle, partial_credit=self.config.env.partial_credit)
+    return protocol.Episode(task, handle, partial_credit=self.config.env.partial_credit,
+                            system_prompt=self.config.env.system_prompt or protocol.SYSTEM_PROMPT)
 
   def _tokenizer(self, transcripts):
     from jaxes import tokenization
@@ -99,9 +100,10 @@ class Trainer:
     if os.path.isdir(out) and os.listdir(out):
       return tokenization.load_tokenizer(out)
     from jaxes.envs import protocol
-    texts = [protocol.SYSTEM_PROMPT, protocol.PARSE_ERROR_OBSERVATION, "<action>done</action>",
-             "Command executed successfully. Output: \n\n(exit_code=0)",
-             "Command failed. Output: \n\n(exit_code=1)"]
+    # Text every episode repeats is weighted up so BPE merges compress it (shorter prompts).
+    texts = 64 * [c.env.system_prompt or protocol.SYSTEM_PROMPT, protocol.PARSE_ERROR_OBSERVATION, "<action>done</action>",
+                  "Command executed successfully. Output: \n\n(exit_code=0)",
+                  "Command failed. Output: \n\n(exit_code=1)"]
     texts += [t.instruction for t in self.train_tasks]
     for messages in transcripts:
       texts += [m["content"] for m in messages[1:]]

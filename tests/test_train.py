@@ -1,0 +1,130 @@
+"""End to end at tiny sizes: a few updates, resume == uninterrupted, no recompilation per update,
+no sandbox left behind (also after an exception inside the loop)."""
+import importlib.util
+import json
+import os
+import pathlib
+import shutil
+import tempfile
+
+import jax
+import numpy as np
+import pytest
+
+from jaxes import tokenization
+from jaxes.envs import generator, protocol
+from jaxes.envs.local_sandbox import LocalSandbox
+from jaxes.train import metrics
+from jaxes.train.trainer import Trainer
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+FAMILIES = "permissions,log_count"
+SYSTEM = "Answer with <command>CMD</command>, then <action>done</action>."
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+  out = str(tmp_path_factory.mktemp("tok"))
+  tasks = [generator.generate(f, s, 1) for f in FAMILIES.split(",") for s in range(4)]
+  texts = 16 * [SYSTEM] + [t.instruction for t in tasks] + [t.solution for t in tasks]
+  tokenization.build_tokenizer(texts, 400, out)
+  return out
+
+
+@pytest.fixture
+def sandbox_root():
+  # Under /tmp: the sandbox uid must be able to traverse every ancestor of the episode dirs.
+  root = tempfile.mkdtemp(prefix="jaxes-test-train-")
+  os.chmod(root, 0o711)
+  yield os.path.join(root, "sandboxes")
+  shutil.rmtree(root, ignore_errors=True)
+
+
+def tiny_config(tokenizer_dir, **overrides):
+  spec = importlib.util.spec_from_file_location("demo", ROOT / "configs" / "demo.py")
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  c = mod.get_config()
+  c.tokenizer.path = tokenizer_dir
+  c.model.vocab_size = 400
+  c.model.hidden_size, c.model.intermediate_size, c.model.num_layers = 32, 64, 1
+  c.model.num_heads, c.model.num_kv_heads = 2, 1
+  c.es.population, c.es.sigma, c.es.learning_rate = 4, 0.005, 0.01
+  c.controller.episodes_per_member = 1
+  c.env.families, c.env.difficulty, c.env.max_turns = FAMILIES, 1, 2
+  c.env.system_prompt = SYSTEM
+  c.env.num_train_tasks, c.env.num_heldout_tasks, c.env.sandbox_workers = 8, 4, 2
+  c.rollout.num_slots, c.rollout.max_len, c.rollout.prefill_chunk = 4, 192, 64
+  c.rollout.max_new_tokens = 24
+  c.train.num_updates, c.train.eval_every, c.train.checkpoint_every = 2, 0, 1
+  c.train.progress_bar = False
+  c.eval.num_tasks, c.eval.seeds = 2, 1
+  c.warmstart.steps, c.warmstart.num_tasks, c.warmstart.batch_size = 0, 8, 4
+  c.warmstart.seq_len = 160
+  for key, value in overrides.items():
+    section, name = key.split(".")
+    c[section][name] = value
+  return c
+
+
+def _params_equal(a, b):
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_few_updates_end_to_end_async_no_recompile_no_leftovers(tokenizer_dir, tmp_path, sandbox_root):
+  compiles, at_update = [0], []
+  jax.monitoring.register_event_duration_secs_listener(
+      lambda event, _secs, **_: compiles.__setitem__(0, compiles[0] + (event == "/jax/core/compile/backend_compile_duration")))
+  sandbox = LocalSandbox(root_dir=sandbox_root)
+  c = tiny_config(tokenizer_dir, **{"train.num_updates": 4, "controller.mode": "async",
+                                    "controller.max_staleness": 1, "train.plot": True})
+  summary = Trainer(c, str(tmp_path / "run"), sandbox=sandbox,
+                    on_update=lambda r: at_update.append(compiles[0]), log=lambda s: None).run()
+  assert summary["version"] == 4
+  # Updates 2..4 reuse every compiled program (engine steps, noisers, ES update, checkpointing).
+  assert at_update[1] == at_update[2] == at_update[3], at_update
+  records = metrics.read_metrics(str(tmp_path / "run" / "metrics.jsonl"))
+  train = [r for r in records if "train" in r]
+  assert [r["version"] for r in train] == [1, 2, 3, 4]
+  for r in train:
+    assert sum(r["staleness_hist"]) == r["num_results"] and r["num_results"] <= 4
+    assert 0 <= r["slot_utilisation"] <= 1 and r["train"]["episodes"] >= 0
+    assert set(r["time"]) >= {"generate_s", "env_wait_s", "update_s"}
+  evals = [r for r in records if "eval" in r]
+  assert [r["version"] for r in evals] == [0, 4]
+  assert os.path.getsize(tmp_path / "run" / "progress.png") > 0
+  assert json.load(open(tmp_path / "run" / "summary.json"))["version"] == 4
+  assert os.listdir(sandbox_root) == []
+
+
+def test_resume_equals_uninterrupted(tokenizer_dir, tmp_path):
+  # Sync ES after a short warm start; temperature sampling keyed by job id, so members differ
+  # in reward (within antithetic pairs too) and the updates, including the resumed one, move θ.
+  base = {"controller.mode": "sync", "controller.max_staleness": 0, "warmstart.steps": 60,
+          "warmstart.learning_rate": 1e-2, "env.partial_credit": True, "eval.num_tasks": 0,
+          "rollout.temperature": 0.4, "controller.episodes_per_member": 2}
+  quiet = dict(log=lambda s: None)
+  whole = Trainer(tiny_config(tokenizer_dir, **{**base, "train.num_updates": 3}), str(tmp_path / "a"), **quiet).run()
+  norms = [r["update_norm"] for r in metrics.read_metrics(str(tmp_path / "a" / "metrics.jsonl")) if "train" in r]
+  assert norms[2] > 0, f"the update after the resume point did not move θ ({norms}): vacuous comparison"
+  Trainer(tiny_config(tokenizer_dir, **{**base, "train.num_updates": 2}), str(tmp_path / "b"), **quiet).run()
+  resumed = Trainer(tiny_config(tokenizer_dir, **{**base, "train.num_updates": 3}), str(tmp_path / "b"), **quiet).run()
+  assert resumed["version"] == whole["version"] == 3 and resumed["updates_this_run"] == 1
+  _params_equal(resumed["params"], whole["params"])
+  versions = [r["version"] for r in metrics.read_metrics(str(tmp_path / "b" / "metrics.jsonl")) if "train" in r]
+  assert versions == [1, 2, 3]
+
+
+def test_exception_inside_loop_leaves_no_sandbox(tokenizer_dir, tmp_path, sandbox_root):
+  sandbox = LocalSandbox(root_dir=sandbox_root)
+
+  def explode(record):
+    raise RuntimeError("boom at update %d" % record["version"])
+
+  c = tiny_config(tokenizer_dir, **{"controller.mode": "async", "controller.max_staleness": 1,
+                                    "rollout.num_slots": 8})
+  with pytest.raises(RuntimeError, match="boom at update 1"):
+    Trainer(c, str(tmp_path / "run"), sandbox=sandbox, on_update=explode, log=lambda s: None).run()
+  assert os.listdir(sandbox_root) == []
+  assert sandbox.leftovers() == {"directories": 0}

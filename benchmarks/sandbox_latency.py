@@ -1,8 +1,8 @@
 """Sandbox latency: episode start (with setup), command exec, final tests, close.
 
   python benchmarks/sandbox_latency.py --backend docker --n 50
-  python benchmarks/sandbox_latency.py --backend local,docker --n 30   # side by side, one run
-  python benchmarks/sandbox_latency.py --backend docker --pool-size 4  # warm pool
+  python benchmarks/sandbox_latency.py --backend local,docker,docker-pool --n 50  # one run
+  (docker-pool = the docker backend with a warm pool of --pool-size containers)
 
 Episodes run one after another (no concurrency), after two warm-up episodes. Prints a table of
 median and p95 milliseconds per backend and, last, one JSON line with every number.
@@ -31,9 +31,10 @@ def percentile(values: list[float], q: float) -> float:
   return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def measure(backend: str, n: int, pool_size: int) -> dict:
-  kwargs = {"pool_size": pool_size} if backend == "docker" else {}
-  sandbox = make_sandbox(backend, **kwargs)
+def measure(config: str, n: int, pool_size: int) -> dict:
+  backend = "docker" if config == "docker-pool" else config
+  pool_size = pool_size if config == "docker-pool" else 0
+  sandbox = make_sandbox(backend, **({"pool_size": pool_size} if pool_size else {}))
   times = {"start": [], "exec": [], "tests": [], "close": []}
   try:
     if pool_size:
@@ -48,23 +49,23 @@ def measure(backend: str, n: int, pool_size: int) -> dict:
         result = handle.exec(command, 10.0)
         execs.append(time.perf_counter() - s)
         if result.exit_code != 0:
-          raise RuntimeError(f"{backend}: `{command}` failed: {result.output}")
+          raise RuntimeError(f"{config}: `{command}` failed: {result.output}")
       t2 = time.perf_counter()
       report = handle.run_tests()
       t3 = time.perf_counter()
       handle.close()
       t4 = time.perf_counter()
       if not report.passed:
-        raise RuntimeError(f"{backend}: final tests failed: {report.report}")
+        raise RuntimeError(f"{config}: final tests failed: {report.report}")
       if episode >= 2:   # warm-up episodes excluded
         times["start"].append(t1 - t0)
         times["exec"].extend(execs)
         times["tests"].append(t3 - t2)
         times["close"].append(t4 - t3)
-    leftovers = sandbox.leftovers()
   finally:
     sandbox.shutdown()
-  stats = {"backend": backend, "episodes": n, "pool_size": pool_size, "leftovers": leftovers}
+  stats = {"backend": config, "episodes": n, "pool_size": pool_size,
+           "leftovers_after_shutdown": sandbox.leftovers()}
   for phase, values in times.items():
     stats[phase] = {"median_ms": round(1e3 * statistics.median(values), 1),
                     "p95_ms": round(1e3 * percentile(values, 0.95), 1)}
@@ -74,15 +75,15 @@ def measure(backend: str, n: int, pool_size: int) -> dict:
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--backend", default="docker",
-                      help="local, docker, or a comma list run side by side")
+                      help="local, docker, docker-pool, or a comma list run side by side")
   parser.add_argument("--n", type=int, default=50, help="measured episodes per backend")
-  parser.add_argument("--pool-size", type=int, default=0, help="docker warm pool size")
+  parser.add_argument("--pool-size", type=int, default=4, help="warm pool size of docker-pool")
   args = parser.parse_args()
   results = [measure(b.strip(), args.n, args.pool_size) for b in args.backend.split(",")]
-  print(f"{'backend':<8} {'phase':<6} {'median ms':>10} {'p95 ms':>10}")
+  print(f"{'backend':<12} {'phase':<6} {'median ms':>10} {'p95 ms':>10}")
   for stats in results:
     for phase in ("start", "exec", "tests", "close"):
-      print(f"{stats['backend']:<8} {phase:<6} {stats[phase]['median_ms']:>10.1f} "
+      print(f"{stats['backend']:<12} {phase:<6} {stats[phase]['median_ms']:>10.1f} "
             f"{stats[phase]['p95_ms']:>10.1f}")
   print(json.dumps({"benchmark": "sandbox_latency", "results": results}))
 

@@ -253,8 +253,36 @@ def test_load_tasks_sorted_and_errors(tmp_path):
 
 
 def test_translate_shell_keeps_non_package_commands():
-  script = "set -x\nfor f in a b; do echo $f; done\napt-get -y update; echo done | tee x\n"
+  script = ("set -x\nfor f in a b; do echo $f; done\ngrep -c a <<< word\n"
+            "apt-get -y update; echo done | tee x\n")
   out = translate_shell(script, "recipe")
   assert out.startswith("set -x\nfor f in a b; do echo $f; done\n")
   assert "apt-get" not in out and "echo done | tee x" in out
   assert bash_syntax_ok(out)
+
+
+# The base image's mirror comes from apt's own configuration (jaxes/envs/image.py); parsing it
+# needs no engine, so it is tested here beside the other recipe translation.
+
+def test_image_reads_the_mirror_from_apt_sources(tmp_path):
+  from jaxes.envs import image
+  (tmp_path / "sources.list.d").mkdir()
+  (tmp_path / "sources.list").write_text(
+    "# comment\ndeb-src http://src.invalid/debian bookworm main\n"
+    "deb [arch=amd64 signed-by=/k/one.gpg] http://one.invalid/debian bookworm-updates main\n")
+  (tmp_path / "sources.list.d" / "debian.sources").write_text(
+    "Types: deb\n# a comment\nURIs: http://two.invalid/debian\nSuites: bookworm bookworm-updates\n"
+    "Components: main\nSigned-By: /k/two.gpg\n\n"
+    "Types: deb\nURIs: http://sec.invalid/debian-security\nSuites: bookworm-security\n")
+  (tmp_path / "sources.list.d" / "off.sources").write_text(
+    "Types: deb\nEnabled: no\nURIs: http://off.invalid/debian\nSuites: bookworm\n")
+  sources = image.apt_sources(str(tmp_path))
+  assert [s.uri for s in sources] == ["http://one.invalid/debian", "http://two.invalid/debian",
+                                      "http://sec.invalid/debian-security"]
+  chosen = image.mirror_for("bookworm", sources)
+  assert (chosen.uri, chosen.keyring) == ("http://two.invalid/debian", "/k/two.gpg")
+  with pytest.raises(RuntimeError, match="serves suite 'trixie'"):
+    image.mirror_for("trixie", sources)
+  os_release = tmp_path / "os-release"
+  os_release.write_text('NAME="Debian GNU/Linux"\nVERSION_CODENAME=bookworm\n')
+  assert image.host_suite(str(os_release)) == "bookworm"

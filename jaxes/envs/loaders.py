@@ -63,6 +63,10 @@ class TaskLoadError(ValueError):
 
 # -- shell recipes ------------------------------------------------------------------------------
 
+# `<<WORD`, `<<-WORD`, `<<'WORD'`; not the here-string `<<<`.
+_HEREDOC = re.compile(r"(?<!<)<<(-?)\s*['\"]?([A-Za-z_][A-Za-z0-9_]*)['\"]?")
+
+
 def _logical_lines(text: str, first_line: int = 1):
   """Yields (line number, logical line, is_heredoc_body), joining backslash continuations
   and passing here-document bodies through untouched."""
@@ -75,7 +79,7 @@ def _logical_lines(text: str, first_line: int = 1):
       line = line + "\n" + lines[i]  # bash joins backslash-newline itself
     i += 1
     yield number, line, False
-    for strip_tabs, word in re.findall(r"<<(-?)\s*['\"]?([A-Za-z_][A-Za-z0-9_]*)['\"]?", line):
+    for strip_tabs, word in _HEREDOC.findall(line):
       while i < len(lines):
         body = lines[i]
         i += 1

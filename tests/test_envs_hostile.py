@@ -60,7 +60,8 @@ def test_process_limit_stops_forking(sandbox):
   with sandbox.start(TASK) as handle:
     r = handle.exec(FORK_UNTIL_REFUSED, 10)
   assert not r.timed_out   # the sleeping children did not keep the command alive
-  assert r.output.startswith("refused after ") and int(r.output.split()[-1]) < TASK.limits.processes
+  last = r.output.splitlines()[-1]
+  assert last.startswith("refused after ") and int(last.split()[-1]) < TASK.limits.processes
   assert descendant_processes() == 0
 
 

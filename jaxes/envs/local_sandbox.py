@@ -51,6 +51,7 @@ MAX_READ_BYTES = 16 << 20       # a command printing more than this is killed
 SETUP_TIMEOUT_S = 120.0
 _ROOT_PREFIX = "jaxes-local-"
 _KILL_GRACE_S = 2.0
+_POLL_S = 0.05
 _RESULT_TAG = "JAXES_TEST_RESULT "
 _PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
@@ -449,12 +450,15 @@ class LocalHandle(SandboxHandle):
     except OSError as e:
       raise SandboxError(f"could not start a sandboxed command: {e}") from e
     timed_out, flooded = _pump(proc, capture, timeout_s)
-    output = self._delocalise(capture.text())
+    raw = capture.text()
+    output = self._delocalise(raw)
+    # Count characters as the agent sees them (paths rewritten back in the fallback).
+    output_chars = capture.total_chars - (len(raw) - len(output))
     if flooded:
       output += f"\n[output exceeded {MAX_READ_BYTES >> 20} MiB; the command was killed]"
     code = -1 if (timed_out or flooded) else proc.returncode
     return ExecResult(exit_code=code, output=output, timed_out=timed_out,
-                      output_chars=capture.total_chars)
+                      output_chars=output_chars)
 
   # ---- tests --------------------------------------------------------------------------------
   def run_tests(self) -> TestReport:
@@ -503,7 +507,8 @@ class LocalHandle(SandboxHandle):
 
 
 def _pump(proc: subprocess.Popen, capture: OutputCapture, timeout_s: float) -> tuple[bool, bool]:
-  """Reads output until the command ends; kills its process group on timeout or flood."""
+  """Reads output until the command ends; kills its process group on timeout or flood, and
+  once the command has exited (background jobs do not outlive their command)."""
   fd = proc.stdout.fileno()
   os.set_blocking(fd, False)
   sel = selectors.DefaultSelector()
@@ -520,7 +525,12 @@ def _pump(proc: subprocess.Popen, capture: OutputCapture, timeout_s: float) -> t
         deadline = now + _KILL_GRACE_S
       elif killed and now >= deadline:
         break   # something escaped the group and holds the pipe: stop waiting for it
-      if not sel.select(max(deadline - now, 0.0)):
+      # Wake up now and then: a command that exited may have left children holding the pipe.
+      if not sel.select(min(max(deadline - now, 0.0), _POLL_S)):
+        if not killed and proc.poll() is not None:
+          killed = True
+          _kill_group(proc)
+          deadline = time.monotonic() + _KILL_GRACE_S
         continue
       try:
         chunk = os.read(fd, 1 << 20)
@@ -538,7 +548,7 @@ def _pump(proc: subprocess.Popen, capture: OutputCapture, timeout_s: float) -> t
   finally:
     sel.close()
     proc.stdout.close()
-    _kill_group(proc)      # leftovers of a command that exited normally (no-op under namespaces)
+    _kill_group(proc)
     proc.wait()
   return timed_out, flooded
 

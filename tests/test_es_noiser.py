@@ -54,10 +54,11 @@ def _loop_reference(strategy, state, versions, members, row_group, run):
   return np.stack(rows)
 
 
-@pytest.mark.parametrize("mode", ["lowrank", "full"])
-def test_toy_population_forward_equals_loop_over_materialised_members(mode):
-  strategy = es.Strategy(population=6, sigma=0.3, learning_rate=0.1, mode=mode, rank=2,
-                         sigma_schedule="cosine", sigma_final=0.1, schedule_steps=4)
+def test_toy_population_forward_equals_loop_over_materialised_members():
+  # Low-rank with frozen vectors here; tests/test_es_qwen2.py covers noisy vectors and full mode.
+  strategy = es.Strategy(population=6, sigma=0.3, learning_rate=0.1, mode="lowrank", rank=2,
+                         sigma_schedule="cosine", sigma_final=0.1, schedule_steps=4,
+                         perturb_vectors=False)
   params = toy_params()
   state = strategy.init(params, jax.random.key(3))
   state = es.ESState(params, state.opt_state, state.key, 2)  # version 2, base params unchanged
@@ -79,20 +80,9 @@ def test_toy_population_forward_equals_loop_over_materialised_members(mode):
   unperturbed = np.asarray(single(params, ids[4:5]))[0]
   np.testing.assert_allclose(got[4], unperturbed, rtol=1e-6, atol=1e-6)
   assert not np.allclose(got[0], unperturbed, atol=1e-3)
-
-
-def test_frozen_vectors_are_not_perturbed_by_the_noiser():
-  strategy = es.Strategy(population=2, sigma=0.5, learning_rate=0.1, mode="lowrank",
-                         perturb_vectors=False)
-  params = toy_params()
-  state = strategy.init(params, jax.random.key(0))
-  theta = strategy.perturbed(state, (0, 1))
+  theta = strategy.perturbed(state, (2, 1))
   np.testing.assert_array_equal(theta["layers"]["up"]["bias"], params["layers"]["up"]["bias"])
   np.testing.assert_array_equal(theta["final_norm"]["scale"], params["final_norm"]["scale"])
-  ids = jnp.zeros((1, 3), jnp.int32)
-  noiser = strategy.member_noiser(params, jnp.array([0]), jnp.array([1]), jnp.array([0]))
-  np.testing.assert_allclose(toy_forward(params, ids, noiser), toy_forward(theta, ids, IdentityNoiser()),
-                             rtol=1e-5, atol=1e-5)
 
 
 def test_noiser_rejects_unknown_names_and_wrong_batch():

@@ -3,13 +3,13 @@
 Every command is a fresh ``bash`` inside new user, mount, pid, network, ipc and uts
 namespaces (bubblewrap, or util-linux ``unshare``): under bubblewrap only the host's system
 directories (/usr, /etc, …) are visible, read-only; under ``unshare`` the host root stays
-visible with the sandbox uid's permissions; /tmp, /run and /home are private, there is no network (not even the host's
-loopback), and the pid namespace dies with the command, so nothing an agent starts outlives
-it. The shell's working directory and exported variables carry over between commands, as in
-an interactive terminal. rlimits (cpu seconds, address space, processes, file size) are set
-with ``ulimit`` before the command runs; when we run as root, commands run as an unprivileged
-uid (65534 by default) so the process limit holds. A command past its timeout is killed with
-its whole process group (and pid namespace).
+visible with the sandbox uid's permissions. /tmp, /dev/shm, /run and /home are private, there
+is no network (not even the host's loopback), and the pid namespace dies with the command, so
+nothing an agent starts outlives it. The shell's working directory and exported variables
+carry over between commands, as in an interactive terminal. rlimits (cpu seconds, address
+space, processes, file size) are set with ``ulimit`` before the command runs; when we run as
+root, commands run as an unprivileged uid (65534 by default) so the process limit holds. A
+command past its timeout is killed with its whole process group (and pid namespace).
 
 Where no namespace can be created, ``isolation="none"`` runs commands directly on the host in
 the episode directory, rewriting the literal path /home/user to it: this is NOT isolation
@@ -20,10 +20,10 @@ This is weaker isolation than the docker backend (shared kernel, host filesystem
 from __future__ import annotations
 
 import ast
-import re
 import functools
 import logging
 import os
+import re
 import selectors
 import shutil
 import signal
@@ -145,6 +145,7 @@ def _unshare_argv(ep_dir: str, tests_dir: str | None) -> list[str]:
       "mount -t tmpfs tmpfs /home", f"mkdir {HOME}",
       "mount -t tmpfs tmpfs /run", f"mkdir {CTL}", *mounts,
       "mount -t tmpfs tmpfs /tmp", "mount -t tmpfs tmpfs /var/tmp",
+      "mount -t tmpfs tmpfs /dev/shm",   # hides the episode roots kept there
       'exec "$@"'])
   return ["unshare", "--map-root-user", "--mount", "--net", "--pid", "--ipc", "--uts",
           "--kill-child", "--mount-proc", "bash", "-c", script, "mount-sandbox"]
@@ -153,7 +154,7 @@ def _unshare_argv(ep_dir: str, tests_dir: str | None) -> list[str]:
 @functools.lru_cache(maxsize=None)
 def _probe(isolation: str, uid: int | None) -> bool:
   """Whether this isolation mechanism works here (one trial run, cached per process)."""
-  with tempfile.TemporaryDirectory(prefix="jaxes-probe-") as root:
+  with tempfile.TemporaryDirectory(prefix="jaxes-probe-", dir=_default_parent()) as root:
     os.chmod(root, 0o711)
     for sub in ("home", "ctl", "in"):
       os.mkdir(os.path.join(root, sub))
@@ -193,8 +194,9 @@ def resolve_isolation(isolation: str = "auto", uid: int | None = None) -> str:
 
 def _warn_unisolated() -> None:
   msg = ("jaxes local sandbox: NO NAMESPACE ISOLATION — commands run directly on the host (as "
-         "uid 65534 when started as root, else as you); only rlimits, timeouts and a /home/user path rewrite apply; the network is "
-         "NOT cut. Use the docker backend or install bubblewrap for untrusted agents.")
+         "uid 65534 when started as root, else as you); only rlimits, timeouts and a "
+         "/home/user path rewrite apply; the network is NOT cut. Use the docker backend or "
+         "install bubblewrap for untrusted agents.")
   warnings.warn(msg, RuntimeWarning, stacklevel=3)
   log.warning(msg)
 
@@ -399,8 +401,8 @@ class LocalHandle(SandboxHandle):
     return self._run(command, timeout_s)
 
   def _env(self) -> dict[str, str]:
-    env = {"HOME": self._localise(HOME), "USER": "user", "LOGNAME": "user", "PATH": _PATH, "LANG": "C.UTF-8",
-           "LC_ALL": "C.UTF-8", "TERM": "dumb", "SHELL": "/bin/bash",
+    env = {"HOME": self._localise(HOME), "USER": "user", "LOGNAME": "user", "PATH": _PATH,
+           "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "TERM": "dumb", "SHELL": "/bin/bash",
            "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1"}
     env.update(dict(self.task.env))
     return env
@@ -481,10 +483,11 @@ class LocalHandle(SandboxHandle):
     else:
       inner = ["python3", "-I", "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider",
                f"--rootdir={os.path.dirname(target)}", target]
+    limits = self.task.limits
     wrapped = ["bash", "--noprofile", "--norc", "-c",
-               f"cd {self._localise(HOME)} && ulimit -t {self.task.limits.cpu_s} "
-               f"-v {self.task.limits.memory_mb * 1024} 2>/dev/null; exec \"$@\"", "run-tests", *inner]
-    res = self._run("", self.task.limits.test_timeout_s, argv=wrapped, tests_dir=tests_dir)
+               f"cd {self._localise(HOME)} && ulimit -t {limits.cpu_s} "
+               f"-v {limits.memory_mb * 1024} 2>/dev/null; exec \"$@\"", "run-tests", *inner]
+    res = self._run("", limits.test_timeout_s, argv=wrapped, tests_dir=tests_dir)
     expected = len(names) if names is not None else _count_tests(source)
     if res.timed_out:
       return TestReport(False, 0, expected, True, res.output)
@@ -577,7 +580,8 @@ def _parse_light(output: str, expected: int) -> tuple[int, int]:
 
 
 def _parse_pytest(output: str) -> tuple[int, int]:
-  summary = [l for l in output.splitlines() if re.search(r"\b(passed|failed|error|no tests ran)", l)]
+  summary = [line for line in output.splitlines()
+             if re.search(r"\b(passed|failed|error|no tests ran)", line)]
   if not summary:
     return 0, 0
   counts = dict((k, int(n)) for n, k in re.findall(r"(\d+) (passed|failed|errors?)", summary[-1]))

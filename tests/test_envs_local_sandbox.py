@@ -192,3 +192,15 @@ def test_orphaned_roots_of_dead_runs_are_removed(tmp_path):
   unrelated.mkdir()
   assert local_sandbox.remove_orphans(str(tmp_path)) == 1
   assert not orphan.exists() and alive.exists() and unrelated.exists()
+
+
+def test_vanished_episode_directory_is_a_sandbox_error(sandbox):
+  import shutil
+  h = sandbox.start(TASK)
+  shutil.rmtree(h.ep_dir)   # e.g. someone cleaned /dev/shm under a live episode
+  with pytest.raises(SandboxError, match="exec failed"):
+    h.exec("true", 5)
+  with pytest.raises(SandboxError, match="final tests failed"):
+    h.run_tests()
+  h.close()
+  assert sandbox.leftovers() == {"directories": 0}

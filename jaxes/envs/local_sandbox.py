@@ -398,7 +398,10 @@ class LocalHandle(SandboxHandle):
   def exec(self, command: str, timeout_s: float) -> ExecResult:
     if self._closed:
       raise SandboxError("exec on a closed sandbox")
-    return self._run(command, timeout_s)
+    try:
+      return self._run(command, timeout_s)
+    except OSError as e:   # the episode directory vanished, no file descriptors left, …
+      raise SandboxError(f"exec failed: {e}") from e
 
   def _env(self) -> dict[str, str]:
     env = {"HOME": self._localise(HOME), "USER": "user", "LOGNAME": "user", "PATH": _PATH,
@@ -466,6 +469,12 @@ class LocalHandle(SandboxHandle):
   def run_tests(self) -> TestReport:
     if self._closed:
       raise SandboxError("run_tests on a closed sandbox")
+    try:
+      return self._run_tests()
+    except OSError as e:
+      raise SandboxError(f"running the final tests failed: {e}") from e
+
+  def _run_tests(self) -> TestReport:
     source = self.task.final_tests
     names = _plain_test_names(source)
     tests_dir = os.path.join(self.ep_dir, "tests")

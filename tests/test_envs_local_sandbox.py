@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from jaxes.envs import local_sandbox, make_sandbox
+from jaxes.envs import final_tests, local_sandbox, make_sandbox
 from jaxes.envs.sandbox import OutputCapture, SandboxError
 from jaxes.envs.task import Limits, Task
 
@@ -122,9 +122,19 @@ def test_real_pytest_agrees_with_light_runner():
 
 
 def test_pytest_style_files_go_to_pytest():
-  assert local_sandbox._plain_test_names(TESTS) == ["test_hello", "test_data_kept", "test_fails_always"]
-  assert local_sandbox._plain_test_names("import pytest\ndef test_a():\n  pass\n") is None
-  assert local_sandbox._plain_test_names("def test_a(tmp_path):\n  pass\n") is None
+  plain = final_tests.plain_test_names
+  assert plain(TESTS) == ["test_hello", "test_data_kept", "test_fails_always"]
+  assert plain("import pytest\ndef test_a():\n  pass\n") is None
+  assert plain("def test_a(tmp_path):\n  pass\n") is None
+  assert plain("class TestA:\n  def test_a(self):\n    pass\n") is None
+  assert plain("async def test_a():\n  pass\n") is None
+
+
+def test_result_parsing():
+  assert final_tests.parse_pytest("..F\n1 failed, 2 passed in 0.01s\n") == (2, 3)
+  assert final_tests.parse_pytest("E\n1 error in 0.01s\n") == (0, 1)
+  assert final_tests.parse_light("PASSED a\nJAXES_TEST_RESULT 1 2 1\n", 5) == (1, 3)
+  assert final_tests.parse_light("killed\n", 5) == (0, 5)
 
 
 def test_bad_inputs_are_named(sandbox, tmp_path):

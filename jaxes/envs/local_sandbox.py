@@ -19,7 +19,6 @@ This is weaker isolation than the docker backend (shared kernel, host filesystem
 """
 from __future__ import annotations
 
-import ast
 import functools
 import logging
 import os
@@ -35,6 +34,7 @@ import time
 import uuid
 import warnings
 
+from jaxes.envs import final_tests
 from jaxes.envs.sandbox import (ExecResult, OutputCapture, Sandbox, SandboxError, SandboxHandle,
                                 TestReport)
 from jaxes.envs.task import Task
@@ -52,41 +52,7 @@ SETUP_TIMEOUT_S = 120.0
 _ROOT_PREFIX = "jaxes-local-"
 _KILL_GRACE_S = 2.0
 _POLL_S = 0.05
-_RESULT_TAG = "JAXES_TEST_RESULT "
 _PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-
-# Runs inside the sandbox with ``python3 -I``: imports the final-test file and calls every
-# module-level ``test*`` function the way pytest would, without pytest's ~300 ms start-up.
-# Used only for files the host-side check below finds plain (no pytest import, no fixtures,
-# decorators or test classes); anything else goes to real pytest.
-_LIGHT_RUNNER = r"""
-import contextlib, io, sys, types
-path = sys.argv[1]
-mod = types.ModuleType("test_final_state")
-mod.__file__ = path
-sys.modules[mod.__name__] = mod
-passed, failed, lines = 0, 0, []
-try:
-  exec(compile(open(path, encoding="utf-8").read(), path, "exec"), mod.__dict__)
-  tests = [(name, obj) for name, obj in list(vars(mod).items())
-           if name.startswith("test") and callable(obj) and not isinstance(obj, type)]
-except BaseException:
-  import traceback
-  tests = None
-  lines.append("ERROR collecting " + path + "\n" + traceback.format_exc(limit=3))
-for name, fn in tests or ():
-  out = io.StringIO()
-  try:
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-      fn()
-    passed += 1
-    lines.append("PASSED " + name)
-  except BaseException as e:
-    failed += 1
-    lines.append("FAILED " + name + " - " + type(e).__name__ + ": " + str(e)[:2000])
-print("\n".join(lines))
-print("%s%d %d %d" % (TAG, passed, failed, tests is not None))
-""".replace("TAG", repr(_RESULT_TAG))
 
 # Restores the previous command's cwd and exported variables, applies rlimits, runs the
 # command (eval'd in this shell, so `exit`, `cd` and `export` behave as in a terminal and
@@ -199,29 +165,6 @@ def _warn_unisolated() -> None:
          "install bubblewrap for untrusted agents.")
   warnings.warn(msg, RuntimeWarning, stacklevel=3)
   log.warning(msg)
-
-
-def _plain_test_names(source: str) -> list[str] | None:
-  """Test names when the light runner can run this file exactly like pytest, else None."""
-  try:
-    tree = ast.parse(source)
-  except SyntaxError:
-    return None
-  names = []
-  for node in tree.body:
-    if isinstance(node, (ast.Import, ast.ImportFrom)):
-      mods = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
-      if any(m.split(".")[0] in ("pytest", "_pytest") for m in mods):
-        return None
-    if isinstance(node, ast.FunctionDef) and node.name.startswith("test"):
-      if node.decorator_list or node.args.args or node.args.vararg or node.args.kwonlyargs:
-        return None
-      names.append(node.name)
-    if isinstance(node, ast.ClassDef) and node.name.startswith("Test"):
-      return None
-    if isinstance(node, ast.FunctionDef) and node.name in ("setup_module", "teardown_module"):
-      return None
-  return names or None
 
 
 def _default_parent() -> str | None:
@@ -476,7 +419,7 @@ class LocalHandle(SandboxHandle):
 
   def _run_tests(self) -> TestReport:
     source = self.task.final_tests
-    names = _plain_test_names(source)
+    names = final_tests.plain_test_names(source)
     tests_dir = os.path.join(self.ep_dir, "tests")
     if os.path.exists(tests_dir):
       _rmtree(tests_dir)
@@ -488,7 +431,7 @@ class LocalHandle(SandboxHandle):
     target = self._localise(f"{TESTS}/test_final_state.py")
     light = names is not None and not self._sb.use_pytest
     if light:
-      inner = ["python3", "-I", "-c", _LIGHT_RUNNER, target]
+      inner = ["python3", "-I", "-c", final_tests.LIGHT_RUNNER, target]
     else:
       inner = ["python3", "-I", "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider",
                f"--rootdir={os.path.dirname(target)}", target]
@@ -497,13 +440,13 @@ class LocalHandle(SandboxHandle):
                f"cd {self._localise(HOME)} && ulimit -t {limits.cpu_s} "
                f"-v {limits.memory_mb * 1024} 2>/dev/null; exec \"$@\"", "run-tests", *inner]
     res = self._run("", limits.test_timeout_s, argv=wrapped, tests_dir=tests_dir)
-    expected = len(names) if names is not None else _count_tests(source)
+    expected = len(names) if names is not None else final_tests.count_tests(source)
     if res.timed_out:
       return TestReport(False, 0, expected, True, res.output)
     if light:
-      num_passed, num_tests = _parse_light(res.output, expected)
+      num_passed, num_tests = final_tests.parse_light(res.output, expected)
     else:
-      num_passed, num_tests = _parse_pytest(res.output)
+      num_passed, num_tests = final_tests.parse_pytest(res.output)
     passed = res.exit_code == 0 and num_tests > 0 and num_passed == num_tests
     return TestReport(passed, num_passed, num_tests, False, res.output)
 
@@ -570,33 +513,6 @@ def _kill_group(proc: subprocess.Popen) -> None:
     os.killpg(proc.pid, signal.SIGKILL)
   except (ProcessLookupError, PermissionError):
     pass
-
-
-def _count_tests(source: str) -> int:
-  try:
-    tree = ast.parse(source)
-  except SyntaxError:
-    return 0
-  return sum(isinstance(n, ast.FunctionDef) and n.name.startswith("test") for n in ast.walk(tree))
-
-
-def _parse_light(output: str, expected: int) -> tuple[int, int]:
-  for line in reversed(output.splitlines()):
-    if line.startswith(_RESULT_TAG):
-      passed, failed, collected = map(int, line[len(_RESULT_TAG):].split())
-      return (passed, passed + failed) if collected else (0, expected)
-  return 0, expected    # killed (rlimit) or crashed before reporting
-
-
-def _parse_pytest(output: str) -> tuple[int, int]:
-  summary = [line for line in output.splitlines()
-             if re.search(r"\b(passed|failed|error|no tests ran)", line)]
-  if not summary:
-    return 0, 0
-  counts = dict((k, int(n)) for n, k in re.findall(r"(\d+) (passed|failed|errors?)", summary[-1]))
-  passed = counts.get("passed", 0)
-  total = passed + counts.get("failed", 0) + counts.get("error", 0) + counts.get("errors", 0)
-  return passed, total
 
 
 if __name__ == "__main__":   # python -m jaxes.envs.local_sandbox: which isolation works here

@@ -96,4 +96,5 @@ def base_config() -> config_dict.ConfigDict:
   c.warmstart.batch_size = 8
   c.warmstart.learning_rate = 1e-3
   c.warmstart.seq_len = 512
+  c.warmstart.init_from = ""     # a workdir: take its version-0 (warm-started) params and tokenizer
   return c

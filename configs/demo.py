@@ -29,31 +29,36 @@ def get_config():
 
   c.es.mode = "lowrank"
   c.es.population = 16
-  c.es.sigma = 0.02
-  c.es.learning_rate = 0.01
+  c.es.sigma = 0.008
+  c.es.learning_rate = 0.05
   c.es.rank = 1
   c.es.shaping = "centered_rank"
 
   c.controller.mode = "async"
   c.controller.max_staleness = 1
-  c.controller.episodes_per_member = 4
+  c.controller.episodes_per_member = 2
 
   c.env.sandbox = "local"
+  # Endless Terminals' protocol with a compact wording of its rules: the full system prompt costs
+  # ~180 tokens per episode and transcript, which dominates a tiny model's compute on CPU.
+  c.env.system_prompt = ("You are in a Linux terminal; solve the user's task in /home/user. End each "
+                         "reply with exactly one <command>ONE_SHELL_COMMAND</command>, or "
+                         "<action>done</action> when the task is complete.")
   c.env.families = ""
   c.env.num_train_tasks = 256
   c.env.num_heldout_tasks = 64
   c.env.partial_credit = True
   c.env.max_turns = 4
-  c.env.sandbox_workers = 4
+  c.env.sandbox_workers = 8
 
   c.rollout.num_slots = 32
-  c.rollout.max_len = 768
-  c.rollout.prefill_chunk = 128
-  c.rollout.max_new_tokens = 64
+  c.rollout.max_len = 512
+  c.rollout.prefill_chunk = 64
+  c.rollout.max_new_tokens = 128
   c.rollout.temperature = 0.0
 
-  c.train.num_updates = 40
-  c.train.eval_every = 10
+  c.train.num_updates = 20
+  c.train.eval_every = 5
   c.train.checkpoint_every = 5
   c.eval.num_tasks = 64
   c.eval.seeds = 1
@@ -62,5 +67,5 @@ def get_config():
   c.warmstart.num_tasks = 256
   c.warmstart.batch_size = 8
   c.warmstart.learning_rate = 3e-3
-  c.warmstart.seq_len = 768
+  c.warmstart.seq_len = 256
   return c

@@ -170,7 +170,7 @@ class EpisodeRunner:
       for turn in turns:
         live = turn.tag
         ids = turn.tokens[:-1] if turn.stopped else turn.tokens
-        text = self.tok.decode(ids, skip_special_tokens=True)
+        text = self.tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
         self._futures[self._pool.submit(self._act, live, text)] = ("act", live)
     return results
 

@@ -75,8 +75,16 @@ class Checkpointer:
   def steps(self) -> list[int]:
     return sorted(self._manager.all_steps())
 
-  def restore(self, make_target: Callable[[dict], Any]):
-    """Newest restorable step. ``make_target(host)`` builds a tree of the saved structure."""
+  def restore(self, make_target: Callable[[dict], Any], step: int | None = None):
+    """Newest restorable step (or exactly ``step``). ``make_target(host)`` builds a tree of the
+    saved structure."""
+    if step is not None:
+      host = self._manager.restore(step, args=ocp.args.Composite(host=ocp.args.JsonRestore())).host
+      target = make_target(host)
+      abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _to_arrays(target))
+      arrays = self._manager.restore(
+          step, args=ocp.args.Composite(arrays=ocp.args.StandardRestore(abstract))).arrays
+      return step, _from_arrays(arrays, target), host
     for step in reversed(self.steps()):
       try:
         host = self._manager.restore(step, args=ocp.args.Composite(host=ocp.args.JsonRestore())).host

@@ -150,6 +150,9 @@ def validate(config: config_dict.ConfigDict) -> None:
   at_least("eval.temperature", 0.0)
 
   at_least("warmstart.steps", 0)
+  if c.warmstart.init_from:
+    check("warmstart.init_from", os.path.isdir(os.path.join(c.warmstart.init_from, "checkpoints", "0")),
+          "must be a run directory with a version-0 checkpoint")
   if c.warmstart.steps > 0:
     at_least("warmstart.num_tasks", 1)
     at_least("warmstart.batch_size", 1)

@@ -93,7 +93,7 @@ class Trainer:
   def _tokenizer(self, transcripts):
     from jaxes import tokenization
     c = self.config
-    path = c.tokenizer.path or c.model.path
+    path = c.tokenizer.path or c.model.path or (c.warmstart.init_from and os.path.join(c.warmstart.init_from, "tokenizer"))
     if path:
       return tokenization.load_tokenizer(path)
     out = os.path.join(self.workdir, "tokenizer")
@@ -158,8 +158,9 @@ class Trainer:
       ckpt = checkpoint.Checkpointer(os.path.join(self.workdir, "checkpoints"), keep=c.train.keep_checkpoints)
       resuming = bool(ckpt.steps())
       transcripts = []
-      needs_tokenizer = not (c.tokenizer.path or c.model.path or os.path.isdir(os.path.join(self.workdir, "tokenizer")))
-      if (c.warmstart.steps and not resuming) or needs_tokenizer:
+      needs_tokenizer = not (c.tokenizer.path or c.model.path or c.warmstart.init_from
+                             or os.path.isdir(os.path.join(self.workdir, "tokenizer")))
+      if (c.warmstart.steps and not resuming and not c.warmstart.init_from) or needs_tokenizer:
         t = time.perf_counter()
         transcripts = warmstart.oracle_transcripts(self.train_tasks[:max(c.warmstart.num_tasks, 1)],
                                                    self.sandbox, self._episode, c.env.sandbox_workers)
@@ -168,7 +169,7 @@ class Trainer:
       self.model_config, self.graphdef, params = self._model()
       self.strategy = self._strategy()
       self.timings = {}
-      if c.warmstart.steps and not resuming:
+      if c.warmstart.steps and not resuming and not c.warmstart.init_from:
         t = time.perf_counter()
         tokens, mask = warmstart.encode(self.tok, transcripts, c.warmstart.seq_len)
         params, history = warmstart.train(self.graphdef, params, tokens, mask, steps=c.warmstart.steps,
@@ -176,6 +177,8 @@ class Trainer:
                                           learning_rate=c.warmstart.learning_rate, seed=c.seed,
                                           log=self.log)
         self.timings["warmstart_s"] = time.perf_counter() - t
+      if c.warmstart.init_from and not resuming:
+        params = self._params_from(c.warmstart.init_from, params)
       state = self.strategy.init(params, jax.random.key(c.seed))
       self.ctl = Controller(ControllerConfig.from_config(
           c.controller, population=c.es.population, seed=c.seed, antithetic=c.es.antithetic),
@@ -197,6 +200,17 @@ class Trainer:
       self.sandbox.shutdown()
       if ckpt is not None:
         ckpt.close()
+
+  def _params_from(self, workdir: str, like):
+    """The version-0 parameters of another run (share one warm start across ES runs)."""
+    src = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"))
+    try:
+      probe = self._strategy().init(like, jax.random.key(0))
+      _, tree, _ = src.restore(lambda host: {"es": probe, "old": {str(v): like for v in host["old_versions"]}}, step=0)
+    finally:
+      src.close()
+    self.log(f"initial parameters from {workdir} (version 0)")
+    return tree["es"].params
 
   def _restore(self, ckpt, state):
     def target(host):
@@ -256,7 +270,7 @@ class Trainer:
     todo.reverse()
     passed = np.zeros((c.eval.seeds, c.eval.num_tasks))
     rewards = np.zeros((c.eval.seeds, c.eval.num_tasks))
-    remaining, t = len(todo), time.perf_counter()
+    remaining, t, failures = len(todo), time.perf_counter(), Counter()
     while remaining:
       for _ in self.runner.free_slots()[:len(todo)]:
         self.runner.submit(todo.pop())
@@ -264,6 +278,7 @@ class Trainer:
         if r.spec.key[0] == "eval":
           _, s, i = r.spec.key
           passed[s, i], rewards[s, i] = float(r.passed), r.reward or 0.0
+          failures[r.failure or ("passed" if r.passed else "wrong")] += 1
           remaining -= 1
         else:
           self._report(r)
@@ -271,7 +286,8 @@ class Trainer:
     success, stderr = metrics.mean_stderr(per_task) if c.eval.num_tasks else (float("nan"), float("nan"))
     result = {"version": version, "success": success, "stderr": stderr,
               "reward": float(rewards.mean()) if rewards.size else float("nan"),
-              "episodes": int(passed.size), "seconds": time.perf_counter() - t}
+              "episodes": int(passed.size), "seconds": time.perf_counter() - t,
+              "failures": dict(failures)}
     self.evals.append(result)
     self.log(f"held-out eval at version {version}: success {success:.3f} ± {stderr:.3f} "
              f"({passed.size} episodes, {result['seconds']:.0f}s)")

@@ -6,17 +6,20 @@ is member ``members[g]`` of policy version ``versions[g]`` (member ``-1``: unper
 then computes exactly what the model would compute with parameters ``theta + sigma_v * sign_m *
 eps(v, m)`` (the same noise the ES update regenerates), up to float rounding.
 
-How each leaf kind (see ``jaxes.es.noise``) is applied, and what it costs (G groups, B rows):
+Noise is drawn once per group when the noiser is built (call ``build`` when slot assignments
+change, reuse the noiser across decode steps). How each leaf kind (see ``jaxes.es.noise``) is
+applied, and what it costs (G groups, B rows):
 
-* ``lowrank`` matrices: base matmul shared by all rows, plus a per-row correction
-  ``(x @ A'_g) @ B_g^T`` with ``A' = s_g A / sqrt(r)``. ``A', B`` for the G members are generated
-  (and pre-scaled) once when the noiser is built and reused across decode steps. Memory: ``G * r * sum(in + out)`` float32 over
-  all matrices (Qwen2.5-7B, r=1, G=64: ~0.75 GB); per-row gathers ``B * r * (in + out)`` transient.
-  Compute: ~``2r/min(in, out)`` on top of the base matmul.
-* ``full`` leaves: the member values ``theta + s_g * eps_g`` are materialised once per group in
-  the parameter dtype. Memory: ``G * |leaf|`` (all of theta per group in full mode, i.e. G model
-  copies); a matmul gathers each row's weights (``B * in * out`` transient) unless ``G == 1``.
-  Use full mode with small G (one population slice per device).
+* ``lowrank`` matrices: the base matmul shared by all rows, plus a per-row correction
+  ``(x @ A'_b) @ B_b^T`` with ``A' = sigma * sign * A / sqrt(r)``. The factors are stored
+  pre-scaled and laid out per row, so a step does no gather. Memory: ``B * r * sum(in + out)``
+  float32 over all matrices (Qwen2.5-7B, r = 1, B = 64 rows: ~0.75 GB). Compute: about
+  ``2r / min(in, out)`` on top of the base matmul.
+* ``full`` vectors (biases, norm gains): perturbed values stored per row, ``B * |vector|``.
+* ``full`` matrices: the member weights ``theta + s_g * eps_g`` are materialised once per group in
+  the parameter dtype. Memory: ``G`` copies of those leaves (in full mode: G model copies); a
+  matmul gathers each row's weights (``B * in * out`` transient) unless ``G == 1``. Use full mode
+  with small G (one member per population slice / device).
 * ``frozen`` leaves: the op runs on the stored parameter.
 """
 from __future__ import annotations
@@ -31,16 +34,19 @@ import jax.numpy as jnp
 from jaxes.es import keys, noise
 
 
+def _is_vector(spec: noise.LeafSpec) -> bool:
+  return len(spec.layer_shape) <= 1
+
+
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["group_scale", "row_group", "factors", "values"],
-                   meta_fields=["specs"])
+                   data_fields=["row_group", "factors", "values"], meta_fields=["specs"])
 @dataclasses.dataclass(frozen=True)
 class PopulationNoiser:
-  group_scale: jax.Array  # [G] float32: sigma_v * sign_m, 0 for member -1
-  row_group: jax.Array    # [B] int32
-  factors: dict           # lowrank leaf name -> (s A / sqrt(r) [G, (L,) in, r], B [G, (L,) out, r])
-  values: dict            # full leaf name -> member values [G, (L,) ...] in the parameter dtype
-  specs: tuple            # LeafSpec per parameter leaf
+  row_group: jax.Array  # [B] int32
+  factors: dict         # lowrank leaf -> (A' [B, (L,) in, r], B [B, (L,) out, r]) float32, per row
+  values: dict          # full leaf -> perturbed values in the parameter dtype: vectors per row
+                        # [B, (L,) n], matrices per group [G, (L,) ...]
+  specs: tuple          # LeafSpec per parameter leaf
 
   # -- helpers -------------------------------------------------------------------------------
   def _spec(self, name: str, layer) -> noise.LeafSpec:
@@ -57,46 +63,41 @@ class PopulationNoiser:
     if x.shape[0] != self.row_group.shape[0]:
       raise ValueError(f"batch has {x.shape[0]} rows but row_group has {self.row_group.shape[0]}")
 
-  @property
-  def _single_group(self) -> bool:
-    return self.group_scale.shape[0] == 1
+  @staticmethod
+  def _at_layer(table: jax.Array, layer) -> jax.Array:
+    """``table[:, layer]`` for a stacked ``[B or G, L, ...]`` array."""
+    return table if layer is None else table[:, layer]
 
-  def _per_row(self, table: jax.Array, layer) -> jax.Array:
-    """Select each row's group (and the layer) from a ``[G, (L,) ...]`` array."""
-    return table[self.row_group] if layer is None else table[self.row_group, layer]
-
-  def _per_group0(self, table: jax.Array, layer) -> jax.Array:
-    return table[0] if layer is None else table[0, layer]
+  def _group_weights(self, name: str, layer):
+    """A full matrix for the op: ``([in, out], False)`` if one group, else ``([B, in, out], True)``."""
+    per_group = self._at_layer(self.values[name], layer)
+    if per_group.shape[0] == 1:
+      return per_group[0], False
+    return per_group[self.row_group], True
 
   def _vector(self, value: jax.Array, name: str, layer, like: jax.Array) -> jax.Array:
     """A perturbed vector broadcastable against ``like`` ([B, ..., n]), in ``like``'s dtype."""
     spec = self._spec(name, layer)
     if spec.kind == "frozen":
       return value.astype(like.dtype)
-    if spec.kind != "full":
-      raise ValueError(f"parameter {name!r} of kind {spec.kind!r} used as a vector")
-    if self._single_group:
-      return self._per_group0(self.values[name], layer).astype(like.dtype)
-    rows = self._per_row(self.values[name], layer).astype(like.dtype)
-    return rows.reshape((rows.shape[0],) + (1,) * (like.ndim - 1 - (rows.ndim - 1)) + rows.shape[1:])
+    if spec.kind != "full" or not _is_vector(spec):
+      raise ValueError(f"parameter {name!r} ({spec.kind}, shape {spec.shape}) used as a vector")
+    rows = self._at_layer(self.values[name], layer).astype(like.dtype)
+    return rows.reshape((rows.shape[0],) + (1,) * (like.ndim - rows.ndim) + rows.shape[1:])
 
   # -- the hook ------------------------------------------------------------------------------
   def dense(self, x, kernel, bias, *, name, layer=None, bias_name=None):
     self._check_rows(x)
     spec = self._spec(name, layer)
     if spec.kind == "full":
-      if self._single_group:
-        w = self._per_group0(self.values[name], layer)
-        y = jnp.einsum("...i,io->...o", x, w.astype(x.dtype))
-      else:
-        w = self._per_row(self.values[name], layer)
-        y = jnp.einsum("b...i,bio->b...o", x, w.astype(x.dtype))
+      w, per_row = self._group_weights(name, layer)
+      pattern = "b...i,bio->b...o" if per_row else "...i,io->...o"
+      y = jnp.einsum(pattern, x, w.astype(x.dtype))
     else:
       y = jnp.einsum("...i,io->...o", x, kernel.astype(x.dtype))
       if spec.kind == "lowrank":
-        a, b = (self._per_row(f, layer).astype(x.dtype) for f in self.factors[name])
-        xa = jnp.einsum("b...i,bir->b...r", x, a)
-        y = y + jnp.einsum("b...r,bor->b...o", xa, b)
+        a, b = (self._at_layer(f, layer).astype(x.dtype) for f in self.factors[name])
+        y = y + jnp.einsum("b...r,bor->b...o", jnp.einsum("b...i,bir->b...r", x, a), b)
     if bias is None:
       return y
     if bias_name is None:
@@ -106,13 +107,14 @@ class PopulationNoiser:
   def embed(self, table, ids, *, name):
     self._check_rows(ids)
     spec = self._spec(name, None)
-    rows = self.row_group.reshape((-1,) + (1,) * (ids.ndim - 1))
     if spec.kind == "full":
+      rows = self.row_group.reshape((-1,) + (1,) * (ids.ndim - 1))
       return self.values[name][rows, ids]
     out = jnp.take(table, ids, axis=0)
     if spec.kind == "lowrank":
       a, b = self.factors[name]
-      corr = jnp.einsum("b...r,bdr->b...d", a[rows, ids], b[self.row_group])
+      rows = jnp.arange(ids.shape[0]).reshape((-1,) + (1,) * (ids.ndim - 1))
+      corr = jnp.einsum("b...r,bdr->b...d", a[rows, ids], b)
       out = (out.astype(jnp.float32) + corr).astype(table.dtype)
     return out
 
@@ -120,15 +122,13 @@ class PopulationNoiser:
     self._check_rows(x)
     spec = self._spec(name, None)
     if spec.kind == "full":
-      if self._single_group:
-        return jnp.einsum("...d,vd->...v", x, self.values[name][0].astype(x.dtype))
-      w = self.values[name][self.row_group]
-      return jnp.einsum("b...d,bvd->b...v", x, w.astype(x.dtype))
+      w, per_row = self._group_weights(name, None)
+      pattern = "b...d,bvd->b...v" if per_row else "...d,vd->...v"
+      return jnp.einsum(pattern, x, w.astype(x.dtype))
     y = jnp.einsum("...d,vd->...v", x, table.astype(x.dtype))
     if spec.kind == "lowrank":
-      a, b = (f[self.row_group].astype(x.dtype) for f in self.factors[name])
-      xb = jnp.einsum("b...d,bdr->b...r", x, b)
-      y = y + jnp.einsum("b...r,bvr->b...v", xb, a)
+      a, b = (f.astype(x.dtype) for f in self.factors[name])
+      y = y + jnp.einsum("b...r,bvr->b...v", jnp.einsum("b...d,bdr->b...r", x, b), a)
     return y
 
   def scale(self, x, scale, *, name, layer=None):
@@ -148,8 +148,7 @@ def build(params, run_key: jax.Array, versions: jax.Array, members: jax.Array,
   if row_group.ndim != 1:
     raise ValueError(f"row_group must be [B], got shape {row_group.shape}")
   specs = noise.plan(params, cfg)
-  active = members >= 0
-  group_scale = jnp.where(active, sigmas * keys.member_sign(members, cfg.antithetic), 0.0)
+  group_scale = jnp.where(members >= 0, sigmas * keys.member_sign(members, cfg.antithetic), 0.0)
   mkeys = jax.vmap(lambda v, m: keys.member_key(run_key, v, m, cfg.antithetic))(
       versions, jnp.maximum(members, 0))
   factors, values = {}, {}
@@ -157,10 +156,10 @@ def build(params, run_key: jax.Array, versions: jax.Array, members: jax.Array,
     if spec.kind == "lowrank":
       a, b = jax.vmap(lambda k: noise.lowrank_factors(k, spec, cfg.rank))(mkeys)
       scale = (group_scale / math.sqrt(cfg.rank)).reshape((-1,) + (1,) * (a.ndim - 1))
-      factors[spec.name] = (a * scale, b)
+      factors[spec.name] = ((a * scale)[row_group], b[row_group])
     elif spec.kind == "full":
-      values[spec.name] = jax.vmap(
+      per_group = jax.vmap(
           lambda k, s: (leaf.astype(jnp.float32) + s * noise.full_noise(k, spec)).astype(leaf.dtype)
       )(mkeys, group_scale)
-  return PopulationNoiser(group_scale.astype(jnp.float32), row_group, factors, values,
-                          tuple(specs))
+      values[spec.name] = per_group[row_group] if _is_vector(spec) else per_group
+  return PopulationNoiser(row_group, factors, values, tuple(specs))

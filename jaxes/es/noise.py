@@ -23,8 +23,6 @@ import jax.numpy as jnp
 
 from jaxes.es import keys
 
-KINDS = ("lowrank", "full", "frozen")
-
 
 @dataclasses.dataclass(frozen=True)
 class NoiseConfig:

@@ -205,8 +205,8 @@ def test_bad_results_fail_with_clear_errors():
     strategy.update(state, [(0, 0, 1.0), (0, 2, float("nan"))])
   with pytest.raises(ValueError, match="version 1 is outside"):
     strategy.update(state, [(1, 0, 1.0)])
-  with pytest.raises(ValueError, match="member 4 is outside"):
-    strategy.update(state, [(0, 4, 1.0)])
+  with pytest.raises(ValueError, match="member -1 must be >= 0"):
+    strategy.update(state, [(0, -1, 1.0)])
   with pytest.raises(ValueError, match="duplicate"):
     strategy.update(state, [(0, 1, 1.0), (0, 1, 2.0)])
   with pytest.raises(ValueError, match="result 0"):
@@ -258,3 +258,13 @@ def test_update_and_perturbed_on_sharded_params_equal_unsharded():
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
   for a, b in zip(_leaves64(strategy.perturbed(plain, (0, 3))), _leaves64(strategy.perturbed(dist, (0, 3)))):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_member_ids_beyond_population_are_their_own_members():
+  # An async controller issues ids past `population` (fresh members of the newest version).
+  strategy = es.Strategy(population=4, sigma=0.1, learning_rate=0.1)
+  state = strategy.init(_params(), jax.random.key(0))
+  a, b = strategy.perturbed(state, (0, 2)), strategy.perturbed(state, (0, 6))
+  assert not np.allclose(jax.tree.leaves(a)[0], jax.tree.leaves(b)[0])
+  new, metrics = strategy.update(state, [(0, 4, 1.0), (0, 5, 0.0), (0, 6, 2.0), (0, 7, -1.0)])
+  assert metrics["num_results"] == 4 and not metrics["zero_step"]

@@ -26,8 +26,7 @@ class SyntheticObjective:
     self.optimum = rng.standard_normal(dim)
     weights = rng.gamma(2.0, 0.5, size=(num_tasks, dim))
     self.task_weights = weights / weights.mean(axis=1, keepdims=True)
-    # Member ids go up to (K + 1) N in async mode; see ControllerConfig.member_bound.
-    self.strategy = es.Strategy(population=config.member_bound, sigma=sigma,
+    self.strategy = es.Strategy(population=config.population, sigma=sigma,
                                 learning_rate=learning_rate, mode="full",
                                 antithetic=config.antithetic, shaping="zscore")
     state = self.strategy.init({"theta": jnp.zeros(dim, jnp.float32)}, jax.random.key(seed))

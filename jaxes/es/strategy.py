@@ -240,9 +240,11 @@ class Strategy:
   def _check_member(self, state: ESState, version: int, m: int, allow_unperturbed: bool) -> None:
     if not 0 <= version <= int(state.version):
       raise ValueError(f"version {version} is outside [0, {int(state.version)}] (the state's version)")
+    # Ids beyond `population` are legal: an async controller keeps issuing fresh members of the
+    # newest version while older ones are still running; a member's noise depends only on its id.
     low = -1 if allow_unperturbed else 0
-    if not low <= m < self.population:
-      raise ValueError(f"member {m} is outside [{low}, {self.population})")
+    if m < low:
+      raise ValueError(f"member {m} must be >= {low}")
 
   def _staleness_weights(self, staleness: np.ndarray) -> np.ndarray:
     sw = self.staleness_weighting

@@ -71,8 +71,8 @@ def get_config():
   c.rollout.max_new_tokens = 128
   c.rollout.temperature = 0.0
 
-  c.train.num_updates = 16
-  c.train.eval_every = 8
+  c.train.num_updates = 12
+  c.train.eval_every = 6
   c.train.checkpoint_every = 4
   c.eval.num_tasks = 64
   c.eval.seeds = 1

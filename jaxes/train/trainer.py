@@ -19,6 +19,8 @@ import dataclasses
 import json
 import math
 import os
+import shutil
+import tempfile
 import time
 from collections import Counter
 from typing import Callable
@@ -68,9 +70,15 @@ def make_tasks(config, split: str, n: int):
   return tasks
 
 
-def make_sandbox(config, **kwargs):
+def make_sandbox(config):
+  """The configured backend and, for "local", the episode root this run created (under the
+  system temp directory, searchable by the sandbox uid) and must remove after ``shutdown``."""
   from jaxes.envs import make_sandbox as make
-  return make(config.env.sandbox, **kwargs)
+  if config.env.sandbox != "local":
+    return make(config.env.sandbox), None
+  root = tempfile.mkdtemp(prefix="jaxes-train-")
+  os.chmod(root, 0o711)
+  return make("local", root_dir=os.path.join(root, "episodes")), root
 
 
 class Trainer:
@@ -149,7 +157,7 @@ class Trainer:
   def run(self) -> dict:
     c = self.config
     mesh_shape(c, len(jax.devices()))
-    self.sandbox = self._sandbox or make_sandbox(c)
+    self.sandbox, sandbox_root = (self._sandbox, None) if self._sandbox else make_sandbox(c)
     self.runner = None
     ckpt = None
     try:
@@ -198,6 +206,8 @@ class Trainer:
       if self.runner is not None:
         self.runner.close()
       self.sandbox.shutdown()
+      if sandbox_root is not None:
+        shutil.rmtree(sandbox_root, ignore_errors=True)
       if ckpt is not None:
         ckpt.close()
 

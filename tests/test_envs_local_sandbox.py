@@ -214,3 +214,12 @@ def test_vanished_episode_directory_is_a_sandbox_error(sandbox):
     h.run_tests()
   h.close()
   assert sandbox.leftovers() == {"directories": 0}
+
+
+@pytest.mark.skipif(not (os.geteuid() == 0 and local_sandbox.shutil.which("bwrap")),
+                    reason="needs root and bubblewrap")
+def test_auto_isolation_finds_bubblewrap_whatever_dev_shm_mode():
+  # As root the sandbox uid is unprivileged; a 0700 /dev/shm must not push "auto" to no isolation.
+  assert local_sandbox.resolve_isolation("auto", local_sandbox.NOBODY) == "bwrap"
+  parent = local_sandbox._default_parent()
+  assert parent is None or os.stat(parent).st_mode & 0o001

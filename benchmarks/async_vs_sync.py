@@ -1,6 +1,6 @@
 """Async vs sync ES scheduling in the discrete-event simulator, plus controller bookkeeping speed.
 
-  python benchmarks/async_vs_sync.py [--updates 300] [--out benchmarks/RESULTS_controller.md]
+  python benchmarks/async_vs_sync.py [--updates 300] [--out controller_tables.md]
                                      [--plot benchmarks/async_vs_sync.png] [--quick]
 
 1. Sweep: duration models x K in {0, 1, 2, 4, 8} x overage {drop, wait}, W = 64 workers,
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
 import subprocess
 import time
 

@@ -3,7 +3,7 @@ sandboxes, asynchronous low-rank ES. Runs in <= 15 minutes on 2 CPU cores.
 
   python -m jaxes.train --config=configs/demo.py --workdir=runs/demo [--config.controller.mode=sync]
 
-Choices, by measurement on a 2-core VM (see benchmarks/RESULTS_demo.md for the numbers):
+Choices, by measurement on a 2-core VM (see benchmarks/RESULTS.md, "CPU demo" for the numbers):
   * warm start: supervised training on oracle transcripts of training-split tasks stands in for
     an Instruct checkpoint. It is stopped early on purpose (100 steps) so held-out success stays
     well below 100% (~34%) and ES has room to improve.

@@ -255,7 +255,7 @@ class Strategy:
     return float(sw) ** staleness.astype(np.float64)
 
   def _padded_size(self, n: int) -> int:
-    """Pad the number of noise keys to a multiple of the pairs (or members) in a population, so
-    the update compiles once for the usual cohort sizes."""
-    bucket = self.population // 2 if self.antithetic else self.population
-    return max(1, -(-n // bucket)) * bucket
+    """Pad the number of noise keys to a multiple of ``population``: any cohort of up to N
+    results (merged pairs or not, any mix of versions) then has one compiled shape. Padding is
+    free: zero-weight entries skip noise generation."""
+    return max(1, -(-n // self.population)) * self.population

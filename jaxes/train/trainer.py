@@ -19,8 +19,6 @@ import dataclasses
 import json
 import math
 import os
-import shutil
-import tempfile
 import time
 from collections import Counter
 from typing import Callable
@@ -33,7 +31,6 @@ from ml_collections import config_dict
 from jaxes import es
 from jaxes.controller import Controller, ControllerConfig
 from jaxes.models import qwen2
-from jaxes.rollout import chat
 from jaxes.rollout.engine import Engine
 from jaxes.rollout.episodes import EpisodeRunner, EpisodeSpec
 from jaxes.train import checkpoint, metrics, warmstart
@@ -68,17 +65,6 @@ def make_tasks(config, split: str, n: int):
     tasks.append(dataclasses.replace(
         task, limits=dataclasses.replace(task.limits, max_turns=config.env.max_turns)))
   return tasks
-
-
-def make_sandbox(config):
-  """The configured backend and, for "local", the episode root this run created (under the
-  system temp directory, searchable by the sandbox uid) and must remove after ``shutdown``."""
-  from jaxes.envs import make_sandbox as make
-  if config.env.sandbox != "local":
-    return make(config.env.sandbox), None
-  root = tempfile.mkdtemp(prefix="jaxes-train-")
-  os.chmod(root, 0o711)
-  return make("local", root_dir=os.path.join(root, "episodes")), root
 
 
 class Trainer:
@@ -141,11 +127,8 @@ class Trainer:
     return cfg, graphdef, params
 
   def _strategy(self) -> es.Strategy:
-    e, k = self.config.es, self.config.controller.max_staleness
-    # The asynchronous controller numbers members within a version beyond N (admission allows
-    # up to (K + 1) N live members, more when drops free room); Strategy checks ids against its
-    # `population`, which only bounds ids and pads the update, so give it that bound.
-    return es.Strategy(population=2 * (k + 1) * e.population, sigma=e.sigma, learning_rate=e.learning_rate,
+    e = self.config.es
+    return es.Strategy(population=e.population, sigma=e.sigma, learning_rate=e.learning_rate,
                        mode=e.mode, rank=e.rank, antithetic=e.antithetic, shaping=e.shaping,
                        sigma_schedule=e.sigma_schedule,
                        sigma_final=e.sigma_final if e.sigma_schedule != "constant" else None,
@@ -157,7 +140,8 @@ class Trainer:
   def run(self) -> dict:
     c = self.config
     mesh_shape(c, len(jax.devices()))
-    self.sandbox, sandbox_root = (self._sandbox, None) if self._sandbox else make_sandbox(c)
+    from jaxes.envs import make_sandbox
+    self.sandbox = self._sandbox or make_sandbox(c.env.sandbox)
     self.runner = None
     ckpt = None
     try:
@@ -206,8 +190,6 @@ class Trainer:
       if self.runner is not None:
         self.runner.close()
       self.sandbox.shutdown()
-      if sandbox_root is not None:
-        shutil.rmtree(sandbox_root, ignore_errors=True)
       if ckpt is not None:
         ckpt.close()
 

@@ -75,7 +75,7 @@ class Driver:
     self.take(self.ctl.next_jobs(self.rnd.randint(0, 6)))
     if not self.in_flight:
       self.take(self.ctl.next_jobs(1000))
-      assert self.in_flight, f"deadlock: nothing in flight, nothing issuable, no update due"
+      assert self.in_flight, "deadlock: nothing in flight, nothing issuable, no update due"
     self.rnd.shuffle(self.in_flight)
     k = self.rnd.randint(1, len(self.in_flight))
     done, self.in_flight = self.in_flight[:k], self.in_flight[k:]

@@ -8,10 +8,6 @@ import pytest
 from jaxes import es
 from jaxes.models.noiser import IdentityNoiser
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-
 VOCAB, D, H, L = 11, 6, 5, 3
 
 

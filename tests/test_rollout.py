@@ -9,7 +9,7 @@ from flax import nnx
 from jaxes import es
 from jaxes.models import qwen2
 from jaxes.rollout import sampling
-from jaxes.rollout.engine import DECODE, FREE, PARKED, Engine
+from jaxes.rollout.engine import FREE, PARKED, Engine
 
 IM_END = 3
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jaxes import tokenization
-from jaxes.envs import generator, protocol
+from jaxes.envs import generator
 from jaxes.envs.local_sandbox import LocalSandbox
 from jaxes.train import metrics
 from jaxes.train.trainer import Trainer

@@ -79,20 +79,10 @@ class Checkpointer:
     """Newest restorable step (or exactly ``step``). ``make_target(host)`` builds a tree of the
     saved structure."""
     if step is not None:
-      host = self._manager.restore(step, args=ocp.args.Composite(host=ocp.args.JsonRestore())).host
-      target = make_target(host)
-      abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _to_arrays(target))
-      arrays = self._manager.restore(
-          step, args=ocp.args.Composite(arrays=ocp.args.StandardRestore(abstract))).arrays
-      return step, _from_arrays(arrays, target), host
+      return step, *self._restore_step(step, make_target)
     for step in reversed(self.steps()):
       try:
-        host = self._manager.restore(step, args=ocp.args.Composite(host=ocp.args.JsonRestore())).host
-        target = make_target(host)
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _to_arrays(target))
-        arrays = self._manager.restore(
-            step, args=ocp.args.Composite(arrays=ocp.args.StandardRestore(abstract))).arrays
-        return step, _from_arrays(arrays, target), host
+        return step, *self._restore_step(step, make_target)
       except Exception as e:  # any unreadable/mismatched step: fall back to the previous one
         aside = os.path.join(self.directory + "_corrupt", str(step))
         warnings.warn(f"checkpoint step {step} in {self.directory} failed to restore "
@@ -104,6 +94,14 @@ class Checkpointer:
         shutil.move(os.path.join(self.directory, str(step)), aside)
         self._manager.reload()
     return None
+
+  def _restore_step(self, step: int, make_target):
+    host = self._manager.restore(step, args=ocp.args.Composite(host=ocp.args.JsonRestore())).host
+    target = make_target(host)
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _to_arrays(target))
+    arrays = self._manager.restore(
+        step, args=ocp.args.Composite(arrays=ocp.args.StandardRestore(abstract))).arrays
+    return _from_arrays(arrays, target), host
 
   def wait(self) -> None:
     self._manager.wait_until_finished()

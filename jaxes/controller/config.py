@@ -78,7 +78,7 @@ class ControllerConfig:
   def member_bound(self) -> int:
     """Member ids of any version lie in [0, member_bound): at most (K + 1) N members are admitted
     at one version (async issues fresh perturbations of the newest version while older ones are
-    still in flight). An ES ``Strategy`` checking ids needs ``population >= member_bound``."""
+    still in flight). ``jaxes.es.Strategy`` accepts any id >= 0."""
     return (self.max_staleness + 1) * self.population
 
   @classmethod

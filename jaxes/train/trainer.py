@@ -30,6 +30,7 @@ from ml_collections import config_dict
 
 from jaxes import es
 from jaxes.controller import Controller, ControllerConfig
+from jaxes.envs import make_sandbox
 from jaxes.models import qwen2
 from jaxes.rollout.engine import Engine
 from jaxes.rollout.episodes import EpisodeRunner, EpisodeSpec
@@ -140,7 +141,6 @@ class Trainer:
   def run(self) -> dict:
     c = self.config
     mesh_shape(c, len(jax.devices()))
-    from jaxes.envs import make_sandbox
     self.sandbox = self._sandbox or make_sandbox(c.env.sandbox)
     self.runner = None
     ckpt = None

@@ -40,6 +40,7 @@ TESTS_DIR = "/var/lib/jaxes-tests"   # root-only, so the agent cannot edit the t
 CTL = "/run/jaxes"                   # the agent shell's saved state (cwd, exported variables)
 MAX_READ_BYTES = 16 << 20            # a command printing more than this is killed
 KILL_EXIT_CODE = 137                 # what `timeout -s KILL` returns when it fires
+KILL_WAIT_S = 10.0                   # how long a kill waits for the agent's processes to go
 SHELL_ENV = {
   "HOME": SANDBOX_HOME, "USER": SANDBOX_USER, "LOGNAME": SANDBOX_USER, "SHELL": "/bin/bash",
   "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8",
@@ -47,7 +48,10 @@ SHELL_ENV = {
 # Restores the previous command's cwd and exported variables, applies rlimits, runs the command
 # sourced (so `cd`, `export` and `exit` behave as in a terminal), saves the state again and
 # kills whatever the command left running (as the local backend's per-command pid namespace
-# does), so background jobs and `setsid` escapees never outlive their command.
+# does), so background jobs, `setsid` escapees and fork bombs never outlive their command.
+# `kill -1` reaches every process of the agent's user but the shell itself in one pass that the
+# kernel makes atomic with respect to fork; the `timeout` above the shell runs as root, so it
+# survives to report the command's exit status.
 _PRELUDE = """\
 ulimit -S -c 0
 ulimit -t {cpu} -f {fsize_blocks} 2>/dev/null
@@ -55,15 +59,12 @@ cd {home}
 if [ -f {ctl}/env ]; then . {ctl}/env 2>/dev/null; fi
 if [ -f {ctl}/cwd ]; then cd "$(< {ctl}/cwd)" 2>/dev/null; fi
 _jaxes_reap() {{
-  local pass p others
-  for pass in {{1..20}}; do
-    others=""
-    for p in /proc/[0-9]*; do  # pure bash: no fork per command
-      p=${{p#/proc/}}
-      [ -O /proc/$p ] && [ "$p" != $$ ] && [ "$p" != "$PPID" ] && others="$others $p"
-    done
-    [ -z "$others" ] && return
-    kill -STOP $others 2>/dev/null; kill -KILL $others 2>/dev/null
+  kill -KILL -1 2>/dev/null
+  # Wait (boundedly, without forking) until init has reaped them, so their pids are free again.
+  local _ p
+  for _ in {{1..500}}; do
+    for p in /proc/[0-9]*; do [ -O "$p" ] && [ "${{p#/proc/}}" != $$ ] && continue 2; done
+    return 0
   done
 }}
 trap 'pwd > {ctl}/cwd 2>/dev/null; export -p > {ctl}/env 2>/dev/null; _jaxes_reap' EXIT
@@ -370,11 +371,27 @@ class DockerHandle(SandboxHandle):
 
   def _kill_agent_processes(self) -> None:
     """Kills every process of the agent's user (a flooding or timed-out command and anything
-    it spawned, even in a new session)."""
-    try:
-      self._container.exec_run(["pkill", "-KILL", "-u", SANDBOX_USER], user="root")
-    except _DOCKER_ERRORS:
-      pass  # the container is gone or the timeout still kills the command
+    it spawned, even in a new session), then waits until they are gone.
+
+    ``kill -KILL -1`` from a shell of the agent's user signals all of that user's processes in
+    one pass the kernel makes atomic with respect to fork, so a fork bomb cannot outrun it
+    (``pkill`` reads /proc first and misses children forked meanwhile). Being a builtin, it
+    needs no fork itself, which matters when the bomb has used up the container's pids limit.
+    Until init has reaped them their pids stay taken, so it waits for /proc to show none of the
+    user's processes but the killing shell.
+    """
+    script = ('kill -KILL -1 2>/dev/null; for p in /proc/[0-9]*; do '
+              '[ -O "$p" ] && [ "${p#/proc/}" != $$ ] && exit 1; done; exit 0')
+    deadline = time.monotonic() + KILL_WAIT_S
+    while True:
+      try:
+        exit_code, _ = self._container.exec_run(["bash", "--noprofile", "--norc", "-c", script],
+                                                user=SANDBOX_USER)
+      except _DOCKER_ERRORS:
+        return  # the container is gone or the timeout still kills the command
+      if exit_code == 0 or time.monotonic() > deadline:
+        return
+      time.sleep(0.05)
 
   def _root_script(self, script: str, timeout_s: float, cap_chars: int = 200_000):
     argv = ["timeout", "-s", "KILL", f"{timeout_s:g}s", "bash", "-c", script]
@@ -408,11 +425,14 @@ class DockerHandle(SandboxHandle):
     limits = self._task.limits
     prelude = _PRELUDE.format(cpu=limits.cpu_s, fsize_blocks=limits.file_size_mb * 1024,
                               home=SANDBOX_HOME, ctl=CTL)
-    # timeout runs the command in its own process group and SIGKILLs the whole group.
-    argv = ["timeout", "-s", "KILL", f"{timeout_s:g}s", "bash", "--noprofile", "--norc", "-c",
-            prelude, "jaxes-shell", command]
+    # timeout (root) runs the command in its own process group and SIGKILLs the whole group;
+    # setpriv drops to the agent's user below it, out of reach of the agent's `kill -1`.
+    argv = ["timeout", "-s", "KILL", f"{timeout_s:g}s",
+            "setpriv", f"--reuid={SANDBOX_UID}", f"--regid={SANDBOX_UID}", "--init-groups",
+            "--inh-caps=-all", "--",
+            "bash", "--noprofile", "--norc", "-c", prelude, "jaxes-shell", command]
     exit_code, output, chars, seconds, flooded = self._exec(
-      argv, SANDBOX_USER, timeout_s, limits.output_chars)
+      argv, "root", timeout_s, limits.output_chars)
     timed_out = exit_code == KILL_EXIT_CODE and seconds >= timeout_s and not flooded
     if timed_out:  # the KILL skipped the prelude's clean-up
       self._kill_agent_processes()

@@ -103,6 +103,21 @@ def test_cached_decode_equals_full_forward_ragged():
   np.testing.assert_array_equal(np.asarray(cache.valid), np.arange(S)[None] < np.array(lengths)[:, None])
 
 
+def test_logits_at_one_position_per_row_equal_full_logits():
+  cfg, graphdef, params = tiny_model(vocab_size=61)
+  rng = np.random.RandomState(5)
+  B, T = 3, 6
+  tokens = jnp.asarray(rng.randint(0, cfg.vocab_size, (B, T)))
+  positions = jnp.broadcast_to(jnp.arange(T), (B, T))
+  valid = jnp.asarray(np.arange(T)[None] < np.array([6, 2, 4])[:, None])
+  at = jnp.asarray([5, 1, 3])
+  for cache in (None, qwen2.KVCache.init(cfg, B, 8)):
+    full, _ = forward(graphdef, params, tokens, positions, valid, cache)
+    picked, _ = forward(graphdef, params, tokens, positions, valid, cache, logits_at=at)
+    assert picked.shape == (B, cfg.vocab_size)
+    np.testing.assert_allclose(picked, np.asarray(full)[np.arange(B), at], atol=1e-6, rtol=0)
+
+
 def test_bfloat16_close_to_float32():
   cfg, graphdef, params = tiny_model(seed=1)
   bf_cfg = qwen2.Qwen2Config.preset("tiny-gqa", param_dtype="bfloat16", dtype="bfloat16")

@@ -296,10 +296,12 @@ class Qwen2ForCausalLM(nnx.Module):
                             bias=False, layers=0, cfg=cfg, rngs=rngs)
 
   def __call__(self, tokens: jax.Array, positions: jax.Array, valid: jax.Array,
-               cache: KVCache | None = None, noiser: Noiser | None = None
-               ) -> tuple[jax.Array, KVCache | None]:
+               cache: KVCache | None = None, noiser: Noiser | None = None,
+               logits_at: jax.Array | None = None) -> tuple[jax.Array, KVCache | None]:
     """tokens, positions: int32 [B, T]; valid: bool [B, T]. Returns (float32 logits [B, T, V],
-    updated cache). See ``KVCache`` and the module docstring for the cache semantics."""
+    updated cache). See ``KVCache`` and the module docstring for the cache semantics.
+    ``logits_at`` (int32 [B]) computes the logits of one position per row only, [B, V]: a
+    sampler needs no more, and the LM head is a large part of a wide prefill chunk's cost."""
     cfg = self.config
     noiser = IdentityNoiser() if noiser is None else noiser
     valid = valid.astype(bool)
@@ -327,6 +329,8 @@ class Qwen2ForCausalLM(nnx.Module):
       return x, kv
 
     x, kvs = jax.lax.scan(one_layer, x, (layers_state, kvs, jnp.arange(cfg.num_layers)))
+    if logits_at is not None:
+      x = x[jnp.arange(x.shape[0]), logits_at]
     x = self.final_norm(x, noiser)
     if self.lm_head is None:
       logits = self.embed.attend(x, noiser)
@@ -340,7 +344,8 @@ class Qwen2ForCausalLM(nnx.Module):
 
 
 def forward(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array, positions: jax.Array,
-            valid: jax.Array, cache: KVCache | None = None, noiser: Noiser | None = None):
+            valid: jax.Array, cache: KVCache | None = None, noiser: Noiser | None = None,
+            logits_at: jax.Array | None = None):
   """Pure functional forward for use inside ``jax.jit``: ``nnx.merge`` then call."""
   model = nnx.merge(graphdef, params)
-  return model(tokens, positions, valid, cache=cache, noiser=noiser)
+  return model(tokens, positions, valid, cache=cache, noiser=noiser, logits_at=logits_at)

@@ -1,14 +1,17 @@
 """Slot-based continuous batching over a KV cache, every slot with its own (version, member).
 
 ``B`` slots share one cache ``[L, B, S, ...]``. A slot holds one episode: its prompt is prefilled
-in fixed-size chunks, then tokens are decoded one per step until ``<|im_end|>`` (or another stop
-id) or the turn's token budget; the finished turn is handed back and the slot is *parked* (its
-cache row kept) while the caller runs the command in a sandbox; ``continue_turn`` closes the
-assistant turn and queues the observation for prefill, and decoding resumes.
+in chunks of at most ``prefill_chunk`` tokens, then tokens are decoded one per step until
+``<|im_end|>`` (or another stop id) or the turn's token budget; the finished turn is handed back
+and the slot is *parked* (its cache row kept) while the caller runs the command in a sandbox;
+``continue_turn`` closes the assistant turn and queues the observation for prefill, and decoding
+resumes.
 
-Shapes are fixed — ``[B, prefill_chunk]`` for prefill, ``[B, 1]`` for decode — so the step
-compiles twice for the life of the engine. Each call covers all slots of one live policy version:
-rows of other versions, parked or free rows are marked invalid, which leaves their cache rows
+Each step makes one call per live policy version, covering all of that version's working slots:
+decoding rows feed one token, prefilling rows their next chunk. Shapes are fixed — ``[B, w]``
+for w in a short ladder ``1 … prefill_chunk`` (``Engine.widths``), the narrowest that holds the
+longest pending chunk — so the step compiles at most four times for the life of the engine. Rows
+of other versions, parked or free rows are marked invalid, which leaves their cache rows
 untouched. A slot's policy is its member's perturbation of that version's parameters, applied
 in-graph by the noiser (``make_noiser``), which is rebuilt only when slot assignments change.
 """
@@ -69,9 +72,9 @@ class EngineStats:
 
 def _step(graphdef, params, noiser, cache, tokens, positions, valid, base_key, streams, counters,
           temperature, top_p):
-  logits, cache = qwen2.forward(graphdef, params, tokens, positions, valid, cache=cache, noiser=noiser)
   last = jnp.maximum(valid.sum(axis=1) - 1, 0)
-  last_logits = logits[jnp.arange(tokens.shape[0]), last]
+  last_logits, cache = qwen2.forward(graphdef, params, tokens, positions, valid, cache=cache,
+                                     noiser=noiser, logits_at=last)
   keys = sampling.row_keys(base_key, streams, counters)
   return sampling.sample(last_logits, keys, temperature, top_p), cache
 
@@ -91,6 +94,9 @@ class Engine:
     if max_len <= max_new_tokens:
       raise ValueError(f"max_len={max_len} must exceed max_new_tokens={max_new_tokens}")
     self.num_slots, self.max_len, self.chunk = num_slots, max_len, prefill_chunk
+    # Compiled call widths: a step whose longest pending chunk is short (an observation) runs
+    # narrow instead of paying for a full prefill chunk on every row.
+    self.widths = sorted({1} | {max(prefill_chunk >> k, 1) for k in range(3)})
     self.max_new_tokens = max_new_tokens
     self.stop_ids = frozenset(int(i) for i in stop_ids) | {int(im_end_id)}
     self.im_end_id = int(im_end_id)
@@ -179,46 +185,49 @@ class Engine:
       slot.state = PARKED
       finished.append(Turn(slot.index, list(slot.generated), stopped, slot.tag))
 
+  def _width(self, rows: list[Slot]) -> int:
+    """The narrowest compiled width that takes every row's next chunk (1 when all decode)."""
+    need = max([min(len(s.pending), self.chunk) for s in rows if s.state == PREFILL] or [1])
+    return next(w for w in self.widths if w >= need)
+
   def step(self, params_by_version: dict) -> list[Turn]:
-    """One prefill chunk (slots with queued tokens) and one decode step (decoding slots), each
-    once per live version. Returns the turns that finished."""
+    """Advances every working slot once: one call per live version in which decoding rows feed
+    their last token and prefilling rows their next prompt chunk (ragged rows in one batch, as
+    the cache allows). Returns the turns that finished."""
     if self._to_reset.any():
       self.cache = self._reset(self.cache, self._to_reset)
       self._to_reset[:] = False
     finished: list[Turn] = []
     B = self.num_slots
-    for version in sorted({s.version for s in self.slots if s.state == PREFILL}):
-      rows = [s for s in self.slots if s.state == PREFILL and s.version == version]
-      tokens = np.zeros((B, self.chunk), np.int32)
-      valid = np.zeros((B, self.chunk), bool)
-      positions = np.zeros((B, self.chunk), np.int32)
+    working = [s for s in self.slots if s.state in (PREFILL, DECODE)]
+    for version in sorted({s.version for s in working}):
+      rows = [s for s in working if s.version == version]
+      width = self._width(rows)
+      tokens = np.zeros((B, width), np.int32)
+      valid = np.zeros((B, width), bool)
+      positions = np.zeros((B, width), np.int32)
       for s in rows:
-        n = min(self.chunk, len(s.pending))
-        tokens[s.index, :n] = s.pending[:n]
-        valid[s.index, :n] = True
-        positions[s.index] = s.length + np.arange(self.chunk)
+        chunk = s.pending[:width] if s.state == PREFILL else s.generated[-1:]
+        tokens[s.index, :len(chunk)] = chunk
+        valid[s.index, :len(chunk)] = True
+        positions[s.index] = s.length + np.arange(width)
       out = self._call(params_by_version[version], version, rows, tokens, positions, valid)
-      self.stats.prefill_calls += 1
+      if any(s.state == PREFILL for s in rows):
+        self.stats.prefill_calls += 1
+      else:
+        self.stats.decode_calls += 1
       for s in rows:
-        n = min(self.chunk, len(s.pending))
+        if s.state == DECODE:
+          s.length += 1
+          self.stats.tokens_decoded += 1
+          self._sampled(s, out[s.index], finished)
+          continue
+        n = min(width, len(s.pending))
         s.pending, s.length = s.pending[n:], s.length + n
         self.stats.tokens_prefilled += n
         if not s.pending:  # prompt done: its last logits gave the turn's first token
           s.state, s.max_new = DECODE, min(self.max_new_tokens, self.max_len - s.length)
           self._sampled(s, out[s.index], finished)
-    for version in sorted({s.version for s in self.slots if s.state == DECODE}):
-      rows = [s for s in self.slots if s.state == DECODE and s.version == version]
-      tokens = np.zeros((B, 1), np.int32)
-      valid = np.zeros((B, 1), bool)
-      positions = np.zeros((B, 1), np.int32)
-      for s in rows:
-        tokens[s.index, 0], valid[s.index, 0], positions[s.index, 0] = s.generated[-1], True, s.length
-      out = self._call(params_by_version[version], version, rows, tokens, positions, valid)
-      self.stats.decode_calls += 1
-      for s in rows:
-        s.length += 1
-        self.stats.tokens_decoded += 1
-        self._sampled(s, out[s.index], finished)
     return finished
 
   def compilations(self) -> int:

@@ -23,7 +23,7 @@ PARITY_CONFIGS = {
                                         tie_word_embeddings=True),
 }
 
-forward = jax.jit(qwen2.forward, static_argnums=0)
+forward = jax.jit(qwen2.forward, static_argnums=0, static_argnames="attend_len")
 
 
 @pytest.fixture(scope="module", params=sorted(PARITY_CONFIGS))
@@ -103,7 +103,7 @@ def test_cached_decode_equals_full_forward_ragged():
   np.testing.assert_array_equal(np.asarray(cache.valid), np.arange(S)[None] < np.array(lengths)[:, None])
 
 
-def test_logits_at_one_position_per_row_equal_full_logits():
+def test_logits_at_and_attend_len_change_no_logits():
   cfg, graphdef, params = tiny_model(vocab_size=61)
   rng = np.random.RandomState(5)
   B, T = 3, 6
@@ -116,6 +116,11 @@ def test_logits_at_one_position_per_row_equal_full_logits():
     picked, _ = forward(graphdef, params, tokens, positions, valid, cache, logits_at=at)
     assert picked.shape == (B, cfg.vocab_size)
     np.testing.assert_allclose(picked, np.asarray(full)[np.arange(B), at], atol=1e-6, rtol=0)
+  # Attention bounded to the first T of the cache's 8 slots (all rows fit): the same logits.
+  cache = qwen2.KVCache.init(cfg, B, 8)
+  short, short_cache = forward(graphdef, params, tokens, positions, valid, cache, attend_len=T)
+  np.testing.assert_allclose(short, full, atol=1e-6, rtol=0)
+  np.testing.assert_array_equal(np.asarray(short_cache.valid), np.asarray(_.valid))
 
 
 def test_bfloat16_close_to_float32():

@@ -4,8 +4,13 @@ import importlib.util
 import json
 import os
 import pathlib
+import random
 import shutil
+import signal
+import subprocess
+import sys
 import tempfile
+import time
 
 import jax
 import numpy as np
@@ -13,6 +18,7 @@ import pytest
 
 from jaxes import tokenization
 from jaxes.envs import generator
+from jaxes.envs import local_sandbox
 from jaxes.envs.local_sandbox import LocalSandbox
 from jaxes.train import metrics
 from jaxes.train.trainer import Trainer
@@ -114,6 +120,49 @@ def test_resume_equals_uninterrupted(tokenizer_dir, tmp_path):
   _params_equal(resumed["params"], whole["params"])
   versions = [r["version"] for r in metrics.read_metrics(str(tmp_path / "b" / "metrics.jsonl")) if "train" in r]
   assert versions == [1, 2, 3]
+
+
+def _train_lines(workdir) -> int:
+  return sum("train" in r for r in metrics.read_metrics(os.path.join(workdir, "metrics.jsonl")))
+
+
+def test_sigkill_at_random_moments_then_rerun_equals_uninterrupted(tokenizer_dir, tmp_path):
+  """`python -m jaxes.train` SIGKILLed twice at random moments during training (mid-rollout,
+  mid-update or mid-checkpoint), then the same command again: the same parameters as a run
+  never interrupted, every version's metrics line once, no episode directory left behind."""
+  base = {"controller.mode": "sync", "controller.max_staleness": 0, "warmstart.steps": 40,
+          "warmstart.learning_rate": 1e-2, "env.partial_credit": True, "eval.num_tasks": 0,
+          "rollout.temperature": 0.4, "train.num_updates": 5, "train.plot": False}
+  config = tiny_config(tokenizer_dir, **base)
+  whole = Trainer(config, str(tmp_path / "a"), log=lambda s: None).run()
+  config_file = tmp_path / "sigkill_config.py"
+  config_file.write_text("import json\nfrom ml_collections import config_dict\n\n\n"
+                         f"def get_config():\n  return config_dict.ConfigDict(json.loads({config.to_json()!r}))\n")
+  workdir = tmp_path / "b"
+  cmd = [sys.executable, "-m", "jaxes.train", f"--config={config_file}", f"--workdir={workdir}"]
+  rng, killed = random.Random(0), []
+  for _ in range(2):
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    target, deadline = _train_lines(workdir) + 1, time.monotonic() + 300
+    while _train_lines(workdir) < target and proc.poll() is None and time.monotonic() < deadline:
+      time.sleep(0.05)
+    time.sleep(rng.uniform(0.0, 1.5))
+    assert proc.poll() is None, f"the run ended before it could be killed:\n{proc.stderr.read().decode()[-2000:]}"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    proc.stderr.close()
+    killed.append(proc.pid)
+  assert 1 <= _train_lines(workdir) < 5
+  done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert "resumed from checkpoint" in done.stdout + done.stderr
+  resumed = Trainer(config, str(workdir), log=lambda s: None).run()  # already done: restores
+  assert resumed["version"] == 5 and resumed["updates_this_run"] == 0
+  _params_equal(resumed["params"], whole["params"])
+  versions = [r["version"] for r in metrics.read_metrics(str(workdir / "metrics.jsonl")) if "train" in r]
+  assert versions == [1, 2, 3, 4, 5]
+  parent = local_sandbox._default_parent() or tempfile.gettempdir()
+  assert not [n for n in os.listdir(parent) if any(n.startswith(f"jaxes-local-{pid}-") for pid in killed)]
 
 
 def test_exception_inside_loop_leaves_no_sandbox(tokenizer_dir, tmp_path, sandbox_root):

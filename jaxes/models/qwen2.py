@@ -223,8 +223,9 @@ class Attention(nnx.Module):
     self.o_proj = Linear("layers/attn/o_proj", q_dim, d, ("heads", "embed"), bias=False, **common)
 
   def __call__(self, x, positions, mask, write_slots, kv, noiser, layer):
-    """x: [B, T, d]; mask: [B, T, S] which keys each query sees; kv: this layer's cache (k, v)
-    [B, S, KVH, hd] or None (then the keys are the T tokens themselves)."""
+    """x: [B, T, d]; mask: [B, T, A] which keys each query sees; kv: this layer's cache (k, v)
+    [B, S, KVH, hd] or None (then the keys are the T tokens themselves). With a cache, queries
+    attend to its first A <= S slots only (the caller knows no row holds more)."""
     cfg = self.cfg
     B, T, _ = x.shape
     q = self.q_proj(x, noiser, layer).reshape(B, T, cfg.num_heads, cfg.head_size)
@@ -239,6 +240,7 @@ class Attention(nnx.Module):
       k = cache_k.at[rows, write_slots].set(k.astype(cache_k.dtype), mode="drop")
       v = cache_v.at[rows, write_slots].set(v.astype(cache_v.dtype), mode="drop")
       kv = (k, v)
+      k, v = k[:, :mask.shape[-1]], v[:, :mask.shape[-1]]
     q = q.reshape(B, T, cfg.num_kv_heads, cfg.num_groups, cfg.head_size)
     scores = jnp.einsum("btkgh,bskh->bkgts", q, k.astype(q.dtype),
                         preferred_element_type=jnp.float32) * cfg.head_size ** -0.5
@@ -297,11 +299,15 @@ class Qwen2ForCausalLM(nnx.Module):
 
   def __call__(self, tokens: jax.Array, positions: jax.Array, valid: jax.Array,
                cache: KVCache | None = None, noiser: Noiser | None = None,
-               logits_at: jax.Array | None = None) -> tuple[jax.Array, KVCache | None]:
+               logits_at: jax.Array | None = None, attend_len: int | None = None
+               ) -> tuple[jax.Array, KVCache | None]:
     """tokens, positions: int32 [B, T]; valid: bool [B, T]. Returns (float32 logits [B, T, V],
     updated cache). See ``KVCache`` and the module docstring for the cache semantics.
     ``logits_at`` (int32 [B]) computes the logits of one position per row only, [B, V]: a
-    sampler needs no more, and the LM head is a large part of a wide prefill chunk's cost."""
+    sampler needs no more, and the LM head is a large part of a wide prefill chunk's cost.
+    ``attend_len`` (static; with a cache) bounds attention to the cache's first slots when every
+    row's tokens, these included, fit in them: attention over the whole cache otherwise
+    dominates the cost of a step while rows are short."""
     cfg = self.config
     noiser = IdentityNoiser() if noiser is None else noiser
     valid = valid.astype(bool)
@@ -318,7 +324,8 @@ class Qwen2ForCausalLM(nnx.Module):
       write_slots = jnp.where(valid, slots, S)
       rows = jnp.arange(tokens.shape[0])[:, None]
       cache_valid = cache.valid.at[rows, write_slots].set(True, mode="drop")
-      mask = cache_valid[:, None, :] & (jnp.arange(S)[None, None, :] <= slots[:, :, None])
+      A = S if attend_len is None else min(attend_len, S)
+      mask = cache_valid[:, None, :A] & (jnp.arange(A)[None, None, :] <= slots[:, :, None])
       kvs = (cache.k, cache.v)
 
     layers_def, layers_state = nnx.split(self.layers)
@@ -345,7 +352,8 @@ class Qwen2ForCausalLM(nnx.Module):
 
 def forward(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array, positions: jax.Array,
             valid: jax.Array, cache: KVCache | None = None, noiser: Noiser | None = None,
-            logits_at: jax.Array | None = None):
+            logits_at: jax.Array | None = None, attend_len: int | None = None):
   """Pure functional forward for use inside ``jax.jit``: ``nnx.merge`` then call."""
   model = nnx.merge(graphdef, params)
-  return model(tokens, positions, valid, cache=cache, noiser=noiser, logits_at=logits_at)
+  return model(tokens, positions, valid, cache=cache, noiser=noiser, logits_at=logits_at,
+               attend_len=attend_len)

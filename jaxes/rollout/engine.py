@@ -10,9 +10,10 @@ resumes.
 Each step makes one call per live policy version, covering all of that version's working slots:
 decoding rows feed one token, prefilling rows their next chunk. Shapes are fixed — ``[B, w]``
 for w in a short ladder ``1 … prefill_chunk`` (``Engine.widths``), the narrowest that holds the
-longest pending chunk — so the step compiles at most four times for the life of the engine. Rows
-of other versions, parked or free rows are marked invalid, which leaves their cache rows
-untouched. A slot's policy is its member's perturbation of that version's parameters, applied
+longest pending chunk — and attention reads only the shortest of three prefixes of the cache
+rows (``Engine.spans``) that holds every row of the call, so the step compiles at most twelve
+times for the life of the engine. Rows of other versions, parked or free rows are marked
+invalid, which leaves their cache rows untouched. A slot's policy is its member's perturbation of that version's parameters, applied
 in-graph by the noiser (``make_noiser``), which is rebuilt only when slot assignments change.
 """
 from __future__ import annotations
@@ -71,10 +72,10 @@ class EngineStats:
 
 
 def _step(graphdef, params, noiser, cache, tokens, positions, valid, base_key, streams, counters,
-          temperature, top_p):
+          temperature, top_p, attend_len):
   last = jnp.maximum(valid.sum(axis=1) - 1, 0)
   last_logits, cache = qwen2.forward(graphdef, params, tokens, positions, valid, cache=cache,
-                                     noiser=noiser, logits_at=last)
+                                     noiser=noiser, logits_at=last, attend_len=attend_len)
   keys = sampling.row_keys(base_key, streams, counters)
   return sampling.sample(last_logits, keys, temperature, top_p), cache
 
@@ -97,6 +98,9 @@ class Engine:
     # Compiled call widths: a step whose longest pending chunk is short (an observation) runs
     # narrow instead of paying for a full prefill chunk on every row.
     self.widths = sorted({1} | {max(prefill_chunk >> k, 1) for k in range(3)})
+    # Attention spans: a step attends to the shortest prefix of the cache rows that holds every
+    # row of the call, so short episodes do not pay for the longest one the cache allows.
+    self.spans = sorted({max(max_len >> k, 1) for k in range(3)})
     self.max_new_tokens = max_new_tokens
     self.stop_ids = frozenset(int(i) for i in stop_ids) | {int(im_end_id)}
     self.im_end_id = int(im_end_id)
@@ -104,7 +108,8 @@ class Engine:
     self.cache = qwen2.KVCache.init(model_config, num_slots, max_len)
     self.base_key = jax.random.key(seed)
     self.stats = EngineStats()
-    self._step = jax.jit(functools.partial(_step, graphdef), donate_argnames=("cache",))
+    self._step = jax.jit(functools.partial(_step, graphdef), donate_argnames=("cache",),
+                         static_argnames=("attend_len",))
     self._reset = jax.jit(_reset_rows, donate_argnames=("cache",))
     self._make_noiser = None if make_noiser is None else jax.jit(make_noiser)
     self._noisers: dict[int, Any] = {}
@@ -166,13 +171,15 @@ class Engine:
 
   def _call(self, params, version, rows, tokens, positions, valid):
     slots = self.slots
+    need = max(s.length for s in rows) + tokens.shape[1]
+    span = next((a for a in self.spans if a >= need), self.max_len)
     streams = np.array([s.stream for s in slots], np.uint32)
     counters = np.array([s.sampled for s in slots], np.int32)
     temperature = np.array([s.temperature for s in slots], np.float32)
     top_p = np.array([s.top_p for s in slots], np.float32)
     next_tokens, self.cache = self._step(params, self._noiser(version, params), self.cache, tokens,
                                          positions, valid, self.base_key, streams, counters,
-                                         temperature, top_p)
+                                         temperature, top_p, attend_len=span)
     self.stats.rows_busy += len(rows)
     self.stats.rows_total += self.num_slots
     return np.asarray(next_tokens)

@@ -10,10 +10,18 @@ import numpy as np
 
 
 def read_metrics(path: str) -> list[dict]:
+  """The records of a metrics file; a torn last line (the run was killed mid-write) is skipped."""
   if not os.path.exists(path):
     return []
   with open(path) as f:
-    return [json.loads(line) for line in f if line.strip()]
+    lines = f.read().split("\n")
+  records = [json.loads(line) for line in lines[:-1] if line.strip()]
+  if lines[-1].strip():  # no newline yet: complete only if it parses
+    try:
+      records.append(json.loads(lines[-1]))
+    except json.JSONDecodeError:
+      pass
+  return records
 
 
 def _scalars(record: dict, prefix=""):
@@ -32,8 +40,9 @@ class MetricsWriter:
     os.makedirs(workdir, exist_ok=True)
     self.path = os.path.join(workdir, "metrics.jsonl")
     kept = [r for r in read_metrics(self.path) if r.get("version", 0) <= resume_version]
-    with open(self.path, "w") as f:
+    with open(self.path + ".tmp", "w") as f:  # replaced atomically: a kill here loses nothing
       f.writelines(json.dumps(r) + "\n" for r in kept)
+    os.replace(self.path + ".tmp", self.path)
     self._file = open(self.path, "a")
     self._tb = None
     if tensorboard:

@@ -83,15 +83,16 @@ def plot(records: list[dict], path: str, title: str = "") -> None:
                  label="held-out, unperturbed policy (± s.e.)")
   ax1.set_ylabel("success rate")
   ax1.set_ylim(-0.02, 1.02)
-  ax1.legend(loc="lower right", fontsize=8)
+  if train or evals:
+    ax1.legend(loc="lower right", fontsize=8)
   if train:
     versions = [r["version"] for r in train]
     ax2.plot(versions, [r["staleness_mean"] for r in train], ".-", label="mean staleness")
     ax2.plot(versions, [r["staleness_max"] for r in train], "x", label="max staleness")
     ax2.plot(versions, [r["dropped"] for r in train], "+", label="dropped results")
+    ax2.legend(loc="upper right", fontsize=8)
   ax2.set_xlabel("policy version (updates applied)")
   ax2.set_ylabel("staleness (updates)")
-  ax2.legend(loc="upper right", fontsize=8)
   if title:
     fig.suptitle(title)
   fig.tight_layout()

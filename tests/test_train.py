@@ -177,3 +177,16 @@ def test_exception_inside_loop_leaves_no_sandbox(tokenizer_dir, tmp_path, sandbo
     Trainer(c, str(tmp_path / "run"), sandbox=sandbox, on_update=explode, log=lambda s: None).run()
   assert os.listdir(sandbox_root) == []
   assert sandbox.leftovers() == {"directories": 0}
+
+
+def test_paired_change_uses_per_task_differences():
+  from jaxes.train.trainer import format_table, paired_change
+  before = {"version": 0, "success": 0.5, "stderr": 0.29, "reward": 0.5, "episodes": 4,
+            "per_task": [1.0, 0.0, 1.0, 0.0]}
+  after = {**before, "version": 3, "success": 0.75, "per_task": [1.0, 1.0, 1.0, 0.0]}
+  change = paired_change(before, after)
+  assert change["success"] == 0.25 and change["tasks"] == 4
+  assert abs(change["stderr"] - 0.25) < 1e-12  # diffs [0, 1, 0, 0]: sd 0.5 / sqrt(4)
+  assert "+0.250 ± 0.250" in format_table(before, after)
+  assert paired_change(before, {**after, "per_task": [1.0]}) is None
+  assert paired_change({k: v for k, v in before.items() if k != "per_task"}, after) is None

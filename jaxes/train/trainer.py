@@ -279,7 +279,7 @@ class Trainer:
     result = {"version": version, "success": success, "stderr": stderr,
               "reward": float(rewards.mean()) if rewards.size else float("nan"),
               "episodes": int(passed.size), "seconds": time.perf_counter() - t,
-              "failures": dict(failures)}
+              "failures": dict(failures), "per_task": per_task.tolist()}
     self.evals.append(result)
     self.log(f"held-out eval at version {version}: success {success:.3f} ± {stderr:.3f} "
              f"({passed.size} episodes, {result['seconds']:.0f}s)")
@@ -402,7 +402,8 @@ class Trainer:
     before = self.evals[0] if self.evals else None
     after = self.evals[-1] if self.evals else None
     summary = {"version": version, "mode": c.controller.mode, "seed": c.seed,
-               "before": before, "after": after, "train_s_this_run": train_s,
+               "before": before, "after": after, "change": paired_change(before, after),
+               "train_s_this_run": train_s,
                "updates_this_run": version - start_version,
                "updates_per_hour": 3600.0 * (version - start_version) / train_s if train_s > 0 else 0.0,
                **self.timings, "params": self.state.params}
@@ -421,12 +422,24 @@ def _finite(x):
   return x if isinstance(x, (int, float)) and math.isfinite(x) else None
 
 
+def paired_change(before: dict | None, after: dict | None) -> dict | None:
+  """Held-out success after minus before on the same tasks, with the standard error of the
+  per-task differences (much tighter than comparing two independent ± s.e.)."""
+  if not before or not after or len(before.get("per_task", [])) != len(after.get("per_task", [])):
+    return None
+  diff, stderr = metrics.mean_stderr(np.subtract(after["per_task"], before["per_task"]))
+  return {"success": diff, "stderr": stderr, "tasks": len(after["per_task"])}
+
+
 def format_table(before: dict, after: dict) -> str:
   rows = [("policy version", f"{before['version']}", f"{after['version']}"),
           ("held-out success", f"{before['success']:.3f} ± {before['stderr']:.3f}",
            f"{after['success']:.3f} ± {after['stderr']:.3f}"),
           ("held-out mean reward", f"{before['reward']:.3f}", f"{after['reward']:.3f}"),
           ("episodes", f"{before['episodes']}", f"{after['episodes']}")]
+  change = paired_change(before, after)
+  if change is not None:
+    rows.append(("change (paired s.e.)", "", f"{change['success']:+.3f} ± {change['stderr']:.3f}"))
   width = max(len(r[0]) for r in rows)
   lines = [f"{'':{width}}  {'before ES':>16}  {'after ES':>16}"]
   lines += [f"{a:{width}}  {b:>16}  {c:>16}" for a, b, c in rows]

@@ -44,6 +44,7 @@ def base_config() -> config_dict.ConfigDict:
   c.es.optimizer = "sgd"
   c.es.weight_decay = 0.0
   c.es.perturb_vectors = True
+  c.es.frozen = ""               # comma-separated regexes of parameter names ES leaves alone
 
   c.controller = config_dict.ConfigDict()
   c.controller.mode = "async"

@@ -42,6 +42,7 @@ def test_unknown_paper_variant():
     ("es.sigma", 0.0, r"config\.es\.sigma: must be > 0"),
     ("es.mode", "dense", r"config\.es\.mode: must be one of"),
     ("es.population", 7, r"config\.es\.population: must be even"),
+    ("es.frozen", "kernel(", r"config\.es\.frozen: .kernel\(. is not a regular expression"),
     ("controller.mode", "sync", r"config\.controller\.max_staleness: must be 0"),
     ("controller.delay_fraction", 1.5, r"config\.controller\.delay_fraction"),
     ("rollout.top_p", 0.0, r"config\.rollout\.top_p"),

@@ -106,6 +106,23 @@ def test_leaf_kinds_per_mode():
       "s": ("frozen", False), "t": ("full", False)}
 
 
+def test_frozen_patterns_leave_leaves_unperturbed_and_unchanged():
+  params = {"layers": {"kernel": jnp.ones((2, 3, 4)), "bias": jnp.ones((2, 4))},
+            "embedding": jnp.ones((5, 3)), "scale": jnp.ones(3)}
+  strategy = es.Strategy(population=4, sigma=0.1, learning_rate=0.5, mode="lowrank",
+                         frozen=["kernel$", "^embedding"])
+  assert {s.name: s.kind for s in strategy.leaf_specs(params)} == {
+      "layers/kernel": "frozen", "layers/bias": "full", "embedding": "frozen", "scale": "full"}
+  state = strategy.init(params, jax.random.key(0))
+  member = strategy.perturbed(state, strategy.members(state)[0])
+  np.testing.assert_array_equal(member["layers"]["kernel"], params["layers"]["kernel"])
+  assert not np.array_equal(member["scale"], params["scale"])
+  state, _ = strategy.update(state, [(v, m, float(m)) for v, m in strategy.members(state)])
+  np.testing.assert_array_equal(state.params["embedding"], params["embedding"])
+  np.testing.assert_array_equal(state.params["layers"]["kernel"], params["layers"]["kernel"])
+  assert not np.array_equal(state.params["layers"]["bias"], params["layers"]["bias"])
+
+
 def test_lowrank_noise_has_unit_variance_entries():
   spec = _spec("w", (128, 96), noise.NoiseConfig(mode="lowrank", rank=4))
   eps = np.stack([noise.leaf_noise(_mkey(0, 2 * j), spec, 4) for j in range(8)])
@@ -141,6 +158,7 @@ def test_sigma_schedules():
     (dict(shaping="rank"), "shaping"), (dict(sigma=0.0), "sigma"), (dict(optimizer="sgdm"), "optimizer"),
     (dict(nonfinite="skip"), "nonfinite"), (dict(staleness_weighting=2.0), "staleness_weighting"),
     (dict(sigma_schedule="cosine", schedule_steps=10), "sigma_final"),
+    (dict(frozen=["kernel("]), "frozen"),
 ])
 def test_strategy_rejects_bad_config_naming_the_key(kwargs, key):
   base = dict(population=8, sigma=0.1, learning_rate=0.1)

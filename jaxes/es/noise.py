@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +32,7 @@ class NoiseConfig:
   antithetic: bool = True
   perturb_vectors: bool = True
   scanned: tuple[str, ...] = ("layers",)
+  frozen: tuple[str, ...] = ()  # regexes (re.search) of parameter names left unperturbed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +54,9 @@ def leaf_spec(name: str, shape, dtype, cfg: NoiseConfig) -> LeafSpec:
   if stacked and not shape:
     raise ValueError(f"scanned parameter {name!r} has no leading layer axis (shape {shape})")
   layer_ndim = len(shape) - int(stacked)
-  if layer_ndim == 2 and cfg.mode == "lowrank":
+  if any(re.search(pattern, name) for pattern in cfg.frozen):
+    kind = "frozen"
+  elif layer_ndim == 2 and cfg.mode == "lowrank":
     kind = "lowrank"
   elif layer_ndim <= 1 and not cfg.perturb_vectors:
     kind = "frozen"

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 from typing import Any, Callable, Sequence
 
 import jax
@@ -87,6 +88,7 @@ class Strategy:
   optimizer: str = "sgd"
   weight_decay: float = 0.0
   perturb_vectors: bool = True
+  frozen: Sequence[str] = ()
   nonfinite: str = "error"
   staleness_weighting: float | Callable[[int], float] | None = None
   scanned: tuple[str, ...] = ("layers",)
@@ -116,8 +118,14 @@ class Strategy:
       raise ValueError("staleness_weighting must be None, a decay factor in (0, 1] (weight "
                        f"gamma**staleness) or a callable staleness -> weight, got {sw!r}")
     self.scanned = tuple(self.scanned)
+    self.frozen = tuple(self.frozen)
+    for pattern in self.frozen:
+      try:
+        re.compile(pattern)
+      except re.error as err:
+        raise ValueError(f"frozen: {pattern!r} is not a regular expression ({err})") from err
     self._cfg = noise.NoiseConfig(self.mode, int(self.rank), bool(self.antithetic),
-                                  bool(self.perturb_vectors), self.scanned)
+                                  bool(self.perturb_vectors), self.scanned, self.frozen)
     self._tx, self._apply, self._perturb, self._build_noiser = _compiled(
         self._cfg, self.optimizer, float(self.learning_rate), float(self.weight_decay))
     self._run_key = None

@@ -5,6 +5,7 @@ Runs before any model is built or sandbox started, so a typo costs milliseconds,
 from __future__ import annotations
 
 import os
+import re
 
 from ml_collections import config_dict
 
@@ -102,6 +103,11 @@ def validate(config: config_dict.ConfigDict) -> None:
   at_least("es.sigma_final", 0.0)
   one_of("es.optimizer", ("sgd", "adam"))
   at_least("es.weight_decay", 0.0)
+  for pattern in c.es.frozen.split(","):
+    try:
+      re.compile(pattern.strip())
+    except re.error as err:
+      check("es.frozen", False, f"{pattern.strip()!r} is not a regular expression ({err})")
 
   one_of("controller.mode", ("sync", "async"))
   at_least("controller.episodes_per_member", 1)

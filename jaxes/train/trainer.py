@@ -135,7 +135,8 @@ class Trainer:
                        sigma_final=e.sigma_final if e.sigma_schedule != "constant" else None,
                        schedule_steps=self.config.train.num_updates if e.sigma_schedule != "constant" else None,
                        optimizer=e.optimizer, weight_decay=e.weight_decay,
-                       perturb_vectors=e.perturb_vectors)
+                       perturb_vectors=e.perturb_vectors,
+                       frozen=[p.strip() for p in e.frozen.split(",") if p.strip()])
 
   # -- the run --------------------------------------------------------------------------------
   def run(self) -> dict:

@@ -97,5 +97,8 @@ def base_config() -> config_dict.ConfigDict:
   c.warmstart.batch_size = 8
   c.warmstart.learning_rate = 1e-3
   c.warmstart.seq_len = 512
+  # Fraction of transcripts whose command turn is a fenced code block the protocol rejects
+  # (warmstart.off_protocol): a warm start that follows the harness's protocol only partly.
+  c.warmstart.off_protocol_fraction = 0.0
   c.warmstart.init_from = ""     # a workdir: take its version-0 (warm-started) params and tokenizer
   return c

@@ -43,6 +43,7 @@ def test_unknown_paper_variant():
     ("es.mode", "dense", r"config\.es\.mode: must be one of"),
     ("es.population", 7, r"config\.es\.population: must be even"),
     ("es.frozen", "kernel(", r"config\.es\.frozen: .kernel\(. is not a regular expression"),
+    ("warmstart.off_protocol_fraction", 1.5, r"config\.warmstart\.off_protocol_fraction: must be in \[0, 1\]"),
     ("controller.mode", "sync", r"config\.controller\.max_staleness: must be 0"),
     ("controller.delay_fraction", 1.5, r"config\.controller\.delay_fraction"),
     ("rollout.top_p", 0.0, r"config\.rollout\.top_p"),

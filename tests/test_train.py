@@ -190,3 +190,22 @@ def test_paired_change_uses_per_task_differences():
   assert "+0.250 ± 0.250" in format_table(before, after)
   assert paired_change(before, {**after, "per_task": [1.0]}) is None
   assert paired_change({k: v for k, v in before.items() if k != "per_task"}, after) is None
+
+
+def test_off_protocol_transcripts_fail_to_parse_and_keep_the_rest():
+  from jaxes.envs import protocol
+  from jaxes.train import warmstart
+  transcripts = [[{"role": "system", "content": "s"}, {"role": "user", "content": f"task {i}"},
+                  {"role": "assistant", "content": f"<command>echo {i} > out.txt</command>"},
+                  {"role": "user", "content": "ok"},
+                  {"role": "assistant", "content": "<action>done</action>"}] for i in range(200)]
+  out = warmstart.off_protocol(transcripts, 0.5, seed=3)
+  assert out == warmstart.off_protocol(transcripts, 0.5, seed=3)  # deterministic from the seed
+  fenced = [i for i, m in enumerate(out) if m[2]["content"] != transcripts[i][2]["content"]]
+  assert 70 < len(fenced) < 130
+  for i in fenced:
+    assert out[i][2]["content"] == f"```bash\necho {i} > out.txt\n```"
+    assert protocol.parse_action(out[i][2]["content"]).kind == "invalid"
+    assert out[i][:2] + out[i][3:] == transcripts[i][:2] + transcripts[i][3:]
+  assert transcripts[fenced[0]][2]["content"].startswith("<command>")  # input not mutated
+  assert warmstart.off_protocol(transcripts, 0.0, seed=3) == transcripts

@@ -103,6 +103,8 @@ def validate(config: config_dict.ConfigDict) -> None:
   at_least("es.sigma_final", 0.0)
   one_of("es.optimizer", ("sgd", "adam"))
   at_least("es.weight_decay", 0.0)
+  check("warmstart.off_protocol_fraction", 0.0 <= c.warmstart.off_protocol_fraction <= 1.0,
+        "must be in [0, 1]")
   for pattern in c.es.frozen.split(","):
     try:
       re.compile(pattern.strip())

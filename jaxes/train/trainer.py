@@ -158,6 +158,7 @@ class Trainer:
         transcripts = warmstart.oracle_transcripts(self.train_tasks[:max(c.warmstart.num_tasks, 1)],
                                                    self.sandbox, self._episode, c.env.sandbox_workers)
         self.log(f"{len(transcripts)} oracle transcripts in {time.perf_counter() - t:.1f}s")
+        transcripts = warmstart.off_protocol(transcripts, c.warmstart.off_protocol_fraction, c.seed)
       self.tok = self._tokenizer(transcripts)
       self.model_config, self.graphdef, params = self._model()
       self.strategy = self._strategy()

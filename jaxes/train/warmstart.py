@@ -38,6 +38,25 @@ def oracle_turn(solution: str) -> str:
   return f"<command>{solution.strip()}</command>"
 
 
+def off_protocol(transcripts: list[list[dict]], fraction: float, seed: int) -> list[list[dict]]:
+  """Rewrites the command turn of a seeded ``fraction`` of transcripts as a fenced code block,
+  which the agent protocol does not accept (a parse error, as Endless Terminals scores it).
+
+  A policy warm-started on the result knows how to solve the tasks but follows the harness's
+  protocol only part of the time, as Instruct checkpoints do before RL: something reward can
+  teach, and a gain that is the protocol's, not new skill (the demo says so)."""
+  rng = np.random.default_rng(seed)
+  out = []
+  for messages in transcripts:
+    messages = [dict(m) for m in messages]
+    if rng.random() < fraction:
+      turn = next(m for m in messages if m["role"] == "assistant")
+      command = turn["content"].removeprefix("<command>").removesuffix("</command>")
+      turn["content"] = f"```bash\n{command}\n```"
+    out.append(messages)
+  return out
+
+
 def oracle_transcripts(tasks, sandbox, make_episode, workers: int) -> list[list[dict]]:
   with cf.ThreadPoolExecutor(workers) as pool:
     out = list(pool.map(lambda t: oracle_messages(t, sandbox, make_episode), tasks))

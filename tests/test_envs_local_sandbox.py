@@ -204,6 +204,23 @@ def test_orphaned_roots_of_dead_runs_are_removed(tmp_path):
   assert not orphan.exists() and alive.exists() and unrelated.exists()
 
 
+def test_removing_trees_never_changes_the_shared_parent(tmp_path):
+  # Two runs sweeping the same orphan race: one finds it gone. That used to chmod the parent
+  # (/dev/shm, /tmp) to 0700, locking every later sandbox out of it.
+  shared = tmp_path / "shared"
+  shared.mkdir()
+  os.chmod(shared, 0o1777)
+  local_sandbox._rmtree(str(shared / "already-gone"))
+  locked = shared / "tree" / "locked"
+  (locked / "inner").mkdir(parents=True)
+  (locked / "inner" / "f").write_text("x")
+  os.chmod(locked / "inner", 0o500)
+  os.chmod(locked, 0o500)
+  local_sandbox._rmtree(str(shared / "tree"))
+  assert not (shared / "tree").exists()
+  assert oct(os.stat(shared).st_mode & 0o7777) == oct(0o1777)
+
+
 def test_vanished_episode_directory_is_a_sandbox_error(sandbox):
   import shutil
   h = sandbox.start(TASK)

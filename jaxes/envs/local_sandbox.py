@@ -215,11 +215,19 @@ def _check_searchable(root_dir: str, uid: int) -> None:
 
 
 def _rmtree(path: str) -> None:
-  """Removes a tree even where the agent left directories without write/exec permission."""
-  def fix(func, p, _exc):
+  """Removes a tree even where the agent left directories without write/exec permission.
+
+  Permissions are only ever changed inside the tree: the parent of ``path`` is a shared
+  directory (/dev/shm, /tmp) and must keep its mode. Entries that vanish meanwhile (another
+  process sweeping the same orphan) are not errors."""
+  path = os.path.abspath(path)
+
+  def fix(func, p, exc_info):
+    if isinstance(exc_info[1], FileNotFoundError):
+      return
     try:   # chmod follows symlinks: never chmod through one
       for q in (os.path.dirname(p), p):
-        if not os.path.islink(q):
+        if (q == path or q.startswith(path + os.sep)) and not os.path.islink(q):
           os.chmod(q, 0o700)
       func(p)
     except OSError:

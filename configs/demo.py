@@ -71,9 +71,9 @@ def get_config():
   c.rollout.max_new_tokens = 128
   c.rollout.temperature = 0.0
 
-  c.train.num_updates = 12
-  c.train.eval_every = 6
-  c.train.checkpoint_every = 4
+  c.train.num_updates = 30
+  c.train.eval_every = 10
+  c.train.checkpoint_every = 5
   c.eval.num_tasks = 64
   c.eval.seeds = 1
 

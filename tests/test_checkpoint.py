@@ -44,12 +44,20 @@ def test_roundtrip_custom_pytree_with_key_and_scalar(tmp_path):
   assert isinstance(tree.version, int) and tree.version == 3
 
 
-def test_keep_n(tmp_path):
+def test_keep_n_and_step_zero(tmp_path):
   ckpt = Checkpointer(str(tmp_path / "ckpt"), keep=2)
   for s in range(1, 5):
     ckpt.save(s, _state(s), {"s": s})
   ckpt.wait()
   assert ckpt.steps() == [3, 4]
+  ckpt.close()
+  # Step 0 (a run's warm start, loaded by other runs' warmstart.init_from) is never deleted.
+  ckpt = Checkpointer(str(tmp_path / "with_zero"), keep=2)
+  for s in range(0, 6):
+    ckpt.save(s, _state(s), {"s": s})
+  ckpt.wait()
+  assert ckpt.steps() == [0, 4, 5]
+  assert ckpt.restore(lambda host: _state(0), step=0)[2] == {"s": 0}
   ckpt.close()
 
 

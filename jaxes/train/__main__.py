@@ -34,7 +34,10 @@ def main(argv):
     f.write(config.to_json_best_effort(indent=2))
   from jaxes.train.trainer import Trainer
   summary = Trainer(config, _WORKDIR.value).run()
-  print(json.dumps({k: v for k, v in summary.items() if k != "params"}, indent=2, default=str))
+  # Per-task outcomes stay in summary.json and metrics.jsonl; the terminal gets the totals.
+  brief = {k: ({kk: vv for kk, vv in v.items() if kk != "per_task"} if isinstance(v, dict) else v)
+           for k, v in summary.items() if k != "params"}
+  print(json.dumps(brief, indent=2, default=str))
 
 
 if __name__ == "__main__":

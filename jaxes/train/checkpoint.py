@@ -6,7 +6,7 @@ scalars — round-trips against a target of the same structure. The host dict (c
 sampler position, counters) is stored as JSON. Saves are asynchronous; orbax commits a step
 atomically (temporary directory + rename), so a process killed mid-save leaves the previous step
 intact. A latest step that fails to restore is moved aside with a warning and the previous one is
-used.
+used. The newest ``keep`` steps are kept, and step 0 always.
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from orbax.checkpoint.checkpoint_managers import preservation_policy
 
 
 def _leaf_names(tree) -> list[str]:
@@ -62,9 +63,14 @@ class Checkpointer:
 
   def __init__(self, directory: str, keep: int = 3, async_save: bool = True):
     self.directory = os.path.abspath(directory)
+    # The newest `keep` steps, and step 0 for good: it is the run's starting point (the warm
+    # start), which other runs load with `warmstart.init_from`.
+    policy = preservation_policy.AnyPreservationPolicy(
+        [preservation_policy.LatestN(keep), preservation_policy.CustomSteps([0])])
     self._manager = ocp.CheckpointManager(
         self.directory,
-        options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
+        options=ocp.CheckpointManagerOptions(preservation_policy=policy,
+                                             enable_async_checkpointing=async_save,
                                              create=True, cleanup_tmp_directories=True),
         item_names=("arrays", "host"))
 

@@ -13,8 +13,9 @@ for w in a short ladder ``1 … prefill_chunk`` (``Engine.widths``), the narrowe
 longest pending chunk — and attention reads only the shortest of three prefixes of the cache
 rows (``Engine.spans``) that holds every row of the call, so the step compiles at most twelve
 times for the life of the engine. Rows of other versions, parked or free rows are marked
-invalid, which leaves their cache rows untouched. A slot's policy is its member's perturbation of that version's parameters, applied
-in-graph by the noiser (``make_noiser``), which is rebuilt only when slot assignments change.
+invalid, which leaves their cache rows untouched. A slot's policy is its member's perturbation
+of that version's parameters, applied in-graph by the noiser (``make_noiser``), which is
+rebuilt only when slot assignments change.
 """
 from __future__ import annotations
 

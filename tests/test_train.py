@@ -132,7 +132,7 @@ def test_sigkill_at_random_moments_then_rerun_equals_uninterrupted(tokenizer_dir
   never interrupted, every version's metrics line once, no episode directory left behind."""
   base = {"controller.mode": "sync", "controller.max_staleness": 0, "warmstart.steps": 40,
           "warmstart.learning_rate": 1e-2, "env.partial_credit": True, "eval.num_tasks": 0,
-          "rollout.temperature": 0.4, "train.num_updates": 5, "train.plot": False}
+          "rollout.temperature": 0.4, "train.num_updates": 8, "train.plot": False}
   config = tiny_config(tokenizer_dir, **base)
   whole = Trainer(config, str(tmp_path / "a"), log=lambda s: None).run()
   config_file = tmp_path / "sigkill_config.py"
@@ -146,21 +146,21 @@ def test_sigkill_at_random_moments_then_rerun_equals_uninterrupted(tokenizer_dir
     target, deadline = _train_lines(workdir) + 1, time.monotonic() + 300
     while _train_lines(workdir) < target and proc.poll() is None and time.monotonic() < deadline:
       time.sleep(0.05)
-    time.sleep(rng.uniform(0.0, 1.5))
+    time.sleep(rng.uniform(0.0, 0.5))  # short: later updates must still be ahead
     assert proc.poll() is None, f"the run ended before it could be killed:\n{proc.stderr.read().decode()[-2000:]}"
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     proc.stderr.close()
     killed.append(proc.pid)
-  assert 1 <= _train_lines(workdir) < 5
+  assert 1 <= _train_lines(workdir) < 8
   done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert done.returncode == 0, done.stderr[-3000:]
   assert "resumed from checkpoint" in done.stdout + done.stderr
   resumed = Trainer(config, str(workdir), log=lambda s: None).run()  # already done: restores
-  assert resumed["version"] == 5 and resumed["updates_this_run"] == 0
+  assert resumed["version"] == 8 and resumed["updates_this_run"] == 0
   _params_equal(resumed["params"], whole["params"])
   versions = [r["version"] for r in metrics.read_metrics(str(workdir / "metrics.jsonl")) if "train" in r]
-  assert versions == [1, 2, 3, 4, 5]
+  assert versions == list(range(1, 9))
   parent = local_sandbox._default_parent() or tempfile.gettempdir()
   assert not [n for n in os.listdir(parent) if any(n.startswith(f"jaxes-local-{pid}-") for pid in killed)]
 

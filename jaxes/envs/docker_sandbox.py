@@ -45,6 +45,19 @@ SHELL_ENV = {
   "HOME": SANDBOX_HOME, "USER": SANDBOX_USER, "LOGNAME": SANDBOX_USER, "SHELL": "/bin/bash",
   "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8",
   "LC_ALL": "C.UTF-8", "TERM": "dumb", "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1"}
+# Kills every process of the agent's user but this shell in one `kill -1` pass, then waits
+# (boundedly, without forking) until init has reaped them, so their pids are free again.
+# Returns 1 if some are still there.
+_REAP = """\
+_jaxes_reap() {
+  kill -KILL -1 2>/dev/null
+  local _ p
+  for _ in {1..500}; do
+    for p in /proc/[0-9]*; do [ -O "$p" ] && [ "${p#/proc/}" != $$ ] && continue 2; done
+    return 0
+  done
+  return 1
+}"""
 # Restores the previous command's cwd and exported variables, applies rlimits, runs the command
 # sourced (so `cd`, `export` and `exit` behave as in a terminal), saves the state again and
 # kills whatever the command left running (as the local backend's per-command pid namespace
@@ -58,15 +71,7 @@ ulimit -t {cpu} -f {fsize_blocks} 2>/dev/null
 cd {home}
 if [ -f {ctl}/env ]; then . {ctl}/env 2>/dev/null; fi
 if [ -f {ctl}/cwd ]; then cd "$(< {ctl}/cwd)" 2>/dev/null; fi
-_jaxes_reap() {{
-  kill -KILL -1 2>/dev/null
-  # Wait (boundedly, without forking) until init has reaped them, so their pids are free again.
-  local _ p
-  for _ in {{1..500}}; do
-    for p in /proc/[0-9]*; do [ -O "$p" ] && [ "${{p#/proc/}}" != $$ ] && continue 2; done
-    return 0
-  done
-}}
+{reap}
 trap 'pwd > {ctl}/cwd 2>/dev/null; export -p > {ctl}/env 2>/dev/null; _jaxes_reap' EXIT
 printf '%s\\n' "$1" > {ctl}/cmd
 shift
@@ -380,8 +385,7 @@ class DockerHandle(SandboxHandle):
     Until init has reaped them their pids stay taken, so it waits for /proc to show none of the
     user's processes but the killing shell.
     """
-    script = ('kill -KILL -1 2>/dev/null; for p in /proc/[0-9]*; do '
-              '[ -O "$p" ] && [ "${p#/proc/}" != $$ ] && exit 1; done; exit 0')
+    script = _REAP + "\n_jaxes_reap"
     deadline = time.monotonic() + KILL_WAIT_S
     while True:
       try:
@@ -424,7 +428,7 @@ class DockerHandle(SandboxHandle):
   def exec(self, command: str, timeout_s: float) -> ExecResult:
     limits = self._task.limits
     prelude = _PRELUDE.format(cpu=limits.cpu_s, fsize_blocks=limits.file_size_mb * 1024,
-                              home=SANDBOX_HOME, ctl=CTL)
+                              home=SANDBOX_HOME, ctl=CTL, reap=_REAP)
     # timeout (root) runs the command in its own process group and SIGKILLs the whole group;
     # setpriv drops to the agent's user below it, out of reach of the agent's `kill -1`.
     argv = ["timeout", "-s", "KILL", f"{timeout_s:g}s",

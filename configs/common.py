@@ -74,6 +74,14 @@ def base_config() -> config_dict.ConfigDict:
   c.rollout.max_new_tokens = 512  # per assistant turn
   c.rollout.temperature = 0.0     # 0 = greedy (as Qiu et al.)
   c.rollout.top_p = 1.0
+  # At temperature > 0: antithetic partners sample with the same random stream (common random
+  # numbers), so the pair's reward difference measures the perturbation, not sampling luck.
+  c.rollout.common_random_numbers = True
+  # 0: take sandbox results as soon as they are ready (fastest; which episodes share an engine
+  # call, and so float rounding, then depends on thread timing). k > 0: take each result exactly
+  # k engine steps after handing the work out, waiting if it is late: the run is deterministic.
+  # Only for short commands (a step is milliseconds; a slow command stalls every slot).
+  c.rollout.sandbox_steps = 0
 
   c.train = config_dict.ConfigDict()
   c.train.num_updates = 100
@@ -93,7 +101,7 @@ def base_config() -> config_dict.ConfigDict:
   # Instruct checkpoint).
   c.warmstart = config_dict.ConfigDict()
   c.warmstart.steps = 0
-  c.warmstart.num_tasks = 0
+  c.warmstart.num_tasks = 0       # the first N train-split tasks; ES trains on the ones after them
   c.warmstart.batch_size = 8
   c.warmstart.learning_rate = 1e-3
   c.warmstart.seq_len = 512

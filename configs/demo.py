@@ -76,6 +76,9 @@ def get_config():
   c.rollout.prefill_chunk = 64
   c.rollout.max_new_tokens = 128
   c.rollout.temperature = 0.0
+  # Deterministic schedule: a sandbox result joins exactly 3 engine steps (~50-100 ms here, about
+  # a local command's latency) after it was handed out, so a run is reproducible under any load.
+  c.rollout.sandbox_steps = 3
 
   c.train.num_updates = 30
   c.train.eval_every = 10

@@ -21,7 +21,7 @@ from jaxes.envs import generator
 from jaxes.envs import local_sandbox
 from jaxes.envs.local_sandbox import LocalSandbox
 from jaxes.train import metrics
-from jaxes.train.trainer import Trainer
+from jaxes.train.trainer import Trainer, pair_ties
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FAMILIES = "permissions,log_count"
@@ -97,6 +97,7 @@ def test_few_updates_end_to_end_async_no_recompile_no_leftovers(tokenizer_dir, t
     assert sum(r["staleness_hist"]) == r["num_results"] and r["num_results"] <= 4
     assert 0 <= r["slot_utilisation"] <= 1 and r["train"]["episodes"] >= 0
     assert set(r["time"]) >= {"generate_s", "env_wait_s", "update_s"}
+    assert 0 <= r["pairs"]["tied"] <= r["pairs"]["complete"] <= 2
   evals = [r for r in records if "eval" in r]
   assert [r["version"] for r in evals] == [0, 4]
   assert os.path.getsize(tmp_path / "run" / "progress.png") > 0
@@ -105,11 +106,13 @@ def test_few_updates_end_to_end_async_no_recompile_no_leftovers(tokenizer_dir, t
 
 
 def test_resume_equals_uninterrupted(tokenizer_dir, tmp_path):
-  # Sync ES after a short warm start; temperature sampling keyed by job id, so members differ
-  # in reward (within antithetic pairs too) and the updates, including the resumed one, move θ.
+  # Sync ES after a short warm start; temperature sampling keyed by job id (common random numbers
+  # off), so members differ in reward (within antithetic pairs too) and the updates, including
+  # the resumed one, move θ.
   base = {"controller.mode": "sync", "controller.max_staleness": 0, "warmstart.steps": 60,
           "warmstart.learning_rate": 1e-2, "env.partial_credit": True, "eval.num_tasks": 0,
-          "rollout.temperature": 0.4, "controller.episodes_per_member": 2}
+          "rollout.temperature": 0.4, "rollout.common_random_numbers": False,
+          "controller.episodes_per_member": 2}
   quiet = dict(log=lambda s: None)
   whole = Trainer(tiny_config(tokenizer_dir, **{**base, "train.num_updates": 3}), str(tmp_path / "a"), **quiet).run()
   norms = [r["update_norm"] for r in metrics.read_metrics(str(tmp_path / "a" / "metrics.jsonl")) if "train" in r]
@@ -132,7 +135,8 @@ def test_sigkill_at_random_moments_then_rerun_equals_uninterrupted(tokenizer_dir
   never interrupted, every version's metrics line once, no episode directory left behind."""
   base = {"controller.mode": "sync", "controller.max_staleness": 0, "warmstart.steps": 40,
           "warmstart.learning_rate": 1e-2, "env.partial_credit": True, "eval.num_tasks": 0,
-          "rollout.temperature": 0.4, "train.num_updates": 8, "train.plot": False}
+          "rollout.temperature": 0.4, "rollout.common_random_numbers": False,
+          "train.num_updates": 8, "train.plot": False}
   config = tiny_config(tokenizer_dir, **base)
   whole = Trainer(config, str(tmp_path / "a"), log=lambda s: None).run()
   config_file = tmp_path / "sigkill_config.py"
@@ -209,3 +213,9 @@ def test_off_protocol_transcripts_fail_to_parse_and_keep_the_rest():
     assert out[i][:2] + out[i][3:] == transcripts[i][:2] + transcripts[i][3:]
   assert transcripts[fenced[0]][2]["content"].startswith("<command>")  # input not mutated
   assert warmstart.off_protocol(transcripts, 0.0, seed=3) == transcripts
+
+
+def test_pair_ties_counts_complete_antithetic_pairs_and_their_ties():
+  # Members 2k and 2k+1 of one version are partners; version 1's member 4 has no partner yet.
+  results = [(0, 0, 1.0), (0, 1, 1.0), (0, 2, 0.5), (0, 3, 0.0), (1, 4, 0.2), (1, 1, 0.2)]
+  assert pair_ties(results) == {"complete": 2, "tied": 1}

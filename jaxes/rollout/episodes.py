@@ -7,6 +7,13 @@ parked while the command runs, other slots keep decoding), prefill the observati
 finally run the verifier on a worker. The slot is freed as soon as decoding is over, so the
 verifier overlaps with the next episode's decoding.
 
+Which rows share an engine call changes a row's floating-point rounding (the call's width and
+attention span, the matmul blocking), and greedy or sampled tokens can flip on that. By default
+sandbox results are taken as soon as they are ready, so a run depends on thread timing. With
+``sandbox_steps = k > 0`` every sandbox operation's result is taken exactly ``k`` engine steps
+after it was handed out (waiting for it if it is late), which makes the schedule, and so the
+whole run, a deterministic function of its inputs.
+
 Every sandbox handle the runner opened is closed by ``close()``, also after an exception.
 """
 from __future__ import annotations
@@ -56,12 +63,19 @@ class _Live:
 
 
 class EpisodeRunner:
-  def __init__(self, engine: Engine, tokenizer, sandbox, *, make_episode, workers: int):
-    """``make_episode(task, handle) -> protocol.Episode``."""
+  def __init__(self, engine: Engine, tokenizer, sandbox, *, make_episode, workers: int,
+               sandbox_steps: int = 0):
+    """``make_episode(task, handle) -> protocol.Episode``. ``sandbox_steps``: see the module
+    docstring (0 = as ready)."""
+    if sandbox_steps < 0:
+      raise ValueError(f"sandbox_steps must be >= 0, got {sandbox_steps}")
     self.engine, self.tok, self.sandbox = engine, tokenizer, sandbox
     self._make_episode = make_episode
+    self.sandbox_steps = sandbox_steps
+    self.steps = 0               # engine steps run by poll (the deterministic schedule's clock)
     self._pool = cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sandbox")
-    self._futures: dict[cf.Future, tuple[str, _Live]] = {}
+    # future -> (kind, live, the step at which its result is taken when sandbox_steps > 0)
+    self._futures: dict[cf.Future, tuple[str, _Live, int]] = {}
     self._reserved: set[int] = set()
     self._handles: set = set()
     self.wait_s = 0.0            # main-thread time spent waiting for sandbox workers
@@ -95,12 +109,15 @@ class EpisodeRunner:
       live.handle.close()
       self._handles.discard(live.handle)
 
+  def _spawn(self, kind: str, fn, live: _Live, *args) -> None:
+    self._futures[self._pool.submit(fn, live, *args)] = (kind, live, self.steps + self.sandbox_steps)
+
   # -- host API ---------------------------------------------------------------------------------
   def free_slots(self) -> list[int]:
     return [i for i in self.engine.free_slots() if i not in self._reserved]
 
   def live_versions(self) -> set[int]:
-    return self.engine.live_versions() | {live.spec.version for _, live in self._futures.values()}
+    return self.engine.live_versions() | {live.spec.version for _, live, _ in self._futures.values()}
 
   def idle(self) -> bool:
     return not self._futures and not self.engine.busy() and not self._reserved
@@ -111,7 +128,7 @@ class EpisodeRunner:
       raise RuntimeError("submit: no free slot")
     live = _Live(spec, free[0])
     self._reserved.add(live.slot)
-    self._futures[self._pool.submit(self._start, live)] = ("start", live)
+    self._spawn("start", self._start, live)
 
   def _result(self, live, outcome=None, error: str | None = None) -> EpisodeResult:
     if outcome is None or outcome.failure == SANDBOX_ERROR:
@@ -124,18 +141,31 @@ class EpisodeRunner:
   def _end(self, live: _Live, truncated: bool = False):
     self.engine.release(live.slot)
     live.truncated = truncated
-    self._futures[self._pool.submit(self._finish, live)] = ("finish", live)
+    self._spawn("finish", self._finish, live)
+
+  def _ready(self, block: bool, timeout: float) -> list[cf.Future]:
+    """The futures whose results this poll takes, in hand-out order."""
+    if not self.sandbox_steps:
+      if block and not self.engine.busy() and self._futures:
+        t = time.perf_counter()
+        cf.wait(list(self._futures), timeout=timeout, return_when=cf.FIRST_COMPLETED)
+        self.wait_s += time.perf_counter() - t
+      return [f for f in self._futures if f.done()]
+    if self._futures and not self.engine.busy():
+      # Nothing to decode: move the clock to the next result that is due.
+      self.steps = max(self.steps, min(due for _, _, due in self._futures.values()))
+    due = [f for f, (_, _, step) in self._futures.items() if step <= self.steps]
+    t = time.perf_counter()
+    cf.wait(due)
+    self.wait_s += time.perf_counter() - t
+    return due
 
   def poll(self, params_by_version: dict, block: bool = False, timeout: float = 1.0) -> list[EpisodeResult]:
     """Advance every episode once: take finished sandbox work, run one engine step. With
     ``block`` and nothing to decode, wait for sandbox work (up to ``timeout`` s)."""
     results = []
-    if block and not self.engine.busy() and self._futures:
-      t = time.perf_counter()
-      cf.wait(list(self._futures), timeout=timeout, return_when=cf.FIRST_COMPLETED)
-      self.wait_s += time.perf_counter() - t
-    for fut in [f for f in self._futures if f.done()]:
-      kind, live = self._futures.pop(fut)
+    for fut in self._ready(block, timeout):
+      kind, live, _ = self._futures.pop(fut)
       error = fut.exception()
       if kind == "start":
         self._reserved.discard(live.slot)
@@ -149,7 +179,7 @@ class EpisodeRunner:
                                top_p=live.spec.top_p, tag=live)
         if not ok:  # the prompt alone overflows the cache row
           live.truncated = True
-          self._futures[self._pool.submit(self._finish, live)] = ("finish", live)
+          self._spawn("finish", self._finish, live)
       elif kind == "act":
         if error is not None:
           self.engine.release(live.slot)
@@ -166,12 +196,13 @@ class EpisodeRunner:
     if self.engine.busy():
       t = time.perf_counter()
       turns = self.engine.step(params_by_version)
+      self.steps += 1
       self.decode_s += time.perf_counter() - t
       for turn in turns:
         live = turn.tag
         ids = turn.tokens[:-1] if turn.stopped else turn.tokens
         text = self.tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
-        self._futures[self._pool.submit(self._act, live, text)] = ("act", live)
+        self._spawn("act", self._act, live, text)
     return results
 
   def close(self) -> None:

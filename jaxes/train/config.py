@@ -145,6 +145,7 @@ def validate(config: config_dict.ConfigDict) -> None:
   check("rollout.max_len", isinstance(c.rollout.max_len, int)
         and c.rollout.max_len > c.rollout.max_new_tokens, "must exceed config.rollout.max_new_tokens")
   at_least("rollout.temperature", 0.0)
+  at_least("rollout.sandbox_steps", 0)
   check("rollout.top_p", 0.0 < c.rollout.top_p <= 1.0, "must be in (0, 1]")
 
   at_least("train.num_updates", 0)

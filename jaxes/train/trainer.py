@@ -20,6 +20,7 @@ import json
 import math
 import os
 import time
+import zlib
 from collections import Counter
 from typing import Callable
 
@@ -38,6 +39,18 @@ from jaxes.train import checkpoint, metrics, warmstart
 from jaxes.train.config import ConfigError, validate
 
 EVAL_STREAM_BASE = 1 << 30     # sampling streams of evaluation episodes (training uses job ids)
+PAIR_STREAM_BASE = 1 << 31     # sampling streams shared by antithetic partners
+
+
+def training_stream(job, antithetic: bool, common_random_numbers: bool) -> int:
+  """The sampling stream of a training episode. With common random numbers both members of an
+  antithetic pair (which the controller gives the same task) decode with the same stream, so at
+  temperature > 0 their rewards differ through the perturbation, not through sampling luck. The
+  stream depends only on (version, pair, episode), so a reissued job decodes the same tokens."""
+  if not (common_random_numbers and antithetic):
+    return job.job_id
+  pair = job.member // 2
+  return PAIR_STREAM_BASE + zlib.crc32(f"{job.version}/{pair}/{job.episode}".encode()) % (1 << 30)
 
 
 def mesh_shape(config, num_devices: int) -> tuple[int, int, int]:
@@ -53,13 +66,14 @@ def mesh_shape(config, num_devices: int) -> tuple[int, int, int]:
   return tuple(sizes)
 
 
-def make_tasks(config, split: str, n: int):
-  """``n`` generated tasks of a split: task i is family i mod F of the configured families (all by
-  default) at ``env.difficulty``, or cycling through 1..3 when it is 0 (as ``generator.split``)."""
+def make_tasks(config, split: str, n: int, start: int = 0):
+  """Generated tasks ``start .. start + n - 1`` of a split: task i is family i mod F of the
+  configured families (all by default) at ``env.difficulty``, or cycling through 1..3 when it is
+  0 (as ``generator.split``)."""
   from jaxes.envs import generator
   families = [f.strip() for f in config.env.families.split(",") if f.strip()] or list(generator.FAMILIES)
   tasks = []
-  for i in range(n):
+  for i in range(start, start + n):
     difficulty = config.env.difficulty or generator.DIFFICULTIES[(i // len(families)) % 3]
     task = generator.generate(families[i % len(families)], generator.split_seed(split, i, config.seed),
                               difficulty)
@@ -146,7 +160,10 @@ class Trainer:
     self.runner = None
     ckpt = None
     try:
-      self.train_tasks = make_tasks(c, "train", c.env.num_train_tasks)
+      # The warm start (a stand-in for an Instruct checkpoint) sees the first train-split tasks;
+      # ES trains on the ones after them, tasks the policy has not been taught.
+      warm_tasks = make_tasks(c, "train", max(c.warmstart.num_tasks, 1))
+      self.train_tasks = make_tasks(c, "train", c.env.num_train_tasks, start=c.warmstart.num_tasks)
       self.heldout_tasks = make_tasks(c, "heldout", c.env.num_heldout_tasks)
       ckpt = checkpoint.Checkpointer(os.path.join(self.workdir, "checkpoints"), keep=c.train.keep_checkpoints)
       resuming = bool(ckpt.steps())
@@ -155,8 +172,8 @@ class Trainer:
                              or os.path.isdir(os.path.join(self.workdir, "tokenizer")))
       if (c.warmstart.steps and not resuming and not c.warmstart.init_from) or needs_tokenizer:
         t = time.perf_counter()
-        transcripts = warmstart.oracle_transcripts(self.train_tasks[:max(c.warmstart.num_tasks, 1)],
-                                                   self.sandbox, self._episode, c.env.sandbox_workers)
+        transcripts = warmstart.oracle_transcripts(warm_tasks, self.sandbox, self._episode,
+                                                   c.env.sandbox_workers)
         self.log(f"{len(transcripts)} oracle transcripts in {time.perf_counter() - t:.1f}s")
         transcripts = warmstart.off_protocol(transcripts, c.warmstart.off_protocol_fraction, c.seed)
       self.tok = self._tokenizer(transcripts)
@@ -244,7 +261,7 @@ class Trainer:
                     max_new_tokens=c.rollout.max_new_tokens, stop_ids=stop, im_end_id=im_end,
                     make_noiser=make_noiser, seed=c.seed)
     self.runner = EpisodeRunner(engine, self.tok, self.sandbox, make_episode=self._episode,
-                                workers=c.env.sandbox_workers)
+                                workers=c.env.sandbox_workers, sandbox_steps=c.rollout.sandbox_steps)
 
   def _prune_params(self):
     keep = set(self.ctl.live_versions()) | self.runner.live_versions() | {int(self.state.version)}
@@ -314,8 +331,9 @@ class Trainer:
     if not free:
       return
     for job in self.ctl.next_jobs(len(free)):
+      stream = training_stream(job, c.es.antithetic, c.rollout.common_random_numbers)
       self.runner.submit(EpisodeSpec(("train", job), self.train_tasks[job.task], job.version,
-                                     job.member, job.job_id, c.rollout.temperature, c.rollout.top_p))
+                                     job.member, stream, c.rollout.temperature, c.rollout.top_p))
 
   def _apply(self, upd, writer, ckpt, pbar):
     c = self.config
@@ -342,6 +360,7 @@ class Trainer:
                   "episodes": acc["episodes"], "turns_per_episode": acc["turns"] / n,
                   "truncated": acc["truncated"], "failures": dict(acc["failures"])},
         "fitness": {k: _finite(es_metrics[f"fitness_{k}"]) for k in ("mean", "std", "min", "max")},
+        "pairs": pair_ties(results) if c.es.antithetic else None,
         "sigma": es_metrics["sigma"], "update_norm": es_metrics["update_norm"],
         "zero_step": es_metrics["zero_step"],
         "episodes_per_s": acc["episodes"] / wall if wall > 0 else 0.0,
@@ -422,6 +441,16 @@ class Trainer:
 
 def _finite(x):
   return x if isinstance(x, (int, float)) and math.isfinite(x) else None
+
+
+def pair_ties(results) -> dict:
+  """Antithetic pairs of a cohort with both members' fitness, and how many of them tie: a tied
+  pair adds nothing to the update (with greedy decoding, most do when σ is small)."""
+  by_pair: dict[tuple[int, int], list[float]] = {}
+  for version, member, fitness in results:
+    by_pair.setdefault((version, member // 2), []).append(fitness)
+  complete = [f for f in by_pair.values() if len(f) == 2]
+  return {"complete": len(complete), "tied": sum(a == b for a, b in complete)}
 
 
 def paired_change(before: dict | None, after: dict | None) -> dict | None:

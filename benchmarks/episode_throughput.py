@@ -2,12 +2,13 @@
 sandboxes, timing every engine call by kind.
 
   python benchmarks/episode_throughput.py --init_from runs/demo [--config configs/demo.py]
-      [--updates 3 --eval_tasks 32]
+      [--updates 3 --eval_tasks 32 --sandbox_steps K]
 
 Uses the demo's policy (``--init_from``: a workdir whose version-0 parameters and tokenizer to
 load) and reports wall time, engine calls (prefill-carrying / decode-only) with their mean cost,
 episodes/s and tokens. Compare two code versions by running this file against each with
-``PYTHONPATH`` side by side, so both see the same machine load.
+``PYTHONPATH`` side by side, so both see the same machine load; or the cost of the deterministic
+schedule by running ``--sandbox_steps 0`` and ``--sandbox_steps 3`` side by side.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ def main():
   ap.add_argument("--init_from", required=True)
   ap.add_argument("--updates", type=int, default=3)
   ap.add_argument("--eval_tasks", type=int, default=32)
+  ap.add_argument("--sandbox_steps", type=int, default=None, help="default: the config's")
   a = ap.parse_args()
 
   spec = importlib.util.spec_from_file_location("config", a.config)
@@ -36,6 +38,8 @@ def main():
   c.train.num_updates, c.train.eval_every = a.updates, 0
   c.train.progress_bar, c.train.plot = False, False
   c.eval.num_tasks = a.eval_tasks
+  if a.sandbox_steps is not None:
+    c.rollout.sandbox_steps = a.sandbox_steps
 
   from jaxes.rollout import engine as engine_lib
   from jaxes.train.trainer import Trainer
@@ -61,7 +65,7 @@ def main():
   finally:
     shutil.rmtree(workdir, ignore_errors=True)
   episodes = 2 * a.eval_tasks + a.updates * c.es.population * c.controller.episodes_per_member
-  result = {"wall_s": wall, "episodes": episodes, "episodes_per_s": episodes / wall,
+  result = {"sandbox_steps": c.rollout.sandbox_steps, "wall_s": wall, "episodes": episodes, "episodes_per_s": episodes / wall,
             "tokens_decoded": stats.tokens_decoded, "tokens_prefilled": stats.tokens_prefilled,
             "calls": {k: {"count": n, "mean_ms": 1000 * s / max(n, 1), "total_s": s}
                       for k, (n, s) in calls.items()},

@@ -12,7 +12,8 @@ attention span, the matmul blocking), and greedy or sampled tokens can flip on t
 sandbox results are taken as soon as they are ready, so a run depends on thread timing. With
 ``sandbox_steps = k > 0`` every sandbox operation's result is taken exactly ``k`` engine steps
 after it was handed out (waiting for it if it is late), which makes the schedule, and so the
-whole run, a deterministic function of its inputs.
+whole run, a deterministic function of its inputs and of what the sandboxes return (which can
+vary by itself: the stages of a failing pipeline write to stderr in either order).
 
 Every sandbox handle the runner opened is closed by ``close()``, also after an exception.
 """

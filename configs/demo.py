@@ -3,6 +3,10 @@ sandboxes, asynchronous low-rank ES. Runs in <= 15 minutes on 2 CPU cores.
 
   python -m jaxes.train --config=configs/demo.py --workdir=runs/demo [--config.controller.mode=sync]
 
+Outcome (benchmarks/RESULTS.md): the whole pipeline runs, reproducibly, but 30 updates do not
+raise held-out success clearly above noise (3 seeds); at sigma 0.01 ~90% of antithetic pairs
+tie and at 0.015 perturbed members break, so the updates are mostly random directions.
+
 Choices, by measurement on a 2-core VM (see benchmarks/RESULTS.md, "CPU demo" for the numbers):
   * warm start: supervised training on oracle transcripts of training-split tasks stands in for
     an Instruct checkpoint. It is stopped early on purpose (100 steps) so held-out success stays
@@ -20,8 +24,12 @@ Choices, by measurement on a 2-core VM (see benchmarks/RESULTS.md, "CPU demo" fo
     function of (policy, task), so the within-pair reward difference is the signal; more pairs
     explore more directions per update.
   * partial credit (fraction of final tests passed): graded fitness instead of 0/1.
+  * sandbox_steps 3 (deterministic schedule): without it, which episodes share an engine call
+    depends on thread timing, float rounding follows, and one policy evaluated at 0.250 and
+    0.344 under load; with it, greedy re-evaluations agree (measured cost: none, 1.00x).
+  * ES trains on training-split tasks the warm start never saw (its own 256 come first).
   * 30 updates: what fits in the 15-minute budget with three evaluations (the README command
-    took 12 min 26 s alone on the 2-core VM). More updates did not buy a clear gain: 40 updates
+    took 10 min 24 s alone on the 2-core VM). More updates did not buy a clear gain: 40 updates
     moved held-out success 0.344 -> 0.391 on one seed. Also tried without a clear gain (see
     RESULTS.md): learning rate 0.04; ES on norm gains and biases only (`es.frozen`); a warm
     start that follows the protocol only half the time (`warmstart.off_protocol_fraction`),

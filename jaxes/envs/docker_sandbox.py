@@ -107,7 +107,8 @@ def owner_alive(tag: str) -> bool:
 def remove_orphans(client) -> int:
   """Removes sandbox containers whose owner process (on this host) is dead. Returns how many."""
   removed = 0
-  for container in client.containers.list(all=True, filters={"label": f"{LABEL}=1"}):
+  for container in client.containers.list(all=True, filters={"label": f"{LABEL}=1"},
+                                          ignore_removed=True):
     if not owner_alive(container.labels.get(OWNER_LABEL, "")):
       _force_remove(container)
       removed += 1
@@ -115,7 +116,10 @@ def remove_orphans(client) -> int:
 
 
 def list_run_containers(client, run_label: str) -> list:
-  return client.containers.list(all=True, filters={"label": f"{RUN_LABEL}={run_label}"})
+  # ignore_removed: a container removed between the engine's listing and the SDK's inspection
+  # of it (a pool refill, a concurrent sweep) is gone, not an error.
+  return client.containers.list(all=True, filters={"label": f"{RUN_LABEL}={run_label}"},
+                                ignore_removed=True)
 
 
 def _force_remove(container) -> None:

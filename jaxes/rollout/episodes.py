@@ -163,7 +163,9 @@ class EpisodeRunner:
 
   def poll(self, params_by_version: dict, block: bool = False, timeout: float = 1.0) -> list[EpisodeResult]:
     """Advance every episode once: take finished sandbox work, run one engine step. With
-    ``block`` and nothing to decode, wait for sandbox work (up to ``timeout`` s)."""
+    ``block`` and nothing to decode, wait for sandbox work (up to ``timeout`` s). With
+    ``sandbox_steps > 0`` the results due at this step are always waited for (the sandbox's own
+    timeouts bound the wait) and ``block``/``timeout`` do not apply."""
     results = []
     for fut in self._ready(block, timeout):
       kind, live, _ = self._futures.pop(fut)

@@ -10,8 +10,8 @@ before training, every ``eval_every`` updates and at the end.
 Resume: rerun the same command with the same ``--workdir``. The newest checkpoint restores the ES
 state (params, optimizer state, version, run key), the parameters of older versions still needed
 by jobs in flight, the controller (which reissues its in-flight jobs, with their task choice
-deterministic from the seed) and the evaluation history. Token sampling is keyed by job id, so a
-reissued job decodes exactly what it would have.
+deterministic from the seed) and the evaluation history. Token sampling is keyed by job id (by
+antithetic pair with common random numbers), so a reissued job decodes exactly what it would have.
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ from jaxes.rollout.episodes import EpisodeRunner, EpisodeSpec
 from jaxes.train import checkpoint, metrics, warmstart
 from jaxes.train.config import ConfigError, validate
 
-EVAL_STREAM_BASE = 1 << 30     # sampling streams of evaluation episodes (training uses job ids)
+EVAL_STREAM_BASE = 1 << 30     # sampling streams of evaluation episodes (training: training_stream)
 PAIR_STREAM_BASE = 1 << 31     # sampling streams shared by antithetic partners
 
 

@@ -65,7 +65,8 @@ def main():
   finally:
     shutil.rmtree(workdir, ignore_errors=True)
   episodes = 2 * a.eval_tasks + a.updates * c.es.population * c.controller.episodes_per_member
-  result = {"sandbox_steps": c.rollout.sandbox_steps, "wall_s": wall, "episodes": episodes, "episodes_per_s": episodes / wall,
+  result = {"sandbox_steps": c.rollout.sandbox_steps, "wall_s": wall, "episodes": episodes,
+            "episodes_per_s": episodes / wall,
             "tokens_decoded": stats.tokens_decoded, "tokens_prefilled": stats.tokens_prefilled,
             "calls": {k: {"count": n, "mean_ms": 1000 * s / max(n, 1), "total_s": s}
                       for k, (n, s) in calls.items()},

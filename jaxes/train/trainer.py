@@ -30,6 +30,7 @@ from flax import nnx
 from ml_collections import config_dict
 
 from jaxes import es
+from jaxes.es import keys
 from jaxes.controller import Controller, ControllerConfig
 from jaxes.envs import make_sandbox
 from jaxes.models import qwen2
@@ -49,7 +50,7 @@ def training_stream(job, antithetic: bool, common_random_numbers: bool) -> int:
   stream depends only on (version, pair, episode), so a reissued job decodes the same tokens."""
   if not (common_random_numbers and antithetic):
     return job.job_id
-  pair = job.member // 2
+  pair = keys.pair_id(job.member, antithetic)
   return PAIR_STREAM_BASE + zlib.crc32(f"{job.version}/{pair}/{job.episode}".encode()) % (1 << 30)
 
 
@@ -162,7 +163,6 @@ class Trainer:
     try:
       # The warm start (a stand-in for an Instruct checkpoint) sees the first train-split tasks;
       # ES trains on the ones after them, tasks the policy has not been taught.
-      warm_tasks = make_tasks(c, "train", max(c.warmstart.num_tasks, 1))
       self.train_tasks = make_tasks(c, "train", c.env.num_train_tasks, start=c.warmstart.num_tasks)
       self.heldout_tasks = make_tasks(c, "heldout", c.env.num_heldout_tasks)
       ckpt = checkpoint.Checkpointer(os.path.join(self.workdir, "checkpoints"), keep=c.train.keep_checkpoints)
@@ -171,6 +171,7 @@ class Trainer:
       needs_tokenizer = not (c.tokenizer.path or c.model.path or c.warmstart.init_from
                              or os.path.isdir(os.path.join(self.workdir, "tokenizer")))
       if (c.warmstart.steps and not resuming and not c.warmstart.init_from) or needs_tokenizer:
+        warm_tasks = make_tasks(c, "train", max(c.warmstart.num_tasks, 1))
         t = time.perf_counter()
         transcripts = warmstart.oracle_transcripts(warm_tasks, self.sandbox, self._episode,
                                                    c.env.sandbox_workers)
@@ -448,7 +449,7 @@ def pair_ties(results) -> dict:
   pair adds nothing to the update (with greedy decoding, most do when σ is small)."""
   by_pair: dict[tuple[int, int], list[float]] = {}
   for version, member, fitness in results:
-    by_pair.setdefault((version, member // 2), []).append(fitness)
+    by_pair.setdefault((version, keys.pair_id(member, True)), []).append(fitness)
   complete = [f for f in by_pair.values() if len(f) == 2]
   return {"complete": len(complete), "tied": sum(a == b for a, b in complete)}
 

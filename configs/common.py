@@ -63,6 +63,8 @@ def base_config() -> config_dict.ConfigDict:
   c.env.num_train_tasks = 1000
   c.env.num_heldout_tasks = 100
   c.env.partial_credit = False
+  # Format reward: each reply the protocol cannot parse costs parse_error_penalty / max_turns.
+  c.env.parse_error_penalty = 0.0
   c.env.system_prompt = ""       # empty = jaxes.envs.protocol.SYSTEM_PROMPT
   c.env.max_turns = 16
   c.env.sandbox_workers = 8

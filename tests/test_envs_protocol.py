@@ -81,6 +81,20 @@ def test_parse_error_observation_and_partial_credit(sandbox):
     ep.step("<action>done</action>")
     out = ep.finish()
   assert (out.passed, out.fraction, out.reward, out.failure) == (False, 0.5, 0.5, protocol.PARSE_ERROR)
+  assert out.parse_errors == 1
+
+
+def test_parse_error_penalty_is_per_unparsable_reply(sandbox):
+  task = dataclasses.replace(TASK, limits=Limits(max_turns=4))
+  with sandbox.start(task) as handle:
+    ep = protocol.Episode(task, handle, parse_error_penalty=1.0)
+    ep.step("```bash\ntouch /home/user/a /home/user/b\n```")
+    ep.step("still no tags")
+    ep.step("<command>touch /home/user/a /home/user/b</command>")
+    ep.step("<action>done</action>")
+    out = ep.finish()
+  # Solved, so success counts; the reward pays 1/4 for each of the two unparsable replies.
+  assert (out.passed, out.parse_errors, out.reward, out.failure) == (True, 2, 0.5, None)
 
 
 def test_max_turns_ends_episode_and_tests_still_run(sandbox):

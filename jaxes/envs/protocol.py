@@ -7,7 +7,8 @@ strings (``(exit_code=0)`` on success, ``(exit_code=1)`` on failure). Long outpu
 head and tail and states the true length. The episode ends at ``<action>done</action>``, after
 ``max_turns`` model turns, or when the episode wall-clock limit passes (then no tests run and
 the reward is 0, as in Endless Terminals). The final tests decide the reward: 1/0, or the
-fraction of tests passed with ``partial_credit=True``.
+fraction of tests passed with ``partial_credit=True``; ``parse_error_penalty=p`` subtracts
+``p / max_turns`` per unparsable reply (a format reward; success is unaffected).
 """
 from __future__ import annotations
 
@@ -88,6 +89,7 @@ class EpisodeOutcome:
   passed: bool
   fraction: float           # fraction of final tests passed (0 when they did not run)
   turns: int                # model turns taken
+  parse_errors: int         # replies the protocol could not parse
   failure: str | None       # one of FAILURES, or None (solved, or simply wrong)
   timings: dict             # seconds: exec (sum), tests, total; plus counts
 
@@ -100,10 +102,12 @@ class Episode:
   """
 
   def __init__(self, task: Task, handle: SandboxHandle, partial_credit: bool = False,
-               clock: Callable[[], float] = time.monotonic, system_prompt: str = SYSTEM_PROMPT):
+               clock: Callable[[], float] = time.monotonic, system_prompt: str = SYSTEM_PROMPT,
+               parse_error_penalty: float = 0.0):
     self.task = task
     self.handle = handle
     self.partial_credit = partial_credit
+    self.parse_error_penalty = parse_error_penalty
     self._clock = clock
     self._start = clock()
     self.messages: list[dict[str, str]] = [
@@ -114,6 +118,7 @@ class Episode:
     self.done = False
     self._ended_by: str | None = None    # AGENT_TIMEOUT or SANDBOX_ERROR
     self._saw = {PARSE_ERROR: False, COMMAND_TIMEOUT: False}
+    self.parse_errors = 0
     self._exec_s = 0.0
     self._outcome: EpisodeOutcome | None = None
 
@@ -130,6 +135,7 @@ class Episode:
       return True
     if action.kind == "invalid":
       self._saw[PARSE_ERROR] = True
+      self.parse_errors += 1
       self.messages.append({"role": "user", "content": PARSE_ERROR_OBSERVATION})
     else:
       remaining = limits.episode_timeout_s - (self._clock() - self._start)
@@ -174,9 +180,10 @@ class Episode:
     if not passed and failure is None:
       failure = next((name for name in (COMMAND_TIMEOUT, PARSE_ERROR) if self._saw[name]), None)
     reward = fraction if self.partial_credit else float(passed)
+    reward -= self.parse_error_penalty * self.parse_errors / self.task.limits.max_turns
     self._outcome = EpisodeOutcome(
         reward=reward, passed=passed, fraction=fraction, turns=self.turns,
-        failure=None if passed else failure,
+        parse_errors=self.parse_errors, failure=None if passed else failure,
         timings={"exec_s": self._exec_s, "tests_s": tests_s,
                  "total_s": self._clock() - self._start})
     return self._outcome
@@ -190,7 +197,7 @@ def run_episode(sandbox, task: Task, agent: Callable[[list[dict[str, str]]], str
   try:
     handle = sandbox.start(task)
   except SandboxError:
-    return EpisodeOutcome(0.0, False, 0.0, 0, SANDBOX_ERROR,
+    return EpisodeOutcome(0.0, False, 0.0, 0, 0, SANDBOX_ERROR,
                           {"start_s": time.monotonic() - t0})
   start_s = time.monotonic() - t0
   try:

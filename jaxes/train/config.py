@@ -137,6 +137,7 @@ def validate(config: config_dict.ConfigDict) -> None:
   at_least("env.num_train_tasks", 1)
   at_least("env.num_heldout_tasks", 1)
   at_least("env.max_turns", 1)
+  at_least("env.parse_error_penalty", 0.0)
   at_least("env.sandbox_workers", 1)
 
   at_least("rollout.num_slots", 1)

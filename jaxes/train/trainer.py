@@ -98,6 +98,7 @@ class Trainer:
   def _episode(self, task, handle):
     from jaxes.envs import protocol
     return protocol.Episode(task, handle, partial_credit=self.config.env.partial_credit,
+                            parse_error_penalty=self.config.env.parse_error_penalty,
                             system_prompt=self.config.env.system_prompt or protocol.SYSTEM_PROMPT)
 
   def _tokenizer(self, transcripts):

@@ -50,6 +50,7 @@ def test_unknown_paper_variant():
     ("rollout.max_len", 8, r"config\.rollout\.max_len"),
     ("eval.num_tasks", 10_000, r"config\.eval\.num_tasks"),
     ("env.sandbox", "vm", r"config\.env\.sandbox"),
+    ("env.parse_error_penalty", -0.5, r"config\.env\.parse_error_penalty"),
     ("mesh.tensor", 0, r"config\.mesh\.tensor: must be a positive int or -1"),
 ])
 def test_bad_values_name_the_key(key, value, match):

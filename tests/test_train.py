@@ -67,6 +67,7 @@ def tiny_config(tokenizer_dir, **overrides):
   c.eval.num_tasks, c.eval.seeds = 2, 1
   c.warmstart.steps, c.warmstart.num_tasks, c.warmstart.batch_size = 0, 8, 4
   c.warmstart.seq_len = 160
+  c.warmstart.off_protocol_fraction = 0.0   # warm starts here must follow the protocol
   for key, value in overrides.items():
     section, name = key.split(".")
     c[section][name] = value

@@ -3,7 +3,9 @@ sandboxes, asynchronous low-rank ES. Runs in <= 15 minutes on 2 CPU cores.
 
   python -m jaxes.train --config=configs/demo.py --workdir=runs/demo [--config.controller.mode=sync]
 
-Outcome (benchmarks/RESULTS.md, "CPU demo"): OUTCOME_PLACEHOLDER
+Outcome (benchmarks/RESULTS.md, "CPU demo"; 3 seeds, 20 updates): held-out success rose by
++35 +- 6 points async and +43 +- 2 points sync (mean +- s.e. over seeds), from 5-13% to 38-55%;
+the README run alone took 7 minutes on 2 cores.
 
 What ES has to learn here: the warm start (a stand-in for an Instruct checkpoint) was taught on
 oracle transcripts 62% of which write the command as a fenced code block, which the agent

@@ -17,7 +17,7 @@ Choices, by measurement on a 2-core VM (see benchmarks/RESULTS.md, "CPU demo" fo
   * warm start: 300 supervised steps on oracle transcripts of training-split tasks. With every
     transcript on-protocol (100 or 300 steps), held-out success stayed flat under ES: the
     failures left are copying errors in long commands, spread over many directions in 0.56M
-    parameters, and four sessions of tuning found no setting with a gain above noise.
+    parameters, and three sessions of tuning found no setting with a gain above noise.
   * off-protocol fraction 0.62: the majority format wins greedy decoding, so the fraction sets
     how often the first reply token is a fence. Seed 0: 0.5 -> 12% of held-out prompts start
     with a fence, 0.62 -> 91%, 0.75 -> 100% with margins ~1 logit that sigma-0.015 perturbations

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import importlib.util
 import json
 import shutil
 import tempfile
@@ -30,10 +29,8 @@ def main():
   ap.add_argument("--sandbox_steps", type=int, default=None, help="default: the config's")
   a = ap.parse_args()
 
-  spec = importlib.util.spec_from_file_location("config", a.config)
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  c = mod.get_config()
+  from jaxes.train.config import load_config_file
+  c = load_config_file(a.config)
   c.warmstart.init_from = a.init_from
   c.train.num_updates, c.train.eval_every = a.updates, 0
   c.train.progress_bar, c.train.plot = False, False

@@ -22,7 +22,6 @@ whether ES can move the decision when it is measured on many tasks at once.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import tempfile
 
 import jax
@@ -34,14 +33,12 @@ from jaxes.envs import make_sandbox
 from jaxes.models import qwen2
 from jaxes.rollout import chat
 from jaxes.train import warmstart
+from jaxes.train.config import load_config_file
 from jaxes.train.trainer import Trainer, make_tasks
 
 
 def load(config_path: str, init_from: str, num_tasks: int):
-  spec = importlib.util.spec_from_file_location("config", config_path)
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  c = mod.get_config()
+  c = load_config_file(config_path)
   c.warmstart.init_from = init_from
   trainer = Trainer(c, tempfile.mkdtemp(prefix="format_lever_"), log=lambda s: None)
   trainer.train_tasks = make_tasks(c, "train", c.env.num_train_tasks, start=c.warmstart.num_tasks)

@@ -1,18 +1,14 @@
-import importlib.util
 import pathlib
 
 import pytest
 
-from jaxes.train.config import ConfigError, validate
+from jaxes.train.config import ConfigError, load_config_file, validate
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _load(name, *args):
-  spec = importlib.util.spec_from_file_location(name, ROOT / "configs" / f"{name}.py")
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod.get_config(*args)
+  return load_config_file(ROOT / "configs" / f"{name}.py", *args)
 
 
 def test_demo_config_is_valid():

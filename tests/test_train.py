@@ -1,6 +1,5 @@
 """End to end at tiny sizes: a few updates, resume == uninterrupted, no recompilation per update,
 no sandbox left behind (also after an exception inside the loop)."""
-import importlib.util
 import json
 import os
 import pathlib
@@ -21,6 +20,7 @@ from jaxes.envs import generator
 from jaxes.envs import local_sandbox
 from jaxes.envs.local_sandbox import LocalSandbox
 from jaxes.train import metrics
+from jaxes.train.config import load_config_file
 from jaxes.train.trainer import Trainer, pair_ties
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -47,10 +47,7 @@ def sandbox_root():
 
 
 def tiny_config(tokenizer_dir, **overrides):
-  spec = importlib.util.spec_from_file_location("demo", ROOT / "configs" / "demo.py")
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  c = mod.get_config()
+  c = load_config_file(ROOT / "configs" / "demo.py")
   c.tokenizer.path = tokenizer_dir
   c.model.vocab_size = 400
   c.model.hidden_size, c.model.intermediate_size, c.model.num_layers = 32, 64, 1

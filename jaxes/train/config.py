@@ -4,6 +4,7 @@ Runs before any model is built or sandbox started, so a typo costs milliseconds,
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 
@@ -14,6 +15,14 @@ MODEL_PRESETS = ("tiny", "tiny-gqa", "qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b
 
 class ConfigError(ValueError):
   """A config value is invalid; the message starts with the key, e.g. ``config.es.sigma``."""
+
+
+def load_config_file(path, *args) -> config_dict.ConfigDict:
+  """``get_config(*args)`` of a config file (``configs/*.py``), as ``--config=PATH`` loads it."""
+  spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(path))[0], path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(*args)
 
 
 def _schema() -> config_dict.ConfigDict:

@@ -117,8 +117,8 @@ class Episode:
     self.turns = 0
     self.done = False
     self._ended_by: str | None = None    # AGENT_TIMEOUT or SANDBOX_ERROR
-    self._saw = {PARSE_ERROR: False, COMMAND_TIMEOUT: False}
-    self.parse_errors = 0
+    self.parse_errors = 0                # replies that did not parse
+    self._command_timed_out = False
     self._exec_s = 0.0
     self._outcome: EpisodeOutcome | None = None
 
@@ -134,7 +134,6 @@ class Episode:
       self.done = True
       return True
     if action.kind == "invalid":
-      self._saw[PARSE_ERROR] = True
       self.parse_errors += 1
       self.messages.append({"role": "user", "content": PARSE_ERROR_OBSERVATION})
     else:
@@ -150,7 +149,7 @@ class Episode:
         return True
       finally:
         self._exec_s += time.monotonic() - t0
-      self._saw[COMMAND_TIMEOUT] |= result.timed_out
+      self._command_timed_out |= result.timed_out
       self.messages.append({"role": "user", "content":
                             format_observation(result, limits.output_chars, timeout)})
     if self._clock() - self._start > limits.episode_timeout_s:
@@ -178,7 +177,7 @@ class Episode:
     passed = report is not None and report.passed and failure is None
     fraction = report.fraction if report is not None and failure is None else 0.0
     if not passed and failure is None:
-      failure = next((name for name in (COMMAND_TIMEOUT, PARSE_ERROR) if self._saw[name]), None)
+      failure = COMMAND_TIMEOUT if self._command_timed_out else PARSE_ERROR if self.parse_errors else None
     reward = fraction if self.partial_credit else float(passed)
     reward -= self.parse_error_penalty * self.parse_errors / self.task.limits.max_turns
     self._outcome = EpisodeOutcome(

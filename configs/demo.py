@@ -37,15 +37,11 @@ Choices, by measurement on a 2-core VM (see benchmarks/RESULTS.md, "CPU demo" fo
   * ES trains on training-split tasks the warm start never saw (its own 256 come first).
   * 20 updates with three evaluations fit the 15-minute budget.
 """
-import pathlib
-import sys
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # so `configs` imports from any cwd
-from configs import common  # noqa: E402
+from jaxes.train.defaults import base_config
 
 
 def get_config():
-  c = common.base_config()
+  c = base_config()
   c.model.preset = "tiny"
   c.model.vocab_size = 1024
   c.model.hidden_size = 128

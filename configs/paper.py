@@ -9,11 +9,7 @@ every result in a cohort is stale). ES hyperparameters follow Qiu et al. (popula
 sigma 1e-3, alpha 5e-4, greedy decoding, z-score shaping); the model path, the mesh and the
 sandbox backend are overridable (`--config.mesh.fsdp=8`, `--config.env.sandbox=local`).
 """
-import pathlib
-import sys
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # so `configs` imports from any cwd
-from configs import common  # noqa: E402
+from jaxes.train.defaults import base_config
 
 VARIANTS = ("sync", "async1", "delay4", "delay8", "allstale")
 
@@ -21,7 +17,7 @@ VARIANTS = ("sync", "async1", "delay4", "delay8", "allstale")
 def get_config(variant: str = "async1"):
   if variant not in VARIANTS:
     raise ValueError(f"configs/paper.py: unknown variant {variant!r}; choose one of {VARIANTS}")
-  c = common.base_config()
+  c = base_config()
   c.model.preset = "qwen2.5-7b"
   c.model.path = ""                  # required: a local Qwen2.5-7B-Instruct directory
   c.model.dtype = "bfloat16"

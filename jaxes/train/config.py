@@ -10,6 +10,8 @@ import re
 
 from ml_collections import config_dict
 
+from jaxes.train import defaults
+
 MODEL_PRESETS = ("tiny", "tiny-gqa", "qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b", "qwen2.5-14b")
 
 
@@ -26,14 +28,7 @@ def load_config_file(path, *args) -> config_dict.ConfigDict:
 
 
 def _schema() -> config_dict.ConfigDict:
-  # The shared defaults are the schema: every experiment config is base_config() plus overrides.
-  import pathlib
-  import sys
-  root = str(pathlib.Path(__file__).resolve().parents[2])
-  if root not in sys.path:
-    sys.path.insert(0, root)
-  from configs import common
-  return common.base_config()
+  return defaults.base_config()
 
 
 def _flatten(d, prefix="config"):
@@ -52,10 +47,10 @@ def validate(config: config_dict.ConfigDict) -> None:
   given, schema = _flatten(config), _flatten(_schema())
   for key in given:
     if key not in schema:
-      raise ConfigError(f"{key}: unknown key (known keys are those of configs/common.py)")
+      raise ConfigError(f"{key}: unknown key (known keys are those of jaxes/train/defaults.py)")
   for key in schema:
     if key not in given:
-      raise ConfigError(f"{key}: missing (start experiment configs from common.base_config())")
+      raise ConfigError(f"{key}: missing (start experiment configs from jaxes.train.defaults.base_config())")
 
   def check(key, ok, why):
     if not ok:

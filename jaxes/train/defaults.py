@@ -1,4 +1,6 @@
-"""Shared defaults for every experiment config; experiment files only override what differs."""
+"""The shared defaults of every training config, and so its schema: a config is
+``base_config()`` plus overrides (``configs/*.py`` override only what differs), and validation
+rejects any key not defined here."""
 from ml_collections import config_dict
 
 

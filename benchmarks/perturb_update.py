@@ -141,8 +141,7 @@ def bench_decode(size: str, batch: int, steps: int, repeats: int) -> dict:
   n_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
   low = es.Strategy(population=batch, sigma=0.01, learning_rate=0.1, mode="lowrank", rank=1)
   full = es.Strategy(population=batch, sigma=0.01, learning_rate=0.1, mode="full")
-  low.init(params, jax.random.key(0))
-  full.init(params, jax.random.key(0))
+  run_key = low.init(params, jax.random.key(0)).run_key
   versions = jnp.zeros(batch, jnp.int32)
   members = jnp.arange(batch, dtype=jnp.int32)
   rows = jnp.arange(batch, dtype=jnp.int32)
@@ -163,10 +162,10 @@ def bench_decode(size: str, batch: int, steps: int, repeats: int) -> dict:
 
   plain = jax.jit(lambda p: decode(p, lambda: None))
   cached = jax.jit(lambda p, n: decode(p, lambda: n))
-  regen = jax.jit(lambda p: decode(p, lambda: low.member_noiser(p, versions, members, rows)))
+  regen = jax.jit(lambda p: decode(p, lambda: low.member_noiser(p, versions, members, rows, run_key=run_key)))
   full_rows = jax.jit(lambda p, n: decode(p, lambda: n))
-  low_noiser = jax.jit(low.member_noiser)(params, versions, members, rows)
-  full_noiser = jax.jit(full.member_noiser)(params, versions, members, rows)
+  low_noiser = jax.jit(functools.partial(low.member_noiser, run_key=run_key))(params, versions, members, rows)
+  full_noiser = jax.jit(functools.partial(full.member_noiser, run_key=run_key))(params, versions, members, rows)
   tokens = batch * steps
   t_plain, t_cached, t_regen, t_full = timed_interleaved(
       [(plain, (params,)), (cached, (params, low_noiser)), (regen, (params,)),

@@ -65,7 +65,7 @@ def test_toy_population_forward_equals_loop_over_materialised_members():
 
   @jax.jit
   def population(params, versions, members, row_group, ids):
-    noiser = strategy.member_noiser(params, versions, members, row_group)
+    noiser = strategy.member_noiser(params, versions, members, row_group, run_key=state.run_key)
     return toy_forward(params, ids, noiser)
 
   got = np.asarray(population(params, versions, members, row_group, ids))
@@ -84,8 +84,9 @@ def test_toy_population_forward_equals_loop_over_materialised_members():
 def test_noiser_rejects_unknown_names_and_wrong_batch():
   strategy = es.Strategy(population=2, sigma=0.1, learning_rate=0.1, mode="lowrank")
   params = toy_params()
-  strategy.init(params, jax.random.key(0))
-  noiser = strategy.member_noiser(params, jnp.array([0]), jnp.array([0]), jnp.array([0, 0]))
+  state = strategy.init(params, jax.random.key(0))
+  noiser = strategy.member_noiser(params, jnp.array([0]), jnp.array([0]), jnp.array([0, 0]),
+                                  run_key=state.run_key)
   x = jnp.ones((2, D))
   with pytest.raises(KeyError, match="not/a/param"):
     noiser.dense(x, jnp.ones((D, D)), None, name="not/a/param")

@@ -51,7 +51,7 @@ def test_population_forward_equals_loop_over_materialised_members(mode, preset):
 
   @jax.jit
   def population(params, versions, members, row_group, tokens, valid):
-    noiser = strategy.member_noiser(params, versions, members, row_group)
+    noiser = strategy.member_noiser(params, versions, members, row_group, run_key=state.run_key)
     return _prefill_then_decode(graphdef, cfg, params, tokens, valid, noiser)
 
   single = jax.jit(lambda p, t, v: _prefill_then_decode(graphdef, cfg, p, t, v, None))

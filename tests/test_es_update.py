@@ -268,3 +268,41 @@ def test_member_ids_beyond_population_are_their_own_members():
   assert not np.allclose(jax.tree.leaves(a)[0], jax.tree.leaves(b)[0])
   new, metrics = strategy.update(state, [(0, 4, 1.0), (0, 5, 0.0), (0, 6, 2.0), (0, 7, -1.0)])
   assert metrics["num_results"] == 4 and not metrics["zero_step"]
+
+
+def test_options_as_objects_equal_their_names():
+  """shaping, sigma schedule and optimizer given as objects give the same step as the names."""
+  named = es.Strategy(population=4, sigma=0.1, learning_rate=0.1, shaping="centered_rank",
+                      sigma_schedule="cosine", sigma_final=0.05, schedule_steps=4)
+  objects = es.Strategy(population=4, sigma=0.1, shaping=es.centered_rank,
+                        sigma_schedule=lambda v: es.sigma_at(v, "cosine", 0.1, 0.05, 4),
+                        optimizer=optax.sgd(0.1))
+  state = named.init(_params(), jax.random.key(9))
+  state = es.ESState(state.params, state.opt_state, state.key, 2)
+  results = [(2, 0, 1.0), (1, 1, 3.0), (0, 2, 2.0), (2, 3, 0.5)]
+  a, ma = named.update(state, results)
+  b, mb = objects.update(state, results)
+  for x, y in zip(_leaves64(a.params), _leaves64(b.params)):
+    np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)
+  assert ma["sigma"] == pytest.approx(mb["sigma"])
+  with pytest.raises(ValueError, match="learning_rate"):
+    es.Strategy(population=4, sigma=0.1, learning_rate=0.1, optimizer=optax.sgd(0.1))
+  with pytest.raises(ValueError, match="learning_rate"):
+    es.Strategy(population=4, sigma=0.1)
+
+
+def test_strategy_holds_no_run_state():
+  """Two runs with different keys through one strategy, interleaved, equal each run alone."""
+  strategy = es.Strategy(population=4, sigma=0.1, learning_rate=0.1, mode="lowrank")
+  def run(key, other=None):
+    state = strategy.init(_params(), jax.random.key(key))
+    for i in range(2):
+      if other is not None:  # another run's update in between must not leak into this one
+        strategy.update(other, _random_results(other, strategy.members(other), 7))
+      state, _ = strategy.update(state, _random_results(state, strategy.members(state), i))
+    return state
+  alone = run(1)
+  interleaved = run(1, other=strategy.init(_params(), jax.random.key(2)))
+  for x, y in zip(_leaves64(alone.params), _leaves64(interleaved.params)):
+    np.testing.assert_array_equal(x, y)
+  assert not hasattr(strategy, "_run_key")

@@ -62,30 +62,52 @@ def _key_data(key: jax.Array) -> jax.Array:
 
 
 @functools.lru_cache(maxsize=32)
-def _compiled(cfg: noise.NoiseConfig, optimizer: str, learning_rate: float, weight_decay: float):
-  """Optimizer and jitted functions, shared by strategies with equal settings (one compile)."""
-  if optimizer == "adam":
-    tx = optax.adamw(learning_rate, weight_decay=weight_decay)
-  else:
-    tx = optax.chain(optax.add_decayed_weights(weight_decay), optax.sgd(learning_rate))
-  return (tx, jax.jit(functools.partial(update.apply, cfg=cfg, tx=tx)),
+def _named_optimizer(name: str, learning_rate: float, weight_decay: float) -> optax.GradientTransformation:
+  """The optax transformation a string option names; cached so equal settings share one object
+  (and so one compile of the update)."""
+  if name == "adam":
+    return optax.adamw(learning_rate, weight_decay=weight_decay)
+  return optax.chain(optax.add_decayed_weights(weight_decay), optax.sgd(learning_rate))
+
+
+@functools.lru_cache(maxsize=32)
+def _compiled(cfg: noise.NoiseConfig, tx: optax.GradientTransformation):
+  """Jitted update, perturbation and noiser builder, shared by strategies with the same noise
+  configuration and optimizer object."""
+  return (jax.jit(functools.partial(update.apply, cfg=cfg, tx=tx)),
           jax.jit(functools.partial(update.perturb, cfg=cfg)),
           jax.jit(functools.partial(noiser.build, cfg=cfg)))
 
 
+Shaping = Callable[[np.ndarray], np.ndarray]
+SigmaSchedule = Callable[[Any], Any]
+
+
 @dataclasses.dataclass
 class Strategy:
+  """Options are objects or, as sugar for configs, names:
+
+  * ``shaping``: ``"zscore"`` / ``"centered_rank"`` or any ``fitness[N] -> weights[N]`` function
+    (host side, NumPy);
+  * ``sigma_schedule``: ``"constant"`` / ``"cosine"`` (with ``sigma_final``, ``schedule_steps``) or
+    any ``version -> sigma`` function that works on Python ints and on jnp arrays;
+  * ``optimizer``: ``"sgd"`` / ``"adam"`` (built from ``learning_rate``, ``weight_decay``) or any
+    ``optax.GradientTransformation``, which then carries its own learning rate.
+
+  A strategy holds no run state: the run key lives in ``ESState``, and every call takes the state
+  (or its ``run_key``), so one strategy serves any number of runs.
+  """
   population: int
   sigma: float
-  learning_rate: float
+  learning_rate: float | None = None
   mode: str = "full"
   rank: int = 1
   antithetic: bool = True
-  shaping: str = "zscore"
-  sigma_schedule: str = "constant"
+  shaping: str | Shaping = "zscore"
+  sigma_schedule: str | SigmaSchedule = "constant"
   sigma_final: float | None = None
   schedule_steps: int | None = None
-  optimizer: str = "sgd"
+  optimizer: str | optax.GradientTransformation = "sgd"
   weight_decay: float = 0.0
   perturb_vectors: bool = True
   frozen: Sequence[str] = ()
@@ -102,15 +124,27 @@ class Strategy:
       raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
     if int(self.rank) < 1:
       raise ValueError(f"rank must be >= 1, got {self.rank!r}")
-    if self.shaping not in shaping.SHAPINGS:
-      raise ValueError(f"shaping must be one of {shaping.SHAPINGS}, got {self.shaping!r}")
-    schedules.validate(self.sigma_schedule, self.sigma, self.sigma_final, self.schedule_steps)
-    if self.optimizer not in OPTIMIZERS:
-      raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
-    if not self.learning_rate > 0:
-      raise ValueError(f"learning_rate must be > 0, got {self.learning_rate!r}")
-    if not self.weight_decay >= 0:
-      raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay!r}")
+    if not callable(self.shaping) and self.shaping not in shaping.SHAPINGS:
+      raise ValueError(f"shaping must be one of {shaping.SHAPINGS} or a function, got {self.shaping!r}")
+    if callable(self.sigma_schedule):
+      if not self.sigma > 0:
+        raise ValueError(f"sigma must be > 0, got {self.sigma!r}")
+    else:
+      schedules.validate(self.sigma_schedule, self.sigma, self.sigma_final, self.schedule_steps)
+    if isinstance(self.optimizer, optax.GradientTransformation):
+      if self.learning_rate is not None or self.weight_decay:
+        raise ValueError("learning_rate / weight_decay must be unset when optimizer is an optax "
+                         "transformation (it carries its own)")
+      tx = self.optimizer
+    else:
+      if self.optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {OPTIMIZERS} or an optax.GradientTransformation, "
+                         f"got {self.optimizer!r}")
+      if self.learning_rate is None or not self.learning_rate > 0:
+        raise ValueError(f"learning_rate must be > 0, got {self.learning_rate!r}")
+      if not self.weight_decay >= 0:
+        raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay!r}")
+      tx = _named_optimizer(self.optimizer, float(self.learning_rate), float(self.weight_decay))
     if self.nonfinite not in NONFINITE:
       raise ValueError(f"nonfinite must be one of {NONFINITE}, got {self.nonfinite!r}")
     sw = self.staleness_weighting
@@ -126,9 +160,8 @@ class Strategy:
         raise ValueError(f"frozen: {pattern!r} is not a regular expression ({err})") from err
     self._cfg = noise.NoiseConfig(self.mode, int(self.rank), bool(self.antithetic),
                                   bool(self.perturb_vectors), self.scanned, self.frozen)
-    self._tx, self._apply, self._perturb, self._build_noiser = _compiled(
-        self._cfg, self.optimizer, float(self.learning_rate), float(self.weight_decay))
-    self._run_key = None
+    self._tx = tx
+    self._apply, self._perturb, self._build_noiser = _compiled(self._cfg, tx)
 
   @property
   def noise_config(self) -> noise.NoiseConfig:
@@ -136,6 +169,8 @@ class Strategy:
 
   def sigma_at(self, version):
     """Sigma of members of ``version`` (Python float for an int, jnp float32 for arrays)."""
+    if callable(self.sigma_schedule):
+      return self.sigma_schedule(version)
     return schedules.sigma_at(version, self.sigma_schedule, self.sigma, self.sigma_final,
                               self.schedule_steps)
 
@@ -147,9 +182,7 @@ class Strategy:
   def init(self, params, key: jax.Array) -> ESState:
     noise.plan(params, self._cfg)  # fail early on unusable parameter trees
     opt_state = self._tx.init(jax.tree_util.tree_map(lambda p: p.astype(jnp.float32), params))
-    state = ESState(params, opt_state, _key_data(key), 0)
-    self._run_key = state.run_key
-    return state
+    return ESState(params, opt_state, _key_data(key), 0)
 
   def members(self, state: ESState) -> list[tuple[int, int]]:
     version = int(state.version)
@@ -180,7 +213,6 @@ class Strategy:
     of the applied change, float32) and ``zero_step`` (all weights zero: params unchanged).
     """
     v_now = int(state.version)
-    self._run_key = state.run_key
     kept, bad, seen = [], [], set()
     for i, res in enumerate(results):
       try:
@@ -201,7 +233,8 @@ class Strategy:
     members = np.array([r[1] for r in kept], np.int32)
     fitness = np.array([r[2] for r in kept], np.float64)
     staleness = v_now - versions
-    weights = shaping.shape(fitness, self.shaping)
+    weights = (np.asarray(self.shaping(fitness), np.float64) if callable(self.shaping)
+               else shaping.shape(fitness, self.shaping))
     weights = weights * np.array([self.sigma_at(int(v)) for v in versions]) / self.sigma
     weights = weights * self._staleness_weights(staleness)
 
@@ -230,17 +263,11 @@ class Strategy:
     }
     return new_state, metrics
 
-  def member_noiser(self, params, versions, members, row_group, *, run_key: jax.Array | None = None
+  def member_noiser(self, params, versions, members, row_group, *, run_key: jax.Array
                     ) -> noiser.PopulationNoiser:
     """Noiser for a batch whose row b is member ``members[row_group[b]]`` of version
-    ``versions[row_group[b]]`` (member -1: unperturbed). Jittable; see ``jaxes.es.noiser`` for the
-    memory of each mode. ``run_key`` defaults to the key of the last state passed to ``init`` or
-    ``update``; pass ``state.run_key`` when neither has been called (e.g. after a restore).
-    """
-    if run_key is None:
-      if self._run_key is None:
-        raise ValueError("member_noiser needs run_key=state.run_key before init()/update() ran")
-      run_key = self._run_key
+    ``versions[row_group[b]]`` (member -1: unperturbed), keyed by the run's ``state.run_key``.
+    Jittable; see ``jaxes.es.noiser`` for the memory of each mode."""
     versions = jnp.asarray(versions, jnp.int32)
     return self._build_noiser(params, run_key, versions, members, row_group, self.sigma_at(versions))
 

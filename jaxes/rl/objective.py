@@ -1,0 +1,92 @@
+"""GRPO's pieces as pure functions: group-relative advantages, per-token loss weights, the
+clipped-ratio loss with an optional k3 KL penalty, teacher-forced log-probs.
+
+Every quantity the learner sums is ``sum(weights * per_token_value)`` with weights computed once
+from the whole batch (``token_weights``), so splitting the rows into micro-batches and adding
+their sums gives the full batch's value exactly (up to float rounding).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxes.models import qwen2
+from jaxes.rollout import sampling
+
+AGGREGATIONS = ("token", "sequence")
+ADVANTAGES = ("zscore", "centered")
+
+
+def group_advantages(rewards: jax.Array, group_ids: jax.Array, kind: str = "zscore",
+                     eps: float = 1e-6) -> jax.Array:
+  """float32 [N]: ``r - mean_group`` ("centered", Dr.GRPO) or ``(r - mean_group) / (std_group +
+  eps)`` ("zscore", GRPO), std over the group's episodes (ddof 0). Rows with ``group_ids`` -1
+  (padding) get 0."""
+  if kind not in ADVANTAGES:
+    raise ValueError(f"advantage kind must be one of {ADVANTAGES}, got {kind!r}")
+  n = rewards.shape[0]
+  real = group_ids >= 0
+  seg = jnp.where(real, group_ids, n)  # padding goes to an extra segment that nobody reads
+  r = jnp.where(real, rewards.astype(jnp.float32), 0.0)
+  count = jax.ops.segment_sum(real.astype(jnp.float32), seg, num_segments=n + 1)
+  mean = jax.ops.segment_sum(r, seg, num_segments=n + 1) / jnp.maximum(count, 1.0)
+  centered = r - mean[seg]
+  if kind == "centered":
+    return jnp.where(real, centered, 0.0)
+  var = jax.ops.segment_sum(centered ** 2, seg, num_segments=n + 1) / jnp.maximum(count, 1.0)
+  return jnp.where(real, centered / (jnp.sqrt(var)[seg] + eps), 0.0)
+
+
+def token_weights(sampled: jax.Array, aggregation: str) -> jax.Array:
+  """float32 [N, S] weights on the sampled tokens: "token" averages over every sampled token of
+  the batch (DAPO, Dr.GRPO); "sequence" averages each episode over its own tokens, then over the
+  episodes that have any (the original GRPO)."""
+  m = sampled.astype(jnp.float32)
+  if aggregation == "token":
+    return m / jnp.maximum(m.sum(), 1.0)
+  if aggregation == "sequence":
+    per_row = m.sum(axis=1, keepdims=True)
+    rows = jnp.maximum((per_row > 0).sum(), 1)
+    return m / jnp.maximum(per_row, 1.0) / rows
+  raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
+
+
+def sequence_logprobs(graphdef, params, tokens: jax.Array, valid: jax.Array, temperature: float,
+                      top_p: float) -> jax.Array:
+  """float32 [N, S]: teacher-forced log-prob of ``tokens[:, t]`` given the tokens before it,
+  under the sampling distribution (``sampling.token_logprobs``); column 0 is 0."""
+  positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+  logits, _ = qwen2.forward(graphdef, params, tokens, positions, valid)
+  logp = sampling.token_logprobs(logits[:, :-1], tokens[:, 1:], jnp.float32(temperature),
+                                 jnp.float32(top_p))
+  return jnp.pad(logp, ((0, 0), (1, 0)))
+
+
+def clipped_objective(logp: jax.Array, behaviour_logp: jax.Array, advantages: jax.Array,
+                      weights: jax.Array, *, clip_low: float, clip_high: float,
+                      ref_logp: jax.Array | None = None, kl_coef: float = 0.0
+                      ) -> tuple[jax.Array, dict]:
+  """PPO's clipped surrogate, negated, against the behaviour policy, plus ``kl_coef`` times
+  Schulman's k3 estimate of KL(policy || reference) per token; ``advantages`` [N] are broadcast
+  over each episode's tokens. Returns (loss, weighted sums: pg_loss, kl, clip_fraction, ratio).
+  Tokens with weight 0 contribute nothing, whatever their values."""
+  on = weights > 0
+  # Zero the log-ratio off the targets so padding and context never make inf/NaN in the backward.
+  log_ratio = jnp.where(on, logp - behaviour_logp, 0.0)
+  ratio = jnp.exp(log_ratio)
+  adv = advantages[:, None]
+  unclipped = ratio * adv
+  clipped = jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv
+  pg = -jnp.minimum(unclipped, clipped)
+  was_clipped = ((ratio < 1.0 - clip_low) & (adv < 0)) | ((ratio > 1.0 + clip_high) & (adv > 0))
+  per_token = pg
+  kl = jnp.zeros_like(pg)
+  if ref_logp is not None:
+    # k3 = exp(d) - d - 1 with d = log(ref / policy): unbiased, non-negative, low variance.
+    # d is clipped (as verl does) so a token outside one nucleus cannot make it infinite.
+    d = jnp.clip(jnp.where(on, ref_logp - logp, 0.0), -20.0, 20.0)
+    kl = jnp.exp(d) - d - 1.0
+    per_token = pg + kl_coef * kl
+  sums = dict(pg_loss=jnp.sum(weights * pg), kl=jnp.sum(weights * kl),
+              clip_fraction=jnp.sum(weights * was_clipped), ratio=jnp.sum(weights * ratio))
+  return jnp.sum(weights * per_token), sums

@@ -1,13 +1,19 @@
+"""Checkpointer on real orbax in tmp_path: named items, checksums, corrupt vs mismatch, retention."""
 import dataclasses
 import glob
+import hashlib
 import os
+import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxes.train.checkpoint import Checkpointer
+from jaxes.train.checkpoint import (Checkpointer, CheckpointError, CheckpointMismatch, CorruptCheckpoint,
+                                    NoRestorableCheckpoint, leaf_names)
 
 
 @jax.tree_util.register_dataclass
@@ -18,74 +24,279 @@ class _State:
   version: int = dataclasses.field(metadata=dict(static=False))
 
 
-def _state(seed):
+def _params(seed, width=4):
   k = jax.random.key(seed)
-  return _State(params={"a": {"kernel": jax.random.normal(k, (3, 4))}, "b": jnp.arange(5, dtype=jnp.int32)},
-                key=jax.random.fold_in(k, 7), version=seed)
+  return {"a": {"kernel": jax.random.normal(k, (64, width))}, "b": jnp.arange(5, dtype=jnp.int32) + seed,
+          "h": jax.random.normal(jax.random.fold_in(k, 1), (8,)).astype(jnp.bfloat16)}
+
+
+def _state(seed, width=4):
+  return _State(params=_params(seed, width), key=jax.random.fold_in(jax.random.key(seed), 7), version=seed)
+
+
+def _items(seed, width=4):
+  return {"es": _state(seed, width), "old/3": _params(seed + 100, width)}
+
+
+def _target(host, width=4):
+  return {"es": _state(0, width), **{f"old/{v}": _params(0, width) for v in host["old_versions"]}}
 
 
 def _equal(x, y):
-  lx, ly = jax.tree.leaves(x), jax.tree.leaves(y)
   assert jax.tree.structure(x) == jax.tree.structure(y)
-  for a, b in zip(lx, ly):
+  for a, b in zip(jax.tree.leaves(x), jax.tree.leaves(y)):
     if isinstance(a, jax.Array) and jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
+      assert jax.random.key_impl(a) == jax.random.key_impl(b)
       a, b = jax.random.key_data(a), jax.random.key_data(b)
+    assert type(a) is type(b) or (isinstance(a, jax.Array) and isinstance(b, jax.Array))
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_roundtrip_custom_pytree_with_key_and_scalar(tmp_path):
-  ckpt = Checkpointer(str(tmp_path / "ckpt"), keep=2)
-  ckpt.save(3, _state(3), {"controller": {"version": 3, "queue": [1, 2]}, "pos": 9})
-  ckpt.wait()
-  step, tree, host = ckpt.restore(lambda host: _state(0))
+def _tree_hash(root) -> dict:
+  """Every file under ``root`` (and its sibling *_superseded folder) -> sha256 of its bytes."""
+  out = {}
+  for base in (root, root + "_superseded"):
+    for f in sorted(glob.glob(os.path.join(base, "**", "*"), recursive=True)):
+      if os.path.isfile(f):
+        out[f] = hashlib.sha256(open(f, "rb").read()).hexdigest()
+  return out
+
+
+def _data_files(d, step, item="arr_es"):
+  """The chunk files orbax (OCDBT) writes for one item of one step, largest first."""
+  files = [f for f in glob.glob(os.path.join(d, str(step), item, "**", "d", "*"), recursive=True)
+           if os.path.isfile(f)]
+  assert files, "orbax wrote no data files where expected"
+  return sorted(files, key=os.path.getsize, reverse=True)
+
+
+def _flip(path, n=64):
+  data = bytearray(open(path, "rb").read())
+  mid = len(data) // 2
+  data[mid:mid + n] = bytes(b ^ 0xFF for b in data[mid:mid + n])
+  open(path, "wb").write(bytes(data))
+
+
+def _save_steps(d, steps, keep=5):
+  ckpt = Checkpointer(d, keep=keep)
+  for s in steps:
+    ckpt.save(s, _items(s), {"s": s, "old_versions": [3]})
   ckpt.close()
-  assert step == 3 and host == {"controller": {"version": 3, "queue": [1, 2]}, "pos": 9}
-  _equal(tree, _state(3))
-  assert isinstance(tree.version, int) and tree.version == 3
+
+
+def test_roundtrip_named_items_with_keys_scalars_and_numpy(tmp_path):
+  ckpt = Checkpointer(str(tmp_path / "ckpt"), keep=2)
+  host = {"controller": {"version": 3, "queue": [1, 2]}, "pos": 9, "old_versions": [3]}
+  items = {**_items(3), "host_arrays": {"n": np.arange(6, dtype=np.int64).reshape(2, 3), "lr": 0.5, "on": True}}
+  ckpt.save(3, items, host)
+  ckpt.wait()
+  target = lambda h: {**_target(h), "host_arrays": {"n": np.zeros((2, 3), np.int64), "lr": 0.0, "on": False}}
+  step, trees, restored_host = ckpt.restore(target)
+  assert step == 3 and restored_host == host and ckpt.restore_host(3) == host
+  assert set(trees) == {"es", "old/3", "host_arrays"}
+  _equal(trees, items)
+  assert isinstance(trees["es"].version, int) and trees["es"].version == 3
+  assert trees["host_arrays"]["n"].dtype == np.int64 and type(trees["host_arrays"]["lr"]) is float
+  ckpt.close()
+
+
+def test_leaves_are_named_by_key_path():
+  assert leaf_names(_state(0)) == ["params/a/kernel", "params/b", "params/h", "key", "version"]
+  assert leaf_names({"a/b": 1, "a": {"b": 2}}) == ["a/b", "a%2Fb"]   # "/" in a key never collides
 
 
 def test_keep_n_and_step_zero(tmp_path):
   ckpt = Checkpointer(str(tmp_path / "ckpt"), keep=2)
   for s in range(1, 5):
-    ckpt.save(s, _state(s), {"s": s})
+    ckpt.save(s, _items(s), {"s": s, "old_versions": [3]})
   ckpt.wait()
   assert ckpt.steps() == [3, 4]
   ckpt.close()
   # Step 0 (a run's warm start, loaded by other runs' warmstart.init_from) is never deleted.
   ckpt = Checkpointer(str(tmp_path / "with_zero"), keep=2)
   for s in range(0, 6):
-    ckpt.save(s, _state(s), {"s": s})
+    ckpt.save(s, _items(s), {"s": s, "old_versions": [3]})
   ckpt.wait()
   assert ckpt.steps() == [0, 4, 5]
-  assert ckpt.restore(lambda host: _state(0), step=0)[2] == {"s": 0}
+  step, trees, host = ckpt.restore(_target, step=0)
+  assert host["s"] == 0
+  _equal(trees, _items(0))
   ckpt.close()
 
 
-def test_corrupt_latest_falls_back_to_previous_with_warning(tmp_path):
+def test_flipped_bytes_are_detected_and_fall_back_leaving_the_step_untouched(tmp_path):
   d = str(tmp_path / "ckpt")
-  ckpt = Checkpointer(d, keep=3)
-  ckpt.save(1, _state(1), {"s": 1})
-  ckpt.save(2, _state(2), {"s": 2})
+  _save_steps(d, [1, 2])
+  _flip(_data_files(d, 2)[0])   # 64 bytes inside the largest array chunk of step 2
+  before = _tree_hash(d)
+  ckpt = Checkpointer(d, keep=5)
+  with pytest.warns(RuntimeWarning, match=r"step 2 .* corrupt \((checksum mismatch in item 'es'|arrays unreadable)"):
+    step, trees, host = ckpt.restore(_target)
+  assert step == 1 and host["s"] == 1
+  _equal(trees, _items(1))
+  assert _tree_hash(d) == before and ckpt.steps() == [1, 2]   # nothing moved or deleted
+  with pytest.raises(CorruptCheckpoint, match="step 2 .* corrupt"):
+    ckpt.restore(_target, step=2)
   ckpt.close()
-  # Corrupt every data file of the latest step's arrays.
-  files = [f for f in glob.glob(os.path.join(d, "2", "arrays", "**", "*"), recursive=True) if os.path.isfile(f)]
-  assert files
-  for f in files:
-    with open(f, "wb") as fh:
-      fh.write(b"\x00garbage")
-  ckpt = Checkpointer(d, keep=3)
+
+
+def test_flipped_bytes_in_a_non_es_item_are_detected(tmp_path):
+  d = str(tmp_path / "ckpt")
+  _save_steps(d, [1, 2])
+  _flip(_data_files(d, 2, "arr_old_3")[0])
+  ckpt = Checkpointer(d, keep=5)
   with pytest.warns(RuntimeWarning, match="step 2"):
-    step, tree, host = ckpt.restore(lambda host: _state(0))
-  assert step == 1 and host == {"s": 1}
-  _equal(tree, _state(1))
-  # The corrupt step is out of the way, so the resumed run can save step 2 again.
-  ckpt.save(2, _state(5), {"s": 5})
+    assert ckpt.restore(_target)[0] == 1
+  # Restoring only the intact item of step 2 works: an item that is not read is not checked.
+  assert ckpt.restore(_target, items=("es",))[0] == 2
+  ckpt.close()
+
+
+def test_missing_item_and_bad_meta_are_corrupt(tmp_path):
+  d = str(tmp_path / "ckpt")
+  _save_steps(d, [1, 2, 3])
+  os.rename(os.path.join(d, "3", "arr_old_3"), str(tmp_path / "elsewhere"))   # a torn step
+  meta = [f for f in glob.glob(os.path.join(d, "2", "meta", "*")) if os.path.basename(f) == "metadata"][0]
+  text = open(meta).read()
+  open(meta, "w").write(text.replace('"s": 2', '"s": 7'))   # valid JSON, wrong content
+  ckpt = Checkpointer(d, keep=5)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    step, _, host = ckpt.restore(_target)
+  assert step == 1 and host["s"] == 1
+  messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+  assert any("step 3" in m and "'old/3' is missing" in m for m in messages)
+  assert any("step 2" in m and "meta checksum mismatch" in m for m in messages)
+  ckpt.close()
+
+
+def test_config_change_is_a_mismatch_and_every_checkpoint_stays_byte_identical(tmp_path):
+  d = str(tmp_path / "ckpt")
+  _save_steps(d, [0, 1, 2])
+  before = _tree_hash(d)
+  ckpt = Checkpointer(d, keep=5)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")   # no fallback warning: a mismatch is not corruption
+    with pytest.raises(CheckpointMismatch) as e:
+      ckpt.restore(lambda h: _target(h, width=6))
+  err = e.value
+  assert (err.step, err.item, err.leaf, err.stored, err.expected) == (2, "es", "params/a/kernel",
+                                                                      "float32[64, 4]", "float32[64, 6]")
+  assert "params/a/kernel" in str(err) and "float32[64, 4]" in str(err) and "\n" not in str(err)
+  # A renamed leaf and a changed dtype name the leaf too.
+  renamed = lambda h: {**_target(h), "es": dataclasses.replace(_state(0), params={**_params(0), "c": jnp.zeros(5)})}
+  with pytest.raises(CheckpointMismatch, match=r"leaf 'params/c' is stored as absent"):
+    ckpt.restore(renamed)
+  retyped = lambda h: {**_target(h), "old/3": {**_params(0), "h": jnp.zeros(8, jnp.float32)}}
+  with pytest.raises(CheckpointMismatch, match=r"'old/3' leaf 'h' is stored as bfloat16\[8\], this run expects float32\[8\]"):
+    ckpt.restore(retyped)
+  with pytest.raises(CheckpointMismatch, match="'old/5'"):
+    ckpt.restore(lambda h: {**_target(h), "old/5": _params(0)})
+  ckpt.close()
+  assert _tree_hash(d) == before
+
+
+def test_every_step_corrupt_raises_no_restorable_checkpoint(tmp_path):
+  d = str(tmp_path / "ckpt")
+  _save_steps(d, [0, 1, 2])
+  for s in (0, 1, 2):
+    _flip(_data_files(d, s)[0])
+  before = _tree_hash(d)
+  ckpt = Checkpointer(d, keep=5)
+  with pytest.warns(RuntimeWarning), pytest.raises(NoRestorableCheckpoint) as e:
+    ckpt.restore(_target)
+  assert [s for s, _ in e.value.failures] == [2, 1, 0]
+  assert "--restart" in str(e.value) and "new workdir" in str(e.value)
+  assert _tree_hash(d) == before
+  ckpt.close()
+
+
+def test_partial_restore_against_abstract_sharded_targets(tmp_path):
+  mesh = jax.make_mesh((jax.device_count(),), ("fsdp",))
+  shard = NamedSharding(mesh, P("fsdp"))
+  d = str(tmp_path / "ckpt")
+  _save_steps(d, [4])
+
+  def abstract(tree):
+    def one(x):
+      sharding = shard if getattr(x, "ndim", 0) and x.shape[0] % jax.device_count() == 0 else NamedSharding(mesh, P())
+      return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding) if isinstance(x, jax.Array) else x
+    return jax.tree.map(one, tree)
+
+  ckpt = Checkpointer(d, keep=5)
+  # Only the ES state, against ShapeDtypeStructs (the old versions are not read).
+  step, trees, _ = ckpt.restore(lambda h: {"es": abstract(_state(0)), "old/3": _params(0)}, items=("es",))
+  assert step == 4 and set(trees) == {"es"}
+  _equal(trees["es"], _state(4))
+  assert trees["es"].params["a"]["kernel"].sharding == shard
+  assert trees["es"].key.sharding == NamedSharding(mesh, P())
+  # Only the params of the ES state (load_policy): other leaves of the item are not needed.
+  params = ckpt.restore_item(4, "es", {"params": abstract(_params(0))}, partial=True)["params"]
+  _equal(params, _params(4))
+  with pytest.raises(CheckpointMismatch, match="leaf 'key'"):   # not partial: every stored leaf is expected
+    ckpt.restore_item(4, "es", {"params": abstract(_params(0))})
+  ckpt.close()
+
+
+def test_checksums_do_not_depend_on_sharding(tmp_path):
+  mesh = jax.make_mesh((2, jax.device_count() // 2), ("data", "fsdp"))
+  x = jax.random.normal(jax.random.key(0), (16, 32))
+  sharded = jax.device_put(x, NamedSharding(mesh, P("data", "fsdp")))
+  ckpt = Checkpointer(str(tmp_path / "ckpt"))
+  ckpt.save(1, {"w": {"x": sharded}}, {})
   ckpt.wait()
-  assert ckpt.steps() == [1, 2]
+  for sharding in (NamedSharding(mesh, P(None, "data")), jax.sharding.SingleDeviceSharding(jax.devices()[3])):
+    restored = ckpt.restore_item(1, "w", {"x": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)})["x"]
+    assert restored.sharding == sharding
+    np.testing.assert_array_equal(np.asarray(restored), np.asarray(x))
+  ckpt.close()
+
+
+def test_saving_after_a_fallback_supersedes_newer_steps_without_deleting_them(tmp_path):
+  d = str(tmp_path / "ckpt")
+  _save_steps(d, [1, 2, 3])
+  _flip(_data_files(d, 3)[0])
+  corrupt = {os.path.relpath(f, os.path.join(d, "3")): h for f, h in _tree_hash(d).items()
+             if f.startswith(os.path.join(d, "3") + os.sep)}
+  ckpt = Checkpointer(d, keep=5)
+  with pytest.warns(RuntimeWarning, match="step 3"):
+    assert ckpt.restore(_target)[0] == 2
+  # The resumed run reaches version 3 again: the corrupt step 3 moves aside, byte for byte.
+  with pytest.warns(RuntimeWarning, match=r"supersedes steps \[3\]"):
+    ckpt.save(3, _items(30), {"s": 30, "old_versions": [3]})
+  ckpt.wait()
+  assert ckpt.steps() == [1, 2, 3] and ckpt.restore(_target)[2]["s"] == 30
+  aside = os.path.join(d + "_superseded", "3")
+  assert {os.path.relpath(f, aside): h for f, h in _tree_hash(aside).items()} == corrupt
+  ckpt.close()
+
+
+def test_bad_host_dict_and_unknown_step_are_one_line_errors(tmp_path):
+  ckpt = Checkpointer(str(tmp_path / "ckpt"))
+  with pytest.raises(CheckpointError, match="host dict is not JSON-serialisable"):
+    ckpt.save(1, _items(1), {"x": object()})
+  assert ckpt.steps() == []
+  ckpt.save(1, _items(1), {"old_versions": [3]})
+  ckpt.wait()
+  with pytest.raises(CheckpointError, match=r"no checkpoint step 5 .*steps: \[1\]"):
+    ckpt.restore(_target, step=5)
+  ckpt.close()
+
+
+def test_earlier_positional_format_is_named_not_treated_as_corrupt(tmp_path):
+  d = str(tmp_path / "ckpt")
+  old = ocp.CheckpointManager(d, options=ocp.CheckpointManagerOptions(create=True), item_names=("arrays", "host"))
+  old.save(1, args=ocp.args.Composite(arrays=ocp.args.StandardSave({"00000_a": np.zeros(3)}),
+                                      host=ocp.args.JsonSave({"s": 1})))
+  old.wait_until_finished()
+  old.close()
+  ckpt = Checkpointer(d)
+  with pytest.raises(CheckpointError, match="earlier jaxes format.*--restart"):
+    ckpt.restore(_target)
   ckpt.close()
 
 
 def test_empty_directory_restores_none(tmp_path):
   ckpt = Checkpointer(str(tmp_path / "ckpt"))
-  assert ckpt.restore(lambda host: _state(0)) is None
+  assert ckpt.restore(_target) is None
   ckpt.close()

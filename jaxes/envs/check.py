@@ -145,8 +145,16 @@ def family_table(results) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+  env = argparse.ArgumentParser(add_help=False)
+  env.add_argument("--env", choices=("terminal", "webshop"), default="terminal")
+  env_args, argv = env.parse_known_args(sys.argv[1:] if argv is None else argv)
+  if env_args.env == "webshop":   # WebShop goals: its own options (see jaxes.envs.webshop.check)
+    from jaxes.envs.webshop import check as webshop_check
+    return webshop_check.main(argv)
   ap = argparse.ArgumentParser(prog="python -m jaxes.envs.check", description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--env", choices=("terminal", "webshop"), default="terminal",
+                  help="terminal tasks (these options) or WebShop goals (--env webshop --help)")
   ap.add_argument("--backend", choices=("local", "docker"), default="local")
   src = ap.add_mutually_exclusive_group(required=True)
   src.add_argument("--generated", type=int, metavar="N", help="N generated tasks")

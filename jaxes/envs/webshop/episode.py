@@ -26,8 +26,9 @@ Each turn, reply with exactly one action:
   click[ELEMENT]    click an element shown in [brackets] on the current page,
                     e.g. click[Next >], click[B0ABC12345], click[large], click[Buy Now]
 Find a product that matches the instruction, open it, click one value of every option the
-instruction asks for, then click[Buy Now]. The episode ends when you buy, or after {max_steps}
-actions. You may think first; only the last action in your reply counts."""
+instruction asks for, then click[Buy Now].
+The episode ends when you buy, or after {max_steps} actions.
+You may think first; only the last action in your reply counts."""
 
 
 class WebShopBackend:

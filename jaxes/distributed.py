@@ -35,7 +35,6 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh
 
-from jaxes.sharding import MESH_AXES, make_mesh
 
 EXPLICIT_VARS = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
 DEFAULT_HEARTBEAT_TIMEOUT_S = 60
@@ -245,6 +244,7 @@ def global_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1) -> Mesh:
   nothing else. ``jax.make_mesh``'s topology-aware order is kept when it already has this
   property; otherwise devices are taken in (process, id) order.
   """
+  from jaxes.sharding import MESH_AXES, make_mesh  # imports flax; initialize() need not wait
   mesh = make_mesh(data, fsdp, tensor)
   if follows_processes(_row_processes(mesh)):
     return mesh

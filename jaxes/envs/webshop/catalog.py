@@ -94,5 +94,9 @@ class Catalog:
     if not tokens:
       return ()
     scores = np.asarray(self._bm25.get_scores(tokens))
-    order = np.lexsort((np.arange(len(scores)), -scores))[:k]
-    return tuple(self.products[i].asin for i in order if scores[i] > 0)
+    hits = np.flatnonzero(scores > 0)
+    if len(hits) > k:   # keep the top k and everything tied with the k-th, then sort only those
+      kth = np.partition(scores[hits], len(hits) - k)[len(hits) - k]
+      hits = hits[scores[hits] >= kth]
+    order = hits[np.lexsort((hits, -scores[hits]))][:k]
+    return tuple(self.products[i].asin for i in order)

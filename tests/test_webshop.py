@@ -194,6 +194,11 @@ def test_transcript_is_a_passing_oracle_episode(goals):
   messages = transcript(goals[0], WebShopBackend())
   assert [m["role"] for m in messages[:3]] == ["system", "user", "assistant"]
   assert messages[2]["content"].startswith("search[")
+  custom = transcript(goals[0], WebShopBackend(),
+                      lambda g, h: WebShopEpisode(g, h, max_steps=15, system_prompt="Shop."))
+  assert custom[0]["content"] == "Shop." and custom[1:] == messages[1:]
+  # a step limit too short for the plan: no transcript
+  assert transcript(goals[0], WebShopBackend(), lambda g, h: WebShopEpisode(g, h, max_steps=2)) is None
 
 
 # -- generation: determinism, disjoint splits, validation --------------------------------------

@@ -25,9 +25,9 @@ The trainer needs four things, each the WebShop counterpart of a terminal-path p
   one; minus the format penalty), ``passed`` iff r = 1, ``fraction`` = r, ``turns``,
   ``parse_errors``, ``failure`` (None, ``PARSE_ERROR`` or ``NOT_PURCHASED``). The runner's
   ``make_episode(task, handle)`` is ``lambda g, h: WebShopEpisode(g, h, max_steps=...)``.
-* ``oracle_replies(goal)`` lists the oracle's assistant turns; ``transcript(goal, backend)``
-  plays them into a warm-start transcript (messages) as ``warmstart.oracle_messages`` does for
-  terminals. ``tokenizer_texts()`` are the strings every episode repeats (for building a BPE
+* ``oracle_replies(goal)`` lists the oracle's assistant turns; ``transcript(goal, backend,
+  make_episode)`` plays them into a warm-start transcript (messages) as
+  ``warmstart.oracle_messages(task, sandbox, make_episode)`` does for terminals. ``tokenizer_texts()`` are the strings every episode repeats (for building a BPE
   tokenizer, like the trainer's terminal list).
 
 ``python -m jaxes.envs.check --env webshop --generated N --agent oracle|noop|random|first|replay:FILE``
@@ -55,15 +55,25 @@ def make_goals(split: str, n: int, seed: int = 0, start: int = 0, *, data_path: 
                          catalog_seed=catalog_seed, max_steps=max_steps)
 
 
-def transcript(goal: Goal, backend: WebShopBackend, max_steps: int = MAX_STEPS,
-               **episode_kwargs) -> list[dict] | None:
-  """The oracle's episode as chat messages, or None if it has no plan or does not pass."""
+def transcript(goal: Goal, backend: WebShopBackend, make_episode=None,
+               max_steps: int = MAX_STEPS) -> list[dict] | None:
+  """The oracle's episode as chat messages, or None if it has no plan or does not pass (the
+  counterpart of ``warmstart.oracle_messages``). ``make_episode(goal, handle)``: the trainer's
+  episode factory (default ``WebShopEpisode(goal, handle, max_steps=max_steps)``)."""
   replies = oracle_replies(goal, max_steps)
   if replies is None:
     return None
-  outcome, messages = play(backend, goal, agents.scripted(replies), max_steps=max_steps,
-                           **episode_kwargs)
-  return messages if outcome.passed else None
+  handle = backend.start(goal)
+  try:
+    episode = (make_episode(goal, handle) if make_episode is not None
+               else WebShopEpisode(goal, handle, max_steps=max_steps))
+    for reply in replies:
+      if episode.step(reply):
+        break
+    outcome = episode.finish()
+  finally:
+    handle.close()
+  return list(episode.messages) if outcome.passed else None
 
 
 def tokenizer_texts(max_steps: int = MAX_STEPS) -> list[str]:

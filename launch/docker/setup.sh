@@ -4,7 +4,7 @@
 #   DOCKERD_LOG (default /var/log/jaxes-dockerd.log), DOCKERD_WAIT_S (default 60),
 #   JAXES_SANDBOX_IMAGE (default jaxes-sandbox:latest)
 set -uo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../.." || exit 1
 
 log_file="${DOCKERD_LOG:-/var/log/jaxes-dockerd.log}"
 wait_s="${DOCKERD_WAIT_S:-60}"

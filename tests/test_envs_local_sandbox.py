@@ -130,11 +130,21 @@ def test_pytest_style_files_go_to_pytest():
   assert plain("async def test_a():\n  pass\n") is None
 
 
-def test_result_parsing():
-  assert final_tests.parse_pytest("..F\n1 failed, 2 passed in 0.01s\n") == (2, 3)
-  assert final_tests.parse_pytest("E\n1 error in 0.01s\n") == (0, 1)
-  assert final_tests.parse_light("PASSED a\nJAXES_TEST_RESULT 1 2 1\n", 5) == (1, 3)
-  assert final_tests.parse_light("killed\n", 5) == (0, 5)
+def test_verdict_parsing_accepts_only_lines_signed_with_the_run_key():
+  import hashlib
+  import hmac
+  key, other = final_tests.new_key(), final_tests.new_key()
+
+  def line(body, k):
+    return f"{final_tests.RESULT_TAG}{body} {hmac.new(bytes.fromhex(k), body.encode(), hashlib.sha256).hexdigest()}"
+  real = line("1 2 1 ok", key)
+  assert final_tests.parse_verdict(f"PASSED a\n{real}\n", key) == (1, 2, True, "ok")
+  # Forged lines after the real one: unsigned, signed with another key, or a tampered body.
+  forged = [f"{final_tests.RESULT_TAG}3 0 1 ok", line("3 0 1 ok", other),
+            real.replace("1 2 1", "3 0 1")]
+  assert final_tests.parse_verdict("\n".join([real, *forged]), key) == (1, 2, True, "ok")
+  assert final_tests.parse_verdict("\n".join(forged), key) is None
+  assert final_tests.parse_verdict("killed\n", key) is None
 
 
 def test_bad_inputs_are_named(sandbox, tmp_path):

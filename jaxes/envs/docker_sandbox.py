@@ -18,7 +18,6 @@ import io
 import os
 import queue
 import re
-import shlex
 import socket
 import tarfile
 import threading
@@ -28,6 +27,7 @@ import uuid
 import docker
 import requests
 
+from jaxes.envs import final_tests
 from jaxes.envs.image import DEFAULT_TAG, SANDBOX_HOME, SANDBOX_UID, SANDBOX_USER
 from jaxes.envs.sandbox import (ExecResult, OutputCapture, Sandbox, SandboxError, SandboxHandle,
                                 TestReport)
@@ -36,7 +36,7 @@ from jaxes.envs.task import Task
 LABEL = "jaxes.sandbox"
 RUN_LABEL = "jaxes.run"
 OWNER_LABEL = "jaxes.owner"
-TESTS_DIR = "/var/lib/jaxes-tests"   # root-only, so the agent cannot edit the tests
+TESTS_DIR = "/var/lib/jaxes-tests"   # root-only: the verifier's job files
 CTL = "/run/jaxes"                   # the agent shell's saved state (cwd, exported variables)
 MAX_READ_BYTES = 16 << 20            # a command printing more than this is killed
 KILL_EXIT_CODE = 137                 # what `timeout -s KILL` returns when it fires
@@ -132,18 +132,6 @@ def _force_remove(container) -> None:
     pass
 
 
-def parse_pytest_summary(output: str) -> tuple[int, int]:
-  """(passed, total) from pytest's final summary line; total counts passed, failed, errors."""
-  for line in reversed(output.splitlines()):
-    counts = dict((kind, int(n)) for n, kind in re.findall(
-      r"(\d+) (passed|failed|errors?|xpassed|xfailed)\b", line))
-    if counts or "no tests ran" in line:
-      passed = counts.get("passed", 0) + counts.get("xpassed", 0)
-      failed = counts.get("failed", 0) + counts.get("error", 0) + counts.get("errors", 0)
-      return passed, passed + failed + counts.get("xfailed", 0)
-  return 0, 0
-
-
 def _tar_files(files, home: str) -> bytes:
   buffer = io.BytesIO()
   with tarfile.open(fileobj=buffer, mode="w") as tar:
@@ -157,6 +145,19 @@ def _tar_files(files, home: str) -> bytes:
       info.uid = info.gid = SANDBOX_UID if owned else 0
       info.mtime = int(time.time())
       tar.addfile(info, io.BytesIO(data))
+  return buffer.getvalue()
+
+
+def _tar_private(path: str, data: bytes) -> bytes:
+  """A tar of one root-only file in a root-only directory."""
+  buffer = io.BytesIO()
+  with tarfile.open(fileobj=buffer, mode="w") as tar:
+    folder = tarfile.TarInfo(os.path.dirname(path).lstrip("/"))
+    folder.type, folder.mode = tarfile.DIRTYPE, 0o700
+    tar.addfile(folder)
+    info = tarfile.TarInfo(path.lstrip("/"))
+    info.size, info.mode, info.mtime = len(data), 0o600, int(time.time())
+    tar.addfile(info, io.BytesIO(data))
   return buffer.getvalue()
 
 
@@ -423,7 +424,7 @@ class DockerHandle(SandboxHandle):
         f"exited {exit_code}")
       raise SandboxError(f"task {task.name}: setup {what}:\n{output[-2000:]}")
     if self._sandbox.check_initial_state and task.initial_tests:
-      report = self._pytest(task.initial_tests, "test_initial_state.py",
+      report = self._verify(task.initial_tests, "test_initial_state.py",
                             task.limits.test_timeout_s)
       if not report.passed:
         raise SandboxError(f"task {task.name}: initial-state tests failed:\n"
@@ -449,26 +450,40 @@ class DockerHandle(SandboxHandle):
     return ExecResult(exit_code=-1 if (timed_out or flooded) else exit_code, output=output,
                       timed_out=timed_out, output_chars=chars)
 
-  def _pytest(self, source: str, filename: str, timeout_s: float) -> TestReport:
-    path = f"{TESTS_DIR}/{filename}"
+  def _verify(self, source: str, filename: str, timeout_s: float) -> TestReport:
+    """Runs a test file with pytest under ``final_tests.VERIFIER``: started as root, it reads
+    its job (test source, per-run key) from a root-only file, deletes it, drops to the agent's
+    uid and makes itself non-dumpable before any test runs, so the agent's programs that the
+    tests run never run as root, cannot read the tests' expected values, and cannot ptrace
+    the verifier or forge its MAC'd verdict. Agent processes are all killed first."""
+    self._kill_agent_processes()
+    limits = self._task.limits
+    key = final_tests.new_key()
+    job = final_tests.verifier_job(source, key, "pytest", path=f"{TESTS_DIR}/{filename}",
+                                   cwd=SANDBOX_HOME, cpu_s=limits.cpu_s,
+                                   mem_bytes=limits.memory_mb << 20, uid=SANDBOX_UID)
+    job_path = f"{TESTS_DIR}/job-{uuid.uuid4().hex}.json"
     try:
-      self._container.put_archive("/", _tar_files([(path, source.encode())], SANDBOX_HOME))
+      self._container.put_archive("/", _tar_private(job_path, job))
     except _DOCKER_ERRORS as err:
       self._fail(f"copying tests failed: {err}", err)
-    # Root runs the tests from a root-only directory; -I keeps /home/user and PYTHON* variables
-    # off sys.path and -c/--confcutdir keep pytest from reading files the agent planted.
-    script = (f"chmod 700 {TESTS_DIR} && cd {SANDBOX_HOME} && python3 -I -m pytest -q "
-              f"-p no:cacheprovider -c /dev/null --rootdir={TESTS_DIR} "
-              f"--confcutdir={TESTS_DIR} {shlex.quote(path)}")
-    exit_code, output, seconds = self._root_script(script, timeout_s)
+    argv = ["timeout", "-s", "KILL", f"{timeout_s:g}s",
+            "python3", "-I", "-B", "-c", final_tests.VERIFIER, job_path]
+    exit_code, output, _, seconds, _ = self._exec(argv, "root", timeout_s, 200_000)
     timed_out = exit_code == KILL_EXIT_CODE and seconds >= timeout_s
-    num_passed, num_tests = (0, 0) if timed_out else parse_pytest_summary(output)
-    passed = exit_code == 0 and num_tests > 0 and num_passed == num_tests
-    return TestReport(passed=passed, num_passed=num_passed, num_tests=num_tests,
-                      timed_out=timed_out, report=output)
+    verdict = None if timed_out else final_tests.parse_verdict(output, key)
+    if verdict is None:
+      return TestReport(False, 0, final_tests.count_tests(source), timed_out, output)
+    num_passed, num_failed, collected, status = verdict
+    if status != "ok":
+      self._fail(f"the verifier could not run ({status}): {output[-500:]}")
+    num_tests = num_passed + num_failed if collected else final_tests.count_tests(source)
+    passed = collected and num_tests > 0 and num_failed == 0
+    return TestReport(passed=passed, num_passed=num_passed if collected else 0,
+                      num_tests=num_tests, timed_out=False, report=output)
 
   def run_tests(self) -> TestReport:
-    return self._pytest(self._task.final_tests, "test_final_state.py",
+    return self._verify(self._task.final_tests, "test_final_state.py",
                         self._task.limits.test_timeout_s)
 
   def close(self) -> None:

@@ -1,46 +1,153 @@
-"""Running a task's final-test file: a light runner for plain files, pytest for the rest.
+"""Running a task's final-test file so that the agent's code cannot change the verdict.
 
-The light runner imports the test module in one ``python3 -I`` process and calls its
-module-level ``test*`` functions the way pytest would, without pytest's ~300 ms start-up. It is
-used only for files that pytest would run exactly the same way (no pytest import, fixtures,
-decorators or test classes); the others go to real pytest. Both report passed / total counts.
+The verifier is one ``python3 -I -B -c VERIFIER [PAYLOAD_FILE]`` process. It reads a JSON
+payload (the test source, a per-run secret key, the runner to use, limits) from stdin or, when
+started as root, from a root-only file it then deletes; drops to the agent's uid when started
+as root; makes itself non-dumpable (``PR_SET_DUMPABLE`` 0: processes of the same uid can then
+neither ptrace it nor open its ``/proc/PID/{fd,mem,environ}``, with or without Yama); and only
+then runs the tests. The test source and its expected values therefore exist only in that
+process's memory (pytest's copy is deleted as soon as collection ends), never in a file the
+agent's programs can read while the tests run them. The verdict is one line carrying an
+HMAC-SHA256 under the per-run key, so a line printed by anything else (the agent's leftovers
+writing into the runner's stdout) never verifies.
+
+Runners: the light runner imports the module and calls its module-level ``test*`` functions the
+way pytest would, without pytest's ~300 ms start-up, for files pytest would run exactly the same
+way (no pytest import, fixtures, decorators or test classes); the others go to real pytest,
+run in-process with a plugin that counts outcomes.
 """
 from __future__ import annotations
 
 import ast
-import re
+import hashlib
+import hmac
+import json
+import secrets
 
 RESULT_TAG = "JAXES_TEST_RESULT "
+NO_PYTEST = "no-pytest"          # a verifier status besides "ok": an infrastructure fault
 
-# Runs inside the sandbox as ``python3 -I -c LIGHT_RUNNER FILE``; its last line is the result.
-LIGHT_RUNNER = r"""
-import contextlib, io, sys, types
-path = sys.argv[1]
-mod = types.ModuleType("test_final_state")
-mod.__file__ = path
-sys.modules[mod.__name__] = mod
-passed, failed, lines = 0, 0, []
+# Runs inside the sandbox. Whatever goes wrong, its result line is the last thing it prints.
+VERIFIER = r"""
+import contextlib, ctypes, hashlib, hmac, io, json, linecache, os, resource, shutil, sys
+import tempfile, types
+if len(sys.argv) > 1:                       # root-only payload file (docker): read, delete
+  with open(sys.argv[1], encoding="utf-8") as f:
+    job = json.load(f)
+  os.unlink(sys.argv[1])
+else:
+  job = json.loads(sys.stdin.buffer.read().decode("utf-8"))
+null = os.open(os.devnull, os.O_RDWR)
+os.dup2(null, 0)                            # nothing the tests start can read our input
+key = bytes.fromhex(job.pop("key"))
+
+def report(passed, failed, collected, status="ok"):
+  body = "%d %d %d %s" % (passed, failed, collected, status)
+  mac = hmac.new(key, body.encode(), hashlib.sha256).hexdigest()
+  sys.stdout.flush()
+  os.write(1, ("\n" + TAG + body + " " + mac + "\n").encode())
+  os._exit(0)
+
 try:
-  exec(compile(open(path, encoding="utf-8").read(), path, "exec"), mod.__dict__)
-  tests = [(name, obj) for name, obj in list(vars(mod).items())
-           if name.startswith("test") and callable(obj) and not isinstance(obj, type)]
-except BaseException:
-  import traceback
-  tests = None
-  lines.append("ERROR collecting " + path + "\n" + traceback.format_exc(limit=3))
-for name, fn in tests or ():
-  out = io.StringIO()
+  uid = job.get("uid")
+  if uid is not None and os.getuid() == 0:
+    os.setgroups([])
+    os.setgid(uid)
+    os.setuid(uid)
+  libc = ctypes.CDLL(None, use_errno=True)
+  if libc.prctl(4, 0, 0, 0, 0) != 0:        # PR_SET_DUMPABLE 0
+    raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0) failed")
+  for limit, value in ((resource.RLIMIT_CPU, job["cpu_s"]), (resource.RLIMIT_AS, job["mem_bytes"])):
+    resource.setrlimit(limit, (value, value))
+  os.chdir(job["cwd"])
+except BaseException as e:
+  print("verifier set-up failed: %r" % (e,))
+  report(0, 0, 0, "setup-failed")
+source, path = job["source"], job["path"]
+linecache.cache[path] = (len(source), None, source.splitlines(True), path)
+
+if job["runner"] == "light":
+  mod = types.ModuleType("test_final_state")
+  mod.__file__ = path
+  sys.modules[mod.__name__] = mod
+  passed, failed, lines = 0, 0, []
   try:
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-      fn()
-    passed += 1
-    lines.append("PASSED " + name)
-  except BaseException as e:
-    failed += 1
-    lines.append("FAILED " + name + " - " + type(e).__name__ + ": " + str(e)[:2000])
-print("\n".join(lines))
-print("%s%d %d %d" % (TAG, passed, failed, tests is not None))
-""".replace("TAG", repr(RESULT_TAG))
+    exec(compile(source, path, "exec"), mod.__dict__)
+    tests = [(name, obj) for name, obj in list(vars(mod).items())
+             if name.startswith("test") and callable(obj) and not isinstance(obj, type)]
+  except BaseException:
+    import traceback
+    tests = None
+    lines.append("ERROR collecting " + path + "\n" + traceback.format_exc(limit=3))
+  for name, fn in tests or ():
+    out = io.StringIO()
+    try:
+      with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        fn()
+      passed += 1
+      lines.append("PASSED " + name)
+    except BaseException as e:
+      failed += 1
+      lines.append("FAILED " + name + " - " + type(e).__name__ + ": " + str(e)[:2000])
+  print("\n".join(lines))
+  report(passed, failed, tests is not None)
+
+try:
+  import pytest
+except ImportError:
+  print("pytest is not installed for the sandbox's python3 (install python3-pytest)")
+  report(0, 0, 0, NO_PYTEST)
+home = tempfile.mkdtemp(prefix="jaxes-verify-")
+test_path = os.path.join(home, os.path.basename(path))
+with open(test_path, "w", encoding="utf-8") as f:
+  f.write(source)
+outcomes = {}
+
+class Verdict:
+  def pytest_collection_finish(self, session):
+    shutil.rmtree(home, ignore_errors=True)   # before any test (and agent code) runs
+
+  def pytest_runtest_logreport(self, report):
+    if report.failed or (report.when == "call" and hasattr(report, "wasxfail")):
+      outcomes[report.nodeid] = False
+    elif report.when == "call" and report.passed:
+      outcomes.setdefault(report.nodeid, True)
+
+try:
+  code = pytest.main(["-q", "-rA", "-p", "no:cacheprovider", "-c", os.devnull,
+                      "--rootdir=" + home, "--confcutdir=" + home, test_path],
+                     plugins=[Verdict()])
+finally:
+  shutil.rmtree(home, ignore_errors=True)
+good = sum(outcomes.values())
+report(good, len(outcomes) - good, int(code in (0, 1)))
+""".replace("TAG", repr(RESULT_TAG)).replace("NO_PYTEST", repr(NO_PYTEST))
+
+
+def new_key() -> str:
+  return secrets.token_hex(32)
+
+
+def verifier_job(source: str, key: str, runner: str, path: str, cwd: str, cpu_s: int,
+                 mem_bytes: int, uid: int | None = None) -> bytes:
+  """The verifier's JSON payload."""
+  return json.dumps({"source": source, "key": key, "runner": runner, "path": path, "cwd": cwd,
+                     "cpu_s": cpu_s, "mem_bytes": mem_bytes, "uid": uid}).encode()
+
+
+def parse_verdict(output: str, key: str) -> tuple[int, int, bool, str] | None:
+  """(passed, failed, collected, status) from the one result line whose MAC verifies under
+  ``key``; None when there is none (killed, crashed, or only forged lines)."""
+  for line in reversed(output.splitlines()):
+    if not line.startswith(RESULT_TAG):
+      continue
+    body, _, mac = line[len(RESULT_TAG):].rpartition(" ")
+    want = hmac.new(bytes.fromhex(key), body.encode(), hashlib.sha256).hexdigest()
+    if not hmac.compare_digest(mac, want):
+      continue
+    passed, failed, collected, status = body.split()
+    return int(passed), int(failed), collected == "1", status
+  return None
 
 
 def plain_test_names(source: str) -> list[str] | None:
@@ -75,24 +182,3 @@ def count_tests(source: str) -> int:
   except SyntaxError:
     return 0
   return sum(isinstance(n, ast.FunctionDef) and n.name.startswith("test") for n in ast.walk(tree))
-
-
-def parse_light(output: str, expected: int) -> tuple[int, int]:
-  """(passed, total) from the light runner's output; all failed when it never reported."""
-  for line in reversed(output.splitlines()):
-    if line.startswith(RESULT_TAG):
-      passed, failed, collected = map(int, line[len(RESULT_TAG):].split())
-      return (passed, passed + failed) if collected else (0, expected)
-  return 0, expected    # killed (rlimit) or crashed before reporting
-
-
-def parse_pytest(output: str) -> tuple[int, int]:
-  """(passed, total) from pytest's final summary line."""
-  summary = [line for line in output.splitlines()
-             if re.search(r"\b(passed|failed|error|no tests ran)", line)]
-  if not summary:
-    return 0, 0
-  counts = dict((k, int(n)) for n, k in re.findall(r"(\d+) (passed|failed|errors?)", summary[-1]))
-  passed = counts.get("passed", 0)
-  total = passed + counts.get("failed", 0) + counts.get("error", 0) + counts.get("errors", 0)
-  return passed, total

@@ -45,7 +45,7 @@ ISOLATIONS = ("auto", "bwrap", "unshare", "none")
 HOME = "/home/user"
 CTL = "/run/jaxes"              # per-episode shell state (cwd, exported variables), agent-writable
 CMD = "/run/jaxes-in"           # the command to run, read-only to the agent
-TESTS = "/run/jaxes-tests"      # final tests, mounted read-only only while they run
+TESTS = "/run/jaxes-tests"      # the name tracebacks give the final tests (never a real file)
 NOBODY = 65534
 MAX_READ_BYTES = 16 << 20       # a command printing more than this is killed
 SETUP_TIMEOUT_S = 120.0
@@ -88,7 +88,7 @@ def _system_binds() -> tuple[str, ...]:
   return tuple(args)
 
 
-def _bwrap_argv(ep_dir: str, tests_dir: str | None) -> list[str]:
+def _bwrap_argv(ep_dir: str) -> list[str]:
   argv = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", *_system_binds(),
           "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp", "--tmpfs", "/var/tmp",
           "--dir", "/run", "--dir", "/home",
@@ -96,17 +96,13 @@ def _bwrap_argv(ep_dir: str, tests_dir: str | None) -> list[str]:
           "--bind", os.path.join(ep_dir, "ctl"), CTL,
           "--ro-bind", os.path.join(ep_dir, "in"), CMD,
           "--hostname", "sandbox", "--chdir", HOME]
-  if tests_dir:
-    argv += ["--ro-bind", tests_dir, TESTS]
   return argv
 
 
-def _unshare_argv(ep_dir: str, tests_dir: str | None) -> list[str]:
+def _unshare_argv(ep_dir: str) -> list[str]:
   # Mapped root inside a fresh user namespace may mount; the mounts vanish with the namespace.
   mounts = [f"mount --bind {ep_dir}/home {HOME}", f"mount --bind {ep_dir}/ctl {CTL}",
             f"mkdir {CMD} && mount --bind -o ro {ep_dir}/in {CMD}"]
-  if tests_dir:
-    mounts.append(f"mkdir {TESTS} && mount --bind -o ro {tests_dir} {TESTS}")
   script = " && ".join([
       "mount -t tmpfs tmpfs /home", f"mkdir {HOME}",
       "mount -t tmpfs tmpfs /run", f"mkdir {CTL}", *mounts,
@@ -126,7 +122,7 @@ def _probe(isolation: str, uid: int | None) -> bool:
       os.mkdir(os.path.join(root, sub))
       if uid is not None and sub != "in":
         os.chown(os.path.join(root, sub), uid, uid)
-    argv = (_bwrap_argv if isolation == "bwrap" else _unshare_argv)(root, None)
+    argv = (_bwrap_argv if isolation == "bwrap" else _unshare_argv)(root)
     try:
       out = subprocess.run(argv + ["bash", "-c", f"touch {HOME}/ok"], capture_output=True,
                            timeout=20, **_as_user(uid))
@@ -369,24 +365,23 @@ class LocalHandle(SandboxHandle):
     """Without namespaces the sandbox paths do not exist: rewrite them to the episode's."""
     if self._sb.isolation != "none":
       return text
-    return (text.replace(TESTS, os.path.join(self.ep_dir, "tests")).replace(CMD, self.cmd_dir)
-            .replace(CTL, self.ctl).replace(HOME, self.home))
+    return text.replace(CMD, self.cmd_dir).replace(CTL, self.ctl).replace(HOME, self.home)
 
   def _delocalise(self, text: str) -> str:
     if self._sb.isolation != "none":
       return text
     return text.replace(self.home, HOME).replace(self.ctl, CTL).replace(self.cmd_dir, CMD)
 
-  def _argv(self, inner: list[str], tests_dir: str | None = None) -> list[str]:
+  def _argv(self, inner: list[str]) -> list[str]:
     iso = self._sb.isolation
     if iso == "bwrap":
-      return _bwrap_argv(self.ep_dir, tests_dir) + inner
+      return _bwrap_argv(self.ep_dir) + inner
     if iso == "unshare":
-      return _unshare_argv(self.ep_dir, tests_dir) + inner
+      return _unshare_argv(self.ep_dir) + inner
     return inner
 
   def _run(self, command: str, timeout_s: float, argv: list[str] | None = None,
-           tests_dir: str | None = None) -> ExecResult:
+           stdin_data: bytes | None = None) -> ExecResult:
     limits = self.task.limits
     if argv is None:
       with open(os.path.join(self.cmd_dir, "cmd"), "w", encoding="utf-8", errors="replace") as f:
@@ -400,15 +395,18 @@ class LocalHandle(SandboxHandle):
       # One line, so bash reports errors as "bash: x: command not found", without line numbers.
       one_line = "; ".join(line for line in prelude.splitlines() if line.strip())
       argv = ["bash", "--noprofile", "--norc", "-c", one_line]
-    full = self._argv(argv, tests_dir)
+    full = self._argv(argv)
     cwd = self.home if self._sb.isolation == "none" else "/"
     capture = OutputCapture(limits.output_chars)
     try:
-      proc = subprocess.Popen(full, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+      proc = subprocess.Popen(full, stdin=subprocess.DEVNULL if stdin_data is None else subprocess.PIPE,
+                              stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, env=self._env(), cwd=cwd,
                               start_new_session=True, close_fds=True, **_as_user(self._sb.uid))
     except OSError as e:
       raise SandboxError(f"could not start a sandboxed command: {e}") from e
+    if stdin_data is not None:   # from a thread: a payload larger than the pipe must not block us
+      threading.Thread(target=_feed, args=(proc.stdin, stdin_data), daemon=True).start()
     timed_out, flooded = _pump(proc, capture, timeout_s)
     raw = capture.text()
     output = self._delocalise(raw)
@@ -430,37 +428,36 @@ class LocalHandle(SandboxHandle):
       raise SandboxError(f"running the final tests failed: {e}") from e
 
   def _run_tests(self) -> TestReport:
+    """Runs the verifier (``final_tests.VERIFIER``) as the sandbox uid in a fresh namespace: no
+    agent process is left by then (each command's pid namespace died with it), the test
+    source reaches the verifier only through its stdin, and the verdict counts only when its
+    MAC verifies."""
+    if not os.path.isdir(self.home):
+      raise FileNotFoundError(f"{self.home} vanished")
     source = self.task.final_tests
     names = final_tests.plain_test_names(source)
-    tests_dir = os.path.join(self.ep_dir, "tests")
-    if os.path.exists(tests_dir):
-      _rmtree(tests_dir)
-    os.mkdir(tests_dir, 0o755)   # owned by us, read-only to the sandbox
-    test_file = os.path.join(tests_dir, "test_final_state.py")
-    with open(test_file, "w", encoding="utf-8") as f:
-      f.write(self._localise(source))
-    os.chmod(test_file, 0o644)
-    target = self._localise(f"{TESTS}/test_final_state.py")
-    light = names is not None and not self._sb.use_pytest
-    if light:
-      inner = ["python3", "-I", "-c", final_tests.LIGHT_RUNNER, target]
-    else:
-      inner = ["python3", "-I", "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider",
-               f"--rootdir={os.path.dirname(target)}", target]
+    runner = "light" if names is not None and not self._sb.use_pytest else "pytest"
     limits = self.task.limits
-    wrapped = ["bash", "--noprofile", "--norc", "-c",
-               f"cd {self._localise(HOME)} && ulimit -t {limits.cpu_s} "
-               f"-v {limits.memory_mb * 1024} 2>/dev/null; exec \"$@\"", "run-tests", *inner]
-    res = self._run("", limits.test_timeout_s, argv=wrapped, tests_dir=tests_dir)
+    key = final_tests.new_key()
+    job = final_tests.verifier_job(
+        self._localise(source), key, runner, path=f"{TESTS}/test_final_state.py",
+        cwd=self._localise(HOME), cpu_s=limits.cpu_s, mem_bytes=limits.memory_mb << 20)
+    argv = ["python3", "-I", "-B", "-c", final_tests.VERIFIER]
+    res = self._run("", limits.test_timeout_s, argv=argv, stdin_data=job)
     expected = len(names) if names is not None else final_tests.count_tests(source)
-    if res.timed_out:
-      return TestReport(False, 0, expected, True, res.output)
-    if light:
-      num_passed, num_tests = final_tests.parse_light(res.output, expected)
-    else:
-      num_passed, num_tests = final_tests.parse_pytest(res.output)
-    passed = res.exit_code == 0 and num_tests > 0 and num_passed == num_tests
-    return TestReport(passed, num_passed, num_tests, False, res.output)
+    verdict = None if res.timed_out else final_tests.parse_verdict(res.output, key)
+    if verdict is None:
+      return TestReport(False, 0, expected, res.timed_out, res.output)
+    num_passed, num_failed, collected, status = verdict
+    if status == final_tests.NO_PYTEST:
+      raise SandboxError(f"final tests need pytest, which the sandbox's python3 lacks "
+                         "(apt-get install python3-pytest)")
+    if status != "ok":
+      raise SandboxError(f"the verifier could not start ({status}): {res.output[-500:]}")
+    if not collected:
+      return TestReport(False, 0, expected, False, res.output)
+    num_tests = num_passed + num_failed
+    return TestReport(num_tests > 0 and num_failed == 0, num_passed, num_tests, False, res.output)
 
   def close(self) -> None:
     if self._closed:
@@ -518,6 +515,14 @@ def _pump(proc: subprocess.Popen, capture: OutputCapture, timeout_s: float) -> t
     _kill_group(proc)
     proc.wait()
   return timed_out, flooded
+
+
+def _feed(pipe, data: bytes) -> None:
+  try:
+    with pipe:
+      pipe.write(data)
+  except OSError:   # the command died before reading it all
+    pass
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

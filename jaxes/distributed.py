@@ -126,6 +126,15 @@ def detect(env: Mapping[str, str] | None = None) -> Launch:
 _launch: Launch | None = None
 
 
+def _timeout_s(given: int | None, name: str, default: int) -> int:
+  if given is not None:
+    return given
+  value = os.environ.get(name, str(default))
+  if not value.isdigit() or int(value) < 1:
+    raise LaunchError(f"{name}={value!r}: expected a whole number of seconds >= 1")
+  return int(value)
+
+
 def initialize(heartbeat_timeout_s: int | None = None,
                shutdown_timeout_s: int | None = None) -> Launch:
   """Join the multi-process run the environment describes, or do nothing for a single process.
@@ -141,15 +150,11 @@ def initialize(heartbeat_timeout_s: int | None = None,
   if not launch.multi_process:
     _launch = launch
     return launch
-  heartbeat = heartbeat_timeout_s or int(os.environ.get("JAXES_HEARTBEAT_TIMEOUT_S",
-                                                        DEFAULT_HEARTBEAT_TIMEOUT_S))
-  shutdown = shutdown_timeout_s or int(os.environ.get("JAXES_SHUTDOWN_TIMEOUT_S",
-                                                      DEFAULT_SHUTDOWN_TIMEOUT_S))
-  # Cross-process collectives between CPU devices need a transport; gloo ships with jaxlib. The
-  # option only concerns the CPU client, so it is harmless on GPU and TPU.
-  jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  kwargs: dict[str, Any] = dict(heartbeat_timeout_seconds=heartbeat,
-                                shutdown_timeout_seconds=shutdown)
+  kwargs: dict[str, Any] = dict(
+    heartbeat_timeout_seconds=_timeout_s(heartbeat_timeout_s, "JAXES_HEARTBEAT_TIMEOUT_S",
+                                         DEFAULT_HEARTBEAT_TIMEOUT_S),
+    shutdown_timeout_seconds=_timeout_s(shutdown_timeout_s, "JAXES_SHUTDOWN_TIMEOUT_S",
+                                        DEFAULT_SHUTDOWN_TIMEOUT_S))
   if launch.local_device_ids is not None:
     kwargs["local_device_ids"] = list(launch.local_device_ids)
   if launch.source == "env":
@@ -157,7 +162,11 @@ def initialize(heartbeat_timeout_s: int | None = None,
     # would otherwise restrict each process to the single GPU numbered SLURM_LOCALID).
     kwargs.update(coordinator_address=launch.coordinator, num_processes=launch.num_processes,
                   process_id=launch.process_id, cluster_detection_method="deactivate")
-  jax.distributed.initialize(**kwargs)
+  if not jax.distributed.is_initialized():   # else the caller already joined
+    # Cross-process collectives between CPU devices need a transport; gloo ships with jaxlib.
+    # The option only concerns the CPU client, so it is harmless on GPU and TPU.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(**kwargs)
   sys.excepthook = _exit_at_once_on_error
   _launch = launch
   return launch

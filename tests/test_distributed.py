@@ -43,7 +43,7 @@ if mode == "check":
   psum = jax.jit(jax.shard_map(lambda a: jax.lax.psum(a, "data"), mesh=mesh,
                                in_specs=P("data"), out_specs=P()))
   result["psum"] = np.asarray(psum(x).addressable_data(0)).tolist()
-  result["gathered"] = distributed.allgather_host({"process": me, "text": "ab" * (200 * me)})
+  result["gathered"] = distributed.allgather_host({"process": me, "text": "ab" * (60 * me)})
   again = distributed.allgather_host(("tick", me, [1.5] * me))
   result["gathered_again"] = again
   result["tuples_kept"] = [type(g).__name__ for g in again]
@@ -86,7 +86,7 @@ def test_two_processes_build_one_mesh_psum_and_exchange(worker, tmp_path):
   for me, r in enumerate(results):
     assert r["source"] == "env" and r["count"] == 2 and r["primary"] == (me == 0)
     assert r["psum"] == [36.0]                                 # 1 + ... + 8 across both processes
-    assert r["gathered"] == [{"process": 0, "text": ""}, {"process": 1, "text": "ab" * 200}]
+    assert r["gathered"] == [{"process": 0, "text": ""}, {"process": 1, "text": "ab" * 60}]
     assert r["gathered_again"] == [["tick", 0, []], ["tick", 1, [1.5]]]
     assert r["tuples_kept"] == ["tuple", "tuple"]                # pickled, not JSON-mangled
     layouts = r["layouts"]
@@ -260,3 +260,12 @@ def test_layout_rule():
   assert not follows([(1,), (0,)])                      # out of process order
   assert not follows([(0, 1), (0, 1)])                  # both shards straddle both processes
   assert not follows([(0, 1), (1, 2)])                  # process 1 holds parts of two shards
+
+
+def test_bad_timeout_variable_stops_before_joining():
+  code = "from jaxes import distributed; distributed.initialize()"
+  proc = subprocess.run([sys.executable, "-c", code],
+                        env=_env(JAXES_DISTRIBUTED="auto", JAXES_HEARTBEAT_TIMEOUT_S="soon"),
+                        capture_output=True, text=True, timeout=60)
+  assert proc.returncode == 1
+  assert "LaunchError: JAXES_HEARTBEAT_TIMEOUT_S='soon': expected a whole number" in proc.stderr

@@ -106,7 +106,8 @@ def test_slurm_submission_plan_for_async1_on_two_h100_nodes():
 def test_slurm_job_step_takes_the_coordinator_from_the_first_node(tmp_path):
   # A stand-in for SLURM's scontrol (not the thing under test): expands this one node list.
   fake = tmp_path / "scontrol"
-  fake.write_text('#!/bin/sh\n[ "$*" = "show hostnames gpu[07-08]" ] && printf "gpu07\\ngpu08\\n"\n')
+  fake.write_text('#!/bin/sh\n'
+                  '[ "$*" = "show hostnames gpu[07-08]" ] && printf "gpu07\\ngpu08\\n"\n')
   fake.chmod(0o755)
   job = _env(SLURM_JOB_ID="4242", SLURM_JOB_NUM_NODES="2", SLURM_JOB_NODELIST="gpu[07-08]",
              PATH=f"{tmp_path}:{os.environ['PATH']}")

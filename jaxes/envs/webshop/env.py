@@ -60,7 +60,6 @@ class WebShopSession:
     self.goal = goal
     self.catalog = goal.catalog
     self.page = SEARCH
-    self.query = ""
     self.results: tuple[str, ...] = ()
     self.page_no = 1
     self.asin: str | None = None
@@ -135,17 +134,18 @@ class WebShopSession:
                              f"click[{BACK_TO_SEARCH}] first.")
       if not action.arg:
         return self._invalid(f"{INVALID} The search query is empty.")
-      self.query = action.arg.lower()
-      self.results = self.catalog.search(self.query)
+      self.results = self.catalog.search(action.arg.lower())
       self.page, self.page_no = RESULTS, 1
       return StepResult(self.observation(), False, True)
+    if self.page == SEARCH:
+      return self._invalid(f"{INVALID} The search page has nothing to click; search with search[QUERY].")
     target = self.clickables().get(action.arg.lower())
     if target is None:
       return self._invalid(f"{INVALID} There is no [{action.arg}] to click on this page.")
     kind, *args = target
     prefix = ""
     if kind == "back":
-      self.page, self.query, self.results, self.asin, self.options = SEARCH, "", (), None, {}
+      self.page, self.results, self.asin, self.options = SEARCH, (), None, {}
     elif kind == "page":
       self.page_no = args[0]
     elif kind == "item":
@@ -159,7 +159,7 @@ class WebShopSession:
       self.page, self.detail = DETAIL, args[0]
     elif kind == "item_back":
       self.page = ITEM
-    if kind == "buy":
+    else:  # buy
       self.purchase = reward.score(self._product(), self.goal, dict(self.options))
       self.page = DONE
       return StepResult(self.observation(), True, True)

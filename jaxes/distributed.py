@@ -208,17 +208,33 @@ def _bucket(n: int) -> int:
   return max(256, 1 << (n - 1).bit_length())
 
 
+# The payload room of the exchange: the same on every process, since each updates it from the
+# same gathered lengths; it only grows, so a steady run pays one gather per exchange.
+_room = _bucket(1)
+
+
+def _gather_padded(payload: bytes, room: int) -> np.ndarray:
+  buffer = np.zeros(8 + room, np.uint8)
+  buffer[:8] = np.frombuffer(np.int64(len(payload)).tobytes(), np.uint8)
+  if len(payload) <= room:
+    buffer[8:8 + len(payload)] = np.frombuffer(payload, np.uint8)
+  return multihost_utils.process_allgather(buffer)
+
+
 def allgather_host(obj: Any) -> list[Any]:
   """Every process's ``obj`` (small, picklable), as a list ordered by process index; the same
-  list on every process. Two ``process_allgather`` calls: the lengths, then the padded bytes."""
+  list on every process. One ``process_allgather`` of a length header plus the payload padded to
+  a shared room; a second, with a larger room, only when some payload does not fit."""
+  global _room
   payload = pickle.dumps(obj, protocol=5)
   if jax.process_count() == 1:
     return [pickle.loads(payload)]   # a copy, as in the multi-process case
-  lengths = multihost_utils.process_allgather(np.asarray(len(payload), np.int64))
-  buffer = np.zeros(_bucket(int(lengths.max())), np.uint8)
-  buffer[:len(payload)] = np.frombuffer(payload, np.uint8)
-  gathered = multihost_utils.process_allgather(buffer)
-  return [pickle.loads(gathered[i, :int(n)].tobytes()) for i, n in enumerate(lengths)]
+  gathered = _gather_padded(payload, _room)
+  lengths = gathered[:, :8].copy().view(np.int64)[:, 0]
+  if lengths.max() > _room:
+    _room = _bucket(int(lengths.max()))
+    gathered = _gather_padded(payload, _room)
+  return [pickle.loads(gathered[i, 8:8 + int(n)].tobytes()) for i, n in enumerate(lengths)]
 
 
 def barrier(name: str) -> None:

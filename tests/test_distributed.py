@@ -43,7 +43,8 @@ if mode == "check":
   psum = jax.jit(jax.shard_map(lambda a: jax.lax.psum(a, "data"), mesh=mesh,
                                in_specs=P("data"), out_specs=P()))
   result["psum"] = np.asarray(psum(x).addressable_data(0)).tolist()
-  result["gathered"] = distributed.allgather_host({"process": me, "text": "ab" * (60 * me)})
+  # Process 1's payload outgrows the exchange's initial room: the second-round path.
+  result["gathered"] = distributed.allgather_host({"process": me, "text": "ab" * (200 * me)})
   again = distributed.allgather_host(("tick", me, [1.5] * me))
   result["gathered_again"] = again
   result["tuples_kept"] = [type(g).__name__ for g in again]
@@ -86,7 +87,7 @@ def test_two_processes_build_one_mesh_psum_and_exchange(worker, tmp_path):
   for me, r in enumerate(results):
     assert r["source"] == "env" and r["count"] == 2 and r["primary"] == (me == 0)
     assert r["psum"] == [36.0]                                 # 1 + ... + 8 across both processes
-    assert r["gathered"] == [{"process": 0, "text": ""}, {"process": 1, "text": "ab" * 60}]
+    assert r["gathered"] == [{"process": 0, "text": ""}, {"process": 1, "text": "ab" * 200}]
     assert r["gathered_again"] == [["tick", 0, []], ["tick", 1, [1.5]]]
     assert r["tuples_kept"] == ["tuple", "tuple"]                # pickled, not JSON-mangled
     layouts = r["layouts"]

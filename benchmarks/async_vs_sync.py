@@ -6,7 +6,7 @@
 1. Sweep: duration models x K in {0, 1, 2, 4, 8} x overage {drop, wait}, W = 64 workers,
    N = 32, E = 2; updates/hour (virtual), busy and useful utilisation, drops, mean staleness.
    K = 0 is synchronous ES.
-2. Target check (DESIGN.md): lognormal(1.0), W = 64, N = 32, E = 2, several seeds: async K = 1
+2. Target check (docs/design.md, "Performance targets"): lognormal(1.0), W = 64, N = 32, E = 2, several seeds: async K = 1
    busy >= 95% and >= 2.5x the updates/hour of sync.
 3. Learning curves of the synthetic objective (through jaxes.es) under sync, Async-1, 10% of
    each cohort delayed 4 or 8 updates, and every result stale by 4.

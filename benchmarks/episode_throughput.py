@@ -5,15 +5,14 @@ sandboxes, timing every engine call by kind.
       [--updates 3 --eval_tasks 32 --sandbox_steps K]
 
 Uses the demo's policy (``--init_from``: a workdir whose version-0 parameters and tokenizer to
-load) and reports wall time, engine calls (prefill-carrying / decode-only) with their mean cost,
-episodes/s and tokens. Compare two code versions by running this file against each with
+load) and reports wall time, engine calls (prefill-carrying / decode-only) with the seconds of the
+engine steps of each kind (``EpisodeRunner.stats``), episodes/s and tokens. Compare two code versions by running this file against each with
 ``PYTHONPATH`` side by side, so both see the same machine load; or the cost of the deterministic
 schedule by running ``--sandbox_steps 0`` and ``--sandbox_steps 3`` side by side.
 """
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import shutil
 import tempfile
@@ -38,35 +37,24 @@ def main():
   if a.sandbox_steps is not None:
     c.rollout.sandbox_steps = a.sandbox_steps
 
-  from jaxes.rollout import engine as engine_lib
   from jaxes.train.trainer import Trainer
-  calls = collections.defaultdict(lambda: [0, 0.0])
-  original = engine_lib.Engine._call
-
-  def timed(self, params, version, rows, tokens, *args):
-    t = time.perf_counter()
-    out = original(self, params, version, rows, tokens, *args)  # returns host tokens: synced
-    kind = "decode" if tokens.shape[1] == 1 else "prefill"
-    calls[kind][0] += 1
-    calls[kind][1] += time.perf_counter() - t
-    return out
-
-  engine_lib.Engine._call = timed
   workdir = tempfile.mkdtemp(prefix="jaxes-episode-throughput-")
   try:
     t = time.perf_counter()
     trainer = Trainer(c, workdir, log=lambda s: None)
     summary = trainer.run()
     wall = time.perf_counter() - t
-    stats = trainer.runner.engine.stats
+    stats = trainer.runner.stats()
   finally:
     shutil.rmtree(workdir, ignore_errors=True)
   episodes = 2 * a.eval_tasks + a.updates * c.es.population * c.controller.episodes_per_member
+  steps = {"prefill": (stats["prefill_calls"], stats["prefill_step_s"]),
+           "decode": (stats["decode_calls"], stats["decode_s"] - stats["prefill_step_s"])}
   result = {"sandbox_steps": c.rollout.sandbox_steps, "wall_s": wall, "episodes": episodes,
             "episodes_per_s": episodes / wall,
-            "tokens_decoded": stats.tokens_decoded, "tokens_prefilled": stats.tokens_prefilled,
-            "calls": {k: {"count": n, "mean_ms": 1000 * s / max(n, 1), "total_s": s}
-                      for k, (n, s) in calls.items()},
+            "tokens_decoded": stats["tokens_decoded"], "tokens_prefilled": stats["tokens_prefilled"],
+            "engine_steps": stats["steps"],
+            "calls": {k: {"count": n, "total_s": s} for k, (n, s) in steps.items()},
             "heldout_before": summary["before"]["success"], "heldout_after": summary["after"]["success"]}
   print(json.dumps(result, indent=1))
 

@@ -22,7 +22,6 @@ whether ES can move the decision when it is measured on many tasks at once.
 from __future__ import annotations
 
 import argparse
-import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -32,26 +31,21 @@ from jaxes import es
 from jaxes.envs import make_sandbox
 from jaxes.models import qwen2
 from jaxes.rollout import chat
-from jaxes.train import warmstart
+from jaxes.train import builders, warmstart
 from jaxes.train.config import load_config_file
-from jaxes.train.trainer import Trainer, make_tasks
+from jaxes.train.policy import load_policy
 
 
 def load(config_path: str, init_from: str, num_tasks: int):
   c = load_config_file(config_path)
-  c.warmstart.init_from = init_from
-  trainer = Trainer(c, tempfile.mkdtemp(prefix="format_lever_"), log=lambda s: None)
-  trainer.train_tasks = make_tasks(c, "train", c.env.num_train_tasks, start=c.warmstart.num_tasks)
-  trainer.tok = trainer._tokenizer([])
-  _, graphdef, params = trainer._model()
-  params = trainer._params_from(init_from, params)
+  policy = load_policy(init_from, version=0)
   sandbox = make_sandbox("local")
   try:
-    transcripts = warmstart.oracle_transcripts(make_tasks(c, "heldout", num_tasks), sandbox,
-                                               trainer._episode, c.env.sandbox_workers)
+    transcripts = warmstart.oracle_transcripts(builders.make_tasks(c, "heldout", num_tasks), sandbox,
+                                               builders.episode_factory(c), c.env.sandbox_workers)
   finally:
     sandbox.shutdown()
-  return c, trainer.tok, graphdef, params, transcripts
+  return c, policy.tokenizer, policy.graphdef, policy.params, transcripts
 
 
 def make_stats(tok, graphdef, transcripts):

@@ -2,7 +2,6 @@
 no sandbox left behind (also after an exception inside the loop)."""
 import json
 import os
-import pathlib
 import random
 import shutil
 import signal
@@ -15,26 +14,16 @@ import jax
 import numpy as np
 import pytest
 
-from jaxes import tokenization
-from jaxes.envs import generator
+from helpers_train import ROOT, build_tiny_tokenizer, tiny_config, write_config_file
 from jaxes.envs import local_sandbox
 from jaxes.envs.local_sandbox import LocalSandbox
 from jaxes.train import metrics
-from jaxes.train.config import load_config_file
-from jaxes.train.trainer import Trainer, pair_ties
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-FAMILIES = "permissions,log_count"
-SYSTEM = "Answer with <command>CMD</command>, then <action>done</action>."
-
+from jaxes.train.metrics import pair_ties
+from jaxes.train.trainer import Trainer
 
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory):
-  out = str(tmp_path_factory.mktemp("tok"))
-  tasks = [generator.generate(f, s, 1) for f in FAMILIES.split(",") for s in range(4)]
-  texts = 16 * [SYSTEM] + [t.instruction for t in tasks] + [t.solution for t in tasks]
-  tokenization.build_tokenizer(texts, 400, out)
-  return out
+  return build_tiny_tokenizer(str(tmp_path_factory.mktemp("tok")))
 
 
 @pytest.fixture
@@ -44,31 +33,6 @@ def sandbox_root():
   os.chmod(root, 0o711)
   yield os.path.join(root, "sandboxes")
   shutil.rmtree(root, ignore_errors=True)
-
-
-def tiny_config(tokenizer_dir, **overrides):
-  c = load_config_file(ROOT / "configs" / "demo.py")
-  c.tokenizer.path = tokenizer_dir
-  c.model.vocab_size = 400
-  c.model.hidden_size, c.model.intermediate_size, c.model.num_layers = 32, 64, 1
-  c.model.num_heads, c.model.num_kv_heads = 2, 1
-  c.es.population, c.es.sigma, c.es.learning_rate = 4, 0.005, 0.01
-  c.controller.episodes_per_member = 1
-  c.env.families, c.env.difficulty, c.env.max_turns = FAMILIES, 1, 2
-  c.env.system_prompt = SYSTEM
-  c.env.num_train_tasks, c.env.num_heldout_tasks, c.env.sandbox_workers = 8, 4, 2
-  c.rollout.num_slots, c.rollout.max_len, c.rollout.prefill_chunk = 4, 192, 64
-  c.rollout.max_new_tokens = 24
-  c.train.num_updates, c.train.eval_every, c.train.checkpoint_every = 2, 0, 1
-  c.train.progress_bar = False
-  c.eval.num_tasks, c.eval.seeds = 2, 1
-  c.warmstart.steps, c.warmstart.num_tasks, c.warmstart.batch_size = 0, 8, 4
-  c.warmstart.seq_len = 160
-  c.warmstart.off_protocol_fraction = 0.0   # warm starts here must follow the protocol
-  for key, value in overrides.items():
-    section, name = key.split(".")
-    c[section][name] = value
-  return c
 
 
 def _params_equal(a, b):
@@ -137,9 +101,7 @@ def test_sigkill_at_random_moments_then_rerun_equals_uninterrupted(tokenizer_dir
           "train.num_updates": 8, "train.plot": False}
   config = tiny_config(tokenizer_dir, **base)
   whole = Trainer(config, str(tmp_path / "a"), log=lambda s: None).run()
-  config_file = tmp_path / "sigkill_config.py"
-  config_file.write_text("import json\nfrom ml_collections import config_dict\n\n\n"
-                         f"def get_config():\n  return config_dict.ConfigDict(json.loads({config.to_json()!r}))\n")
+  config_file = write_config_file(config, tmp_path / "sigkill_config.py")
   workdir = tmp_path / "b"
   cmd = [sys.executable, "-m", "jaxes.train", f"--config={config_file}", f"--workdir={workdir}"]
   rng, killed = random.Random(0), []
@@ -182,7 +144,7 @@ def test_exception_inside_loop_leaves_no_sandbox(tokenizer_dir, tmp_path, sandbo
 
 
 def test_paired_change_uses_per_task_differences():
-  from jaxes.train.trainer import format_table, paired_change
+  from jaxes.train.evaluation import format_table, paired_change
   before = {"version": 0, "success": 0.5, "stderr": 0.29, "reward": 0.5, "episodes": 4,
             "per_task": [1.0, 0.0, 1.0, 0.0]}
   after = {**before, "version": 3, "success": 0.75, "per_task": [1.0, 1.0, 1.0, 0.0]}

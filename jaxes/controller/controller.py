@@ -2,7 +2,7 @@
 
 Pure Python, no JAX, no clock: every decision is a function of the config, the seed and the
 order in which results are reported, so hosts that report the same results in the same order
-take the same decisions (see DESIGN.md, "Scaling out").
+take the same decisions (see docs/design.md, "Scaling out").
 
 Life of a member (version v, member m): admitted in an antithetic pair at the current version
 (only while the staleness budget allows, see ``staleness.py``); its E episode jobs are handed

@@ -80,7 +80,8 @@ class EpisodeRunner:
     self._reserved: set[int] = set()
     self._handles: set = set()
     self.wait_s = 0.0            # main-thread time spent waiting for sandbox workers
-    self.decode_s = 0.0          # main-thread time spent in engine steps
+    self.decode_s = 0.0          # main-thread time spent in engine steps, of which
+    self.prefill_step_s = 0.0    # ... steps that carried prompt or observation tokens
 
   # -- worker functions (sandbox threads) -------------------------------------------------------
   def _start(self, live: _Live):
@@ -119,6 +120,13 @@ class EpisodeRunner:
 
   def live_versions(self) -> set[int]:
     return self.engine.live_versions() | {live.spec.version for _, live, _ in self._futures.values()}
+
+  def stats(self) -> dict[str, float]:
+    """Cumulative counters: the runner's (engine-step seconds ``decode_s``, of which
+    ``prefill_step_s`` in steps that carried prefill tokens, ``wait_s``, ``steps``) and the
+    engine's (``EngineStats`` fields). Callers take differences of two snapshots for a window."""
+    return {"decode_s": self.decode_s, "prefill_step_s": self.prefill_step_s, "wait_s": self.wait_s,
+            "steps": self.steps, **dataclasses.asdict(self.engine.stats)}
 
   def idle(self) -> bool:
     return not self._futures and not self.engine.busy() and not self._reserved
@@ -197,10 +205,13 @@ class EpisodeRunner:
         results.append(self._result(live, error=f"{SANDBOX_ERROR}: {type(error).__name__}: {error}")
                        if error is not None else self._result(live, fut.result()))
     if self.engine.busy():
-      t = time.perf_counter()
+      t, prefills = time.perf_counter(), self.engine.stats.prefill_calls
       turns = self.engine.step(params_by_version)
       self.steps += 1
-      self.decode_s += time.perf_counter() - t
+      dt = time.perf_counter() - t
+      self.decode_s += dt
+      if self.engine.stats.prefill_calls > prefills:
+        self.prefill_step_s += dt
       for turn in turns:
         live = turn.tag
         ids = turn.tokens[:-1] if turn.stopped else turn.tokens

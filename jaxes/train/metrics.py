@@ -5,8 +5,13 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
+from collections import Counter
 
 import numpy as np
+from tqdm import tqdm
+
+from jaxes.es import keys
 
 
 def read_metrics(path: str) -> list[dict]:
@@ -46,7 +51,7 @@ class MetricsWriter:
     self._file = open(self.path, "a")
     self._tb = None
     if tensorboard:
-      from tensorboardX import SummaryWriter
+      from tensorboardX import SummaryWriter   # heavy (protobuf): only when writing
       self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"), purge_step=resume_version + 1)
 
   def write(self, record: dict) -> None:
@@ -67,7 +72,7 @@ class MetricsWriter:
 
 def plot(records: list[dict], path: str, title: str = "") -> None:
   """Top: training success (per update) and held-out success ± s.e. Bottom: staleness."""
-  import matplotlib
+  import matplotlib   # heavy: only when plotting
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
@@ -106,3 +111,89 @@ def mean_stderr(values) -> tuple[float, float]:
     return float("nan"), float("nan")
   se = float(v.std(ddof=1) / math.sqrt(v.size)) if v.size > 1 else 0.0
   return float(v.mean()), se
+
+
+def _finite(x):
+  return x if isinstance(x, (int, float)) and math.isfinite(x) else None
+
+
+def pair_ties(results) -> dict:
+  """Antithetic pairs of a cohort with both members' fitness, and how many of them tie: a tied
+  pair adds nothing to the update (with greedy decoding, most do when σ is small)."""
+  by_pair: dict[tuple[int, int], list[float]] = {}
+  for version, member, fitness in results:
+    by_pair.setdefault((version, keys.pair_id(member, True)), []).append(fitness)
+  complete = [f for f in by_pair.values() if len(f) == 2]
+  return {"complete": len(complete), "tied": sum(a == b for a, b in complete)}
+
+
+class UpdateWindow:
+  """The training episodes and runner work between two updates, summed as they arrive; the
+  runner's counters are read as differences of two snapshots (``EpisodeRunner.stats``)."""
+
+  def __init__(self, runner_stats: dict[str, float]):
+    self.start_stats, self.t = dict(runner_stats), time.perf_counter()
+    self.episodes = self.passed = self.turns = self.truncated = 0
+    self.reward = self.env_worker_s = self.update_s = 0.0
+    self.failures: Counter = Counter()
+
+  def add(self, result) -> None:
+    """A finished training episode (``EpisodeResult``); infrastructure failures count only as
+    failures."""
+    self.failures[result.failure or "none"] += 1
+    if result.reward is None:
+      return
+    self.episodes += 1
+    self.passed += int(result.passed)
+    self.reward += result.reward
+    self.turns += result.turns
+    self.truncated += int(result.truncated)
+    self.env_worker_s += result.env_s
+
+  def record(self, update, results, es_metrics: dict, runner_stats: dict[str, float],
+             antithetic: bool) -> dict:
+    """The update's metrics line."""
+    wall = time.perf_counter() - self.t
+    d = {k: runner_stats[k] - self.start_stats.get(k, 0) for k in runner_stats}
+    n = max(self.episodes, 1)
+    return {
+        "version": es_metrics["version"],
+        "staleness_hist": es_metrics["staleness_hist"],
+        "staleness_mean": es_metrics["staleness_mean"],
+        "staleness_max": es_metrics["staleness_max"],
+        "dropped": update.dropped, "excluded": update.excluded, "delayed": int(sum(update.delayed)),
+        "num_results": len(results),
+        "train": {"success": self.passed / n, "reward": self.reward / n, "episodes": self.episodes,
+                  "turns_per_episode": self.turns / n, "truncated": self.truncated,
+                  "failures": dict(self.failures)},
+        "fitness": {k: _finite(es_metrics[f"fitness_{k}"]) for k in ("mean", "std", "min", "max")},
+        "pairs": pair_ties(results) if antithetic else None,
+        "sigma": es_metrics["sigma"], "update_norm": es_metrics["update_norm"],
+        "zero_step": es_metrics["zero_step"],
+        "episodes_per_s": self.episodes / wall if wall > 0 else 0.0,
+        "slot_utilisation": d["rows_busy"] / d["rows_total"] if d.get("rows_total") else 0.0,
+        "tokens_per_s": d["tokens_decoded"] / wall if wall > 0 else 0.0,
+        "time": {"generate_s": d["decode_s"], "env_wait_s": d["wait_s"],
+                 "env_worker_s": self.env_worker_s, "update_s": self.update_s, "wall_s": wall},
+    }
+
+
+class ProgressBar:
+  """A tqdm bar over ES updates showing training success, staleness and episodes/s (a no-op when
+  disabled)."""
+
+  def __init__(self, total: int, initial: int, enabled: bool = True):
+    self._bar = None
+    if enabled:
+      self._bar = tqdm(total=total, initial=initial, desc="ES updates", unit="upd")
+
+  def update(self, record: dict) -> None:
+    if self._bar is None:
+      return
+    self._bar.update(1)
+    self._bar.set_postfix(success=f"{record['train']['success']:.2f}",
+                          stale=f"{record['staleness_mean']:.2f}", eps=f"{record['episodes_per_s']:.1f}/s")
+
+  def close(self) -> None:
+    if self._bar is not None:
+      self._bar.close()

@@ -1,0 +1,217 @@
+"""The parts of a training run, one builder each, from the config alone (plus what a part needs).
+
+Nothing here decides between a fresh start and a resume (that is ``jaxes.train.state``), and
+nothing here loops (that is the trainer): a second loop (GRPO) or a multi-process loop reuses
+these builders as they are.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Any, Callable
+
+import jax
+from flax import nnx
+from ml_collections import config_dict
+
+from jaxes import es, sharding, tokenization
+from jaxes.controller import ControllerConfig
+from jaxes.envs import generator, protocol
+from jaxes.models import hf, qwen2
+from jaxes.rollout.engine import Engine
+from jaxes.rollout.episodes import EpisodeRunner
+from jaxes.train.errors import ConfigError
+
+# Text every episode repeats, weighted up when a BPE tokenizer is built so its merges compress it.
+_REPEATED_TEXTS = (protocol.PARSE_ERROR_OBSERVATION, "<action>done</action>",
+                   "Command executed successfully. Output: \n\n(exit_code=0)",
+                   "Command failed. Output: \n\n(exit_code=1)")
+
+
+# -- tasks and episodes ---------------------------------------------------------------------------
+def task_families(config) -> list[str]:
+  return [f.strip() for f in config.env.families.split(",") if f.strip()] or list(generator.FAMILIES)
+
+
+def make_tasks(config, split: str, n: int, start: int = 0) -> list:
+  """Generated tasks ``start .. start + n - 1`` of a split: task i is family i mod F of the
+  configured families at ``env.difficulty``, or cycling through 1..3 when it is 0."""
+  families = task_families(config)
+  tasks = []
+  for i in range(start, start + n):
+    difficulty = config.env.difficulty or generator.DIFFICULTIES[(i // len(families)) % 3]
+    task = generator.generate(families[i % len(families)], generator.split_seed(split, i, config.seed),
+                              difficulty)
+    tasks.append(dataclasses.replace(
+        task, limits=dataclasses.replace(task.limits, max_turns=config.env.max_turns)))
+  return tasks
+
+
+def training_tasks(config) -> list:
+  """The tasks ES trains on: the training split after the warm start's own tasks, so ES learns
+  on tasks the warm-started policy was never taught."""
+  return make_tasks(config, "train", config.env.num_train_tasks, start=config.warmstart.num_tasks)
+
+
+def heldout_tasks(config) -> list:
+  return make_tasks(config, "heldout", config.env.num_heldout_tasks)
+
+
+def warmstart_tasks(config) -> list:
+  return make_tasks(config, "train", max(config.warmstart.num_tasks, 1))
+
+
+def system_prompt(config) -> str:
+  return config.env.system_prompt or protocol.SYSTEM_PROMPT
+
+
+def episode_factory(config) -> Callable[[Any, Any], protocol.Episode]:
+  """``make_episode(task, handle)``: the agent protocol with the config's reward settings."""
+  def make_episode(task, handle):
+    return protocol.Episode(task, handle, partial_credit=config.env.partial_credit,
+                            parse_error_penalty=config.env.parse_error_penalty,
+                            system_prompt=system_prompt(config))
+  return make_episode
+
+
+# -- tokenizer ------------------------------------------------------------------------------------
+def tokenizer_dir(config, workdir: str) -> str | None:
+  """The directory the run's tokenizer loads from, or None when it has to be built (a fresh run
+  of a randomly initialised model without a tokenizer of its own)."""
+  c = config
+  if c.tokenizer.path or c.model.path:
+    return c.tokenizer.path or c.model.path
+  if c.warmstart.init_from:
+    return os.path.join(c.warmstart.init_from, "tokenizer")
+  own = os.path.join(workdir, "tokenizer")
+  return own if os.path.isdir(own) and os.listdir(own) else None
+
+
+def build_tokenizer(config, workdir: str, transcripts: list[list[dict]], log=print):
+  """A small byte-level BPE tokenizer (saved to ``workdir/tokenizer``) from the system prompt,
+  the protocol's fixed texts, the training instructions and the warm start's transcripts."""
+  texts = 64 * [system_prompt(config), *_REPEATED_TEXTS]
+  texts += [t.instruction for t in training_tasks(config)]
+  for messages in transcripts:
+    texts += [m["content"] for m in messages[1:]]
+  log(f"building a {config.tokenizer.vocab_size}-token BPE tokenizer from {len(texts)} texts")
+  return tokenization.build_tokenizer(texts, config.tokenizer.vocab_size, os.path.join(workdir, "tokenizer"))
+
+
+def load_tokenizer(path: str):
+  return tokenization.load_tokenizer(path)
+
+
+def stop_ids(tokenizer) -> tuple[list[int], int]:
+  """(ids that end a turn, the ``<|im_end|>`` id)."""
+  im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+  stop = [i for i in (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|endoftext|>"))
+          if isinstance(i, int) and i >= 0]
+  return stop, im_end
+
+
+# -- model ----------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Model:
+  """A model's configuration, graph and parameter shapes (nothing allocated)."""
+  config: qwen2.Qwen2Config
+  graphdef: nnx.GraphDef
+  abstract_params: nnx.State
+
+
+def model_config(config, vocab_size: int) -> qwen2.Qwen2Config:
+  """The Qwen2 configuration: from ``model.path``'s config.json, or the preset with the config's
+  size overrides (0 = the preset's) and ``vocab_size`` tokens."""
+  c = config.model
+  if c.path:
+    stored = hf.read_config(c.path)
+    return qwen2.Qwen2Config.from_hf_dict(stored, param_dtype=c.param_dtype, dtype=c.dtype)
+  overrides = {k: c[k] for k in ("hidden_size", "intermediate_size", "num_layers", "num_heads",
+                                 "num_kv_heads") if c[k]}
+  return qwen2.Qwen2Config.preset(
+      c.preset, vocab_size=vocab_size, dtype=c.dtype, param_dtype=c.param_dtype,
+      max_position_embeddings=max(config.rollout.max_len, config.warmstart.seq_len), **overrides)
+
+
+def build_model(config, tokenizer_size: int) -> Model:
+  vocab = config.model.vocab_size or tokenizer_size
+  if not config.model.path and vocab < tokenizer_size:
+    raise ConfigError(f"config.model.vocab_size: {vocab} < the tokenizer's {tokenizer_size} tokens")
+  cfg = model_config(config, vocab)
+  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: qwen2.Qwen2ForCausalLM(cfg, rngs=nnx.Rngs(0))),
+                                 nnx.Param)
+  return Model(cfg, graphdef, abstract)
+
+
+def mesh_shape(config, num_devices: int) -> tuple[int, int, int]:
+  """(data, fsdp, tensor) with a -1 axis filled from ``num_devices``."""
+  sizes = [config.mesh.data, config.mesh.fsdp, config.mesh.tensor]
+  known = math.prod(s for s in sizes if s != -1)
+  if -1 in sizes:
+    if num_devices % known:
+      raise ConfigError(f"config.mesh: {num_devices} devices are not divisible by {known}")
+    sizes[sizes.index(-1)] = num_devices // known
+  if math.prod(sizes) > num_devices:
+    raise ConfigError(f"config.mesh: data x fsdp x tensor = {math.prod(sizes)} exceeds the "
+                      f"{num_devices} available devices")
+  return tuple(sizes)
+
+
+def build_mesh(config):
+  devices = jax.devices()
+  shape = mesh_shape(config, len(devices))
+  return sharding.make_mesh(*shape, devices=devices[:math.prod(shape)])
+
+
+def initial_params(config, model: Model):
+  """Weights before any training: ``model.path``'s checkpoint (placed in its shardings on the
+  config's mesh), or a random initialisation from the seed."""
+  if config.model.path:
+    _, _, params = hf.load(config.model.path, mesh=build_mesh(config),
+                           param_dtype=config.model.param_dtype, dtype=config.model.dtype)
+    return params
+  _, params = nnx.split(qwen2.Qwen2ForCausalLM(model.config, rngs=nnx.Rngs(config.seed)), nnx.Param)
+  return params
+
+
+# -- ES and the controller ------------------------------------------------------------------------
+def build_strategy(config) -> es.Strategy:
+  e = config.es
+  scheduled = e.sigma_schedule != "constant"
+  return es.Strategy(population=e.population, sigma=e.sigma, learning_rate=e.learning_rate,
+                     mode=e.mode, rank=e.rank, antithetic=e.antithetic, shaping=e.shaping,
+                     sigma_schedule=e.sigma_schedule,
+                     sigma_final=e.sigma_final if scheduled else None,
+                     schedule_steps=config.train.num_updates if scheduled else None,
+                     optimizer=e.optimizer, weight_decay=e.weight_decay,
+                     perturb_vectors=e.perturb_vectors,
+                     frozen=[p.strip() for p in e.frozen.split(",") if p.strip()])
+
+
+def controller_config(config) -> ControllerConfig:
+  return ControllerConfig.from_config(config.controller, population=config.es.population,
+                                      seed=config.seed, antithetic=config.es.antithetic)
+
+
+# -- rollout --------------------------------------------------------------------------------------
+def build_engine(config, model: Model, tokenizer, strategy: es.Strategy, run_key: jax.Array) -> Engine:
+  """The rollout engine; each slot's policy is its member's perturbation under ``run_key``."""
+  def make_noiser(params, versions, members, row_group):
+    return strategy.member_noiser(params, versions, members, row_group, run_key=run_key)
+
+  stop, im_end = stop_ids(tokenizer)
+  r = config.rollout
+  return Engine(model.graphdef, model.config, num_slots=r.num_slots, max_len=r.max_len,
+                prefill_chunk=r.prefill_chunk, max_new_tokens=r.max_new_tokens, stop_ids=stop,
+                im_end_id=im_end, make_noiser=make_noiser, seed=config.seed)
+
+
+def build_runner(config, engine: Engine, tokenizer, sandbox) -> EpisodeRunner:
+  return EpisodeRunner(engine, tokenizer, sandbox, make_episode=episode_factory(config),
+                       workers=config.env.sandbox_workers, sandbox_steps=config.rollout.sandbox_steps)
+
+
+def config_dict_of(config: config_dict.ConfigDict) -> dict:
+  """The config as plain JSON-able values (what checkpoints and run directories record)."""
+  return config.to_dict()

@@ -1,0 +1,84 @@
+"""Held-out evaluation of the unperturbed policy, and how two evaluations compare.
+
+An evaluation runs ``eval.num_tasks x eval.seeds`` episodes of the current version through the
+same runner as training; training episodes already in flight keep running meanwhile and their
+results go to ``on_training_result``. Success is reported per task (mean over seeds), so two
+evaluations of the same tasks compare by their paired per-task differences.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import Counter
+from typing import Callable
+
+import numpy as np
+
+from jaxes.rollout.episodes import EpisodeResult, EpisodeRunner, EpisodeSpec
+from jaxes.train import metrics
+
+EVAL_STREAM_BASE = 1 << 30     # sampling streams of evaluation episodes (training: see trainer)
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalEpisode:
+  """The key of an evaluation episode: repetition ``seed`` of held-out task ``task``."""
+  seed: int
+  task: int
+
+
+def evaluate(runner: EpisodeRunner, params_by_version: dict, version: int, tasks: list, *,
+             seeds: int, temperature: float, top_p: float,
+             on_training_result: Callable[[EpisodeResult], None], log=print) -> dict:
+  """Success of ``params_by_version[version]`` unperturbed on ``tasks`` x ``seeds`` episodes."""
+  todo = [EpisodeSpec(EvalEpisode(s, i), task, version, -1, EVAL_STREAM_BASE + s * len(tasks) + i,
+                      temperature, top_p)
+          for s in range(seeds) for i, task in enumerate(tasks)]
+  todo.reverse()
+  passed = np.zeros((seeds, len(tasks)))
+  rewards = np.zeros((seeds, len(tasks)))
+  remaining, t, failures = len(todo), time.perf_counter(), Counter()
+  while remaining:
+    for _ in runner.free_slots()[:len(todo)]:
+      runner.submit(todo.pop())
+    for r in runner.poll(params_by_version, block=True):
+      if not isinstance(r.spec.key, EvalEpisode):
+        on_training_result(r)
+        continue
+      s, i = r.spec.key.seed, r.spec.key.task
+      passed[s, i], rewards[s, i] = float(r.passed), r.reward or 0.0
+      failures[r.failure or ("passed" if r.passed else "wrong")] += 1
+      remaining -= 1
+  per_task = passed.mean(axis=0)  # s.e. over held-out tasks of the per-task success rate
+  success, stderr = metrics.mean_stderr(per_task) if len(tasks) else (float("nan"), float("nan"))
+  result = {"version": version, "success": success, "stderr": stderr,
+            "reward": float(rewards.mean()) if rewards.size else float("nan"),
+            "episodes": int(passed.size), "seconds": time.perf_counter() - t,
+            "failures": dict(failures), "per_task": per_task.tolist()}
+  log(f"held-out eval at version {version}: success {success:.3f} ± {stderr:.3f} "
+      f"({passed.size} episodes, {result['seconds']:.0f}s)")
+  return result
+
+
+def paired_change(before: dict | None, after: dict | None) -> dict | None:
+  """Held-out success after minus before on the same tasks, with the standard error of the
+  per-task differences (much tighter than comparing two independent ± s.e.)."""
+  if not before or not after or len(before.get("per_task", [])) != len(after.get("per_task", [])):
+    return None
+  diff, stderr = metrics.mean_stderr(np.subtract(after["per_task"], before["per_task"]))
+  return {"success": diff, "stderr": stderr, "tasks": len(after["per_task"])}
+
+
+def format_table(before: dict, after: dict) -> str:
+  rows = [("policy version", f"{before['version']}", f"{after['version']}"),
+          ("held-out success", f"{before['success']:.3f} ± {before['stderr']:.3f}",
+           f"{after['success']:.3f} ± {after['stderr']:.3f}"),
+          ("held-out mean reward", f"{before['reward']:.3f}", f"{after['reward']:.3f}"),
+          ("episodes", f"{before['episodes']}", f"{after['episodes']}")]
+  change = paired_change(before, after)
+  if change is not None:
+    rows.append(("change (paired s.e.)", "", f"{change['success']:+.3f} ± {change['stderr']:.3f}"))
+  width = max(len(r[0]) for r in rows)
+  lines = [f"{'':{width}}  {'before ES':>16}  {'after ES':>16}"]
+  lines += [f"{a:{width}}  {b:>16}  {c:>16}" for a, b, c in rows]
+  return "\n".join(lines)

@@ -1,0 +1,158 @@
+"""The run state, and the one function that creates it: fresh start, resume and ``init_from``.
+
+``RunState`` is everything a run carries from one update to the next: the ES state, the
+parameters of every version still in use (jobs of older versions may be in flight), the
+controller, the evaluation history and timings. A checkpoint stores exactly that:
+
+  items  ``es``          the ES state (params, optimizer state, run key, version)
+         ``old/<v>``     parameters of each older version still live
+  host   ``controller``, ``evals``, ``timings``, ``old_versions`` and ``config`` (the run's config,
+         so a rerun with a changed config is told which key differs)
+
+``initial_state`` restores the newest checkpoint when the run directory has one. A checkpoint
+that does not match the config stops the run before any compute, naming the leaf and the config
+key that differs; one that is corrupt is skipped with a warning; if none can be restored the run
+stops rather than start over (``--restart`` or a new workdir starts fresh).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from typing import Any
+
+import jax
+
+from jaxes import es
+from jaxes.controller import Controller
+from jaxes.train import builders, checkpoint, warmstart
+from jaxes.train.policy import load_policy
+
+
+class RunStateError(RuntimeError):
+  """The run directory cannot be continued with this config (one line, says what to do)."""
+
+
+@dataclasses.dataclass
+class RunState:
+  es: es.ESState
+  params_by_version: dict[int, Any]   # every version still needed, the current one included
+  controller: Controller
+  evals: list[dict]
+  timings: dict[str, float]
+  restored_from: int | None = None    # the checkpoint step this run resumed from
+
+  @property
+  def version(self) -> int:
+    return int(self.es.version)
+
+  def advance(self, new_es: es.ESState, keep: set[int]) -> None:
+    """The state after an update: ``new_es`` current, only the versions in ``keep`` retained."""
+    self.es = new_es
+    self.params_by_version[self.version] = new_es.params
+    for v in [v for v in self.params_by_version if v not in keep | {self.version}]:
+      del self.params_by_version[v]
+
+
+@dataclasses.dataclass(frozen=True)
+class Parts:
+  """What a run is made of besides its state (built once per process by ``builders``)."""
+  tokenizer: Any
+  model: builders.Model
+  strategy: es.Strategy
+  train_tasks: list
+  heldout_tasks: list
+
+
+# -- checkpoints ----------------------------------------------------------------------------------
+def save(ckpt: checkpoint.Checkpointer, state: RunState, config) -> None:
+  old = sorted(v for v in state.params_by_version if v != state.version)
+  items = {"es": state.es, **{f"old/{v}": state.params_by_version[v] for v in old}}
+  host = {"controller": state.controller.state_dict(), "evals": state.evals,
+          "timings": state.timings, "old_versions": old, "config": config_values(config)}
+  ckpt.save(state.version, items, host)
+
+
+def config_values(config) -> dict:
+  return json.loads(config.to_json_best_effort())
+
+
+def abstract_es_state(parts: Parts) -> es.ESState:
+  """The ES state's shapes and dtypes (nothing allocated): the target of a restore."""
+  return jax.eval_shape(lambda p: parts.strategy.init(p, jax.random.key(0)), parts.model.abstract_params)
+
+
+def _restore(ckpt: checkpoint.Checkpointer, parts: Parts, config) -> RunState:
+  abstract = abstract_es_state(parts)
+
+  def target(host):
+    return {"es": abstract, **{f"old/{v}": abstract.params for v in host["old_versions"]}}
+
+  try:
+    step, items, host = ckpt.restore(target)
+  except checkpoint.CheckpointMismatch as e:
+    stored = ckpt.restore_host(e.step).get("config", {})
+    raise RunStateError(f"{e}; {config_difference(stored, config_values(config))}: revert it, or "
+                        f"start fresh with --restart or a new --workdir") from None
+  except checkpoint.NoRestorableCheckpoint as e:
+    raise RunStateError(str(e)) from None
+  es_state = dataclasses.replace(items["es"], version=int(items["es"].version))
+  params = {int(k.split("/", 1)[1]): v for k, v in items.items() if k.startswith("old/")}
+  params[int(es_state.version)] = es_state.params
+  return RunState(es_state, params, Controller.from_state_dict(host["controller"]), host["evals"],
+                  host.get("timings", {}), restored_from=step)
+
+
+def config_difference(stored: dict, current: dict) -> str:
+  """``config.model.intermediate_size was 384 there, is 512 here`` for every key that differs."""
+  def flat(d, prefix="config"):
+    out = {}
+    for k, v in d.items():
+      out.update(flat(v, f"{prefix}.{k}") if isinstance(v, dict) else {f"{prefix}.{k}": v})
+    return out
+  a, b = flat(stored), flat(current)
+  diffs = [f"{k} was {a.get(k)!r} there, is {b.get(k)!r} here" for k in sorted(set(a) | set(b))
+           if a.get(k) != b.get(k)]
+  return "; ".join(diffs) if diffs else "no config key differs (the checkpoint comes from other code)"
+
+
+# -- the initial state ----------------------------------------------------------------------------
+def initial_state(config, workdir: str, parts: Parts, ckpt: checkpoint.Checkpointer,
+                  transcripts: list[list[dict]], log=print) -> RunState:
+  """The newest checkpoint's state, or a fresh one: version-0 parameters from the warm start on
+  ``transcripts``, from ``warmstart.init_from``'s version 0, from ``model.path`` or random."""
+  if ckpt.steps():
+    state = _restore(ckpt, parts, config)
+    log(f"resumed from checkpoint at version {state.restored_from}")
+    return state
+  timings = {}
+  if config.warmstart.init_from:
+    params = load_policy(config.warmstart.init_from, version=0).params
+    log(f"initial parameters from {config.warmstart.init_from} (version 0)")
+  else:
+    params = builders.initial_params(config, parts.model)
+    if config.warmstart.steps:
+      t = time.perf_counter()
+      tokens, mask = warmstart.encode(parts.tokenizer, transcripts, config.warmstart.seq_len)
+      w = config.warmstart
+      params, _ = warmstart.train(parts.model.graphdef, params, tokens, mask, steps=w.steps,
+                                  batch_size=w.batch_size, learning_rate=w.learning_rate,
+                                  seed=config.seed, log=log)
+      timings["warmstart_s"] = time.perf_counter() - t
+  es_state = parts.strategy.init(params, jax.random.key(config.seed))
+  controller = Controller(builders.controller_config(config), num_tasks=len(parts.train_tasks))
+  return RunState(es_state, {0: es_state.params}, controller, [], timings)
+
+
+def needs_transcripts(config, workdir: str, resuming: bool) -> bool:
+  """Oracle transcripts are made only for a warm start that will run or a tokenizer to build."""
+  warm = bool(config.warmstart.steps) and not resuming and not config.warmstart.init_from
+  return warm or builders.tokenizer_dir(config, workdir) is None
+
+
+def build_parts(config, workdir: str, transcripts: list[list[dict]], log=print) -> Parts:
+  path = builders.tokenizer_dir(config, workdir)
+  tokenizer = (builders.load_tokenizer(path) if path is not None
+               else builders.build_tokenizer(config, workdir, transcripts, log))
+  return Parts(tokenizer, builders.build_model(config, len(tokenizer)), builders.build_strategy(config), builders.training_tasks(config),
+               builders.heldout_tasks(config))

@@ -1,0 +1,50 @@
+"""A tiny training config, its tokenizer and a config file for `python -m jaxes.train`."""
+import pathlib
+
+from jaxes import tokenization
+from jaxes.envs import generator
+from jaxes.train.config import load_config_file
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+FAMILIES = "permissions,log_count"
+SYSTEM = "Answer with <command>CMD</command>, then <action>done</action>."
+
+
+def build_tiny_tokenizer(out: str) -> str:
+  tasks = [generator.generate(f, s, 1) for f in FAMILIES.split(",") for s in range(4)]
+  texts = 16 * [SYSTEM] + [t.instruction for t in tasks] + [t.solution for t in tasks]
+  tokenization.build_tokenizer(texts, 400, out)
+  return out
+
+
+def tiny_config(tokenizer_dir, **overrides):
+  c = load_config_file(ROOT / "configs" / "demo.py")
+  c.tokenizer.path = tokenizer_dir
+  c.model.vocab_size = 400
+  c.model.hidden_size, c.model.intermediate_size, c.model.num_layers = 32, 64, 1
+  c.model.num_heads, c.model.num_kv_heads = 2, 1
+  c.es.population, c.es.sigma, c.es.learning_rate = 4, 0.005, 0.01
+  c.controller.episodes_per_member = 1
+  c.env.families, c.env.difficulty, c.env.max_turns = FAMILIES, 1, 2
+  c.env.system_prompt = SYSTEM
+  c.env.num_train_tasks, c.env.num_heldout_tasks, c.env.sandbox_workers = 8, 4, 2
+  c.rollout.num_slots, c.rollout.max_len, c.rollout.prefill_chunk = 4, 192, 64
+  c.rollout.max_new_tokens = 24
+  c.train.num_updates, c.train.eval_every, c.train.checkpoint_every = 2, 0, 1
+  c.train.progress_bar = False
+  c.eval.num_tasks, c.eval.seeds = 2, 1
+  c.warmstart.steps, c.warmstart.num_tasks, c.warmstart.batch_size = 0, 8, 4
+  c.warmstart.seq_len = 160
+  c.warmstart.off_protocol_fraction = 0.0   # warm starts here must follow the protocol
+  for key, value in overrides.items():
+    section, name = key.split(".")
+    c[section][name] = value
+  return c
+
+
+def write_config_file(config, path) -> str:
+  """A config file whose get_config() returns ``config`` (for the command-line entry point)."""
+  pathlib.Path(path).write_text(
+      "import json\nfrom ml_collections import config_dict\n\n\n"
+      f"def get_config():\n  return config_dict.ConfigDict(json.loads({config.to_json()!r}))\n")
+  return str(path)

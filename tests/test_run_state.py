@@ -1,0 +1,166 @@
+"""Run state through the trainer: a rerun with a changed config stops before any compute and
+touches nothing, a corrupt newest checkpoint is skipped with a warning, a run never silently
+starts over, --restart sets a run aside, load_policy and the Hugging Face export round-trip."""
+import hashlib
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers_train import ROOT, build_tiny_tokenizer, tiny_config, write_config_file
+from jaxes.models import qwen2
+from jaxes.train import export, metrics
+from jaxes.train.policy import PolicyLoadError, load_policy
+from jaxes.train.state import RunStateError
+from jaxes.train.trainer import Trainer
+
+QUIET = dict(log=lambda s: None)
+BASE = {"controller.mode": "sync", "controller.max_staleness": 0, "eval.num_tasks": 0,
+        "env.partial_credit": True, "rollout.temperature": 0.4,
+        "rollout.common_random_numbers": False, "train.plot": False}
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+  return build_tiny_tokenizer(str(tmp_path_factory.mktemp("tok")))
+
+
+@pytest.fixture(scope="module")
+def finished_run(tokenizer_dir, tmp_path_factory):
+  """A 2-update run (checkpoints at versions 0, 1, 2), never modified by the tests."""
+  workdir = tmp_path_factory.mktemp("runs") / "done"
+  config = tiny_config(tokenizer_dir, **BASE)
+  summary = Trainer(config, str(workdir), **QUIET).run()
+  return workdir, config, summary
+
+
+def _tree_digest(root) -> str:
+  digest = hashlib.sha256()
+  for path in sorted(pathlib.Path(root).rglob("*")):
+    digest.update(str(path.relative_to(root)).encode())
+    if path.is_file():
+      digest.update(path.read_bytes())
+  return digest.hexdigest()
+
+
+def _copy_run(src, dst):
+  subprocess.run(["cp", "-a", str(src), str(dst)], check=True)
+  return dst
+
+
+def _params_equal(a, b):
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def _train(config_file, workdir, *extra):
+  cmd = [sys.executable, "-m", "jaxes.train", f"--config={config_file}", f"--workdir={workdir}", *extra]
+  return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+def test_rerun_with_changed_config_is_one_line_and_touches_nothing(finished_run, tmp_path):
+  src, config, _ = finished_run
+  workdir = _copy_run(src, tmp_path / "run")
+  before = _tree_digest(workdir)
+  changed = tiny_config(config.tokenizer.path, **{**BASE, "model.intermediate_size": 96})
+  done = _train(write_config_file(changed, tmp_path / "changed.py"), workdir)
+  assert done.returncode == 2, done.stderr[-2000:]
+  message = done.stderr.strip().splitlines()
+  assert len(message) == 1, done.stderr
+  assert "config.model.intermediate_size was 64 there, is 96 here" in message[0]
+  assert "mlp" in message[0] and "[1, 32, 64]" in message[0] and "[1, 32, 96]" in message[0]
+  assert "--restart" in message[0]
+  assert _tree_digest(workdir / "checkpoints") == _tree_digest(src / "checkpoints")
+  # The reverted config resumes: nothing was moved, and the run is already done.
+  again = Trainer(config, str(workdir), **QUIET).run()
+  assert again["version"] == 2 and again["updates_this_run"] == 0
+  assert before.split() and _tree_digest(workdir / "checkpoints") == _tree_digest(src / "checkpoints")
+
+
+def _array_files(step_dir):
+  files = [p for p in pathlib.Path(step_dir).rglob("*") if p.is_file() and p.stat().st_size > 256
+           and "meta" not in str(p.relative_to(step_dir)).split(os.sep)[0]]
+  assert files, f"no array files under {step_dir}"
+  return files
+
+
+def _flip(path, offset=128, count=64):
+  data = bytearray(path.read_bytes())
+  for i in range(offset, min(offset + count, len(data))):
+    data[i] ^= 0xFF
+  path.write_bytes(bytes(data))
+
+
+def test_corrupt_newest_checkpoint_warns_falls_back_and_resumes_exactly(finished_run, tmp_path):
+  src, config, whole = finished_run
+  workdir = _copy_run(src, tmp_path / "run")
+  files = _array_files(workdir / "checkpoints" / "2")
+  for f in files:
+    _flip(f)
+  with pytest.warns(RuntimeWarning, match="checkpoint step 2 .* corrupt"):
+    resumed = Trainer(config, str(workdir), **QUIET).run()
+  assert resumed["version"] == 2 and resumed["updates_this_run"] == 1
+  _params_equal(resumed["params"], whole["params"])
+  versions = [r["version"] for r in metrics.read_metrics(str(workdir / "metrics.jsonl")) if "train" in r]
+  assert versions == [1, 2]
+
+
+def test_no_restorable_checkpoint_stops_instead_of_starting_over(finished_run, tmp_path):
+  src, config, _ = finished_run
+  workdir = _copy_run(src, tmp_path / "run")
+  for step in (0, 1, 2):
+    for f in _array_files(workdir / "checkpoints" / str(step)):
+      _flip(f)
+  lines_before = (workdir / "metrics.jsonl").read_text()
+  with pytest.warns(RuntimeWarning), pytest.raises(RunStateError, match="--restart"):
+    Trainer(config, str(workdir), **QUIET).run()
+  assert (workdir / "metrics.jsonl").read_text() == lines_before
+  done = _train(write_config_file(config, tmp_path / "c.py"), workdir)
+  assert done.returncode == 2 and "--restart" in done.stderr.strip().splitlines()[-1]
+  restarted = _train(write_config_file(config, tmp_path / "c.py"), workdir, "--restart")
+  assert restarted.returncode == 0, restarted.stderr[-2000:]
+  aside = [p for p in workdir.iterdir() if p.name.startswith("restarted-")]
+  assert len(aside) == 1 and (aside[0] / "checkpoints" / "2").is_dir()
+  assert [r["version"] for r in metrics.read_metrics(str(workdir / "metrics.jsonl")) if "train" in r] == [1, 2]
+
+
+def test_load_policy_round_trip_and_clear_errors(finished_run, tmp_path):
+  src, config, whole = finished_run
+  policy = load_policy(str(src))
+  assert policy.version == 2 and policy.model_config.intermediate_size == 64
+  _params_equal(policy.params, whole["params"])
+  assert policy.config.model.intermediate_size == 64
+  first = load_policy(str(src), version=0)
+  assert first.version == 0
+  with pytest.raises(PolicyLoadError, match="checkpointed versions: \\[0, 1, 2\\]"):
+    load_policy(str(src), version=7)
+  with pytest.raises(PolicyLoadError, match="not a run directory"):
+    load_policy(str(tmp_path))
+
+
+def test_export_loads_in_transformers_with_the_same_logits(finished_run, tmp_path):
+  torch = pytest.importorskip("torch")
+  import transformers
+  src, _, _ = finished_run
+  out = tmp_path / "hf"
+  assert export.export(str(src), str(out)) == 2
+  policy = load_policy(str(src))
+  hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(out), torch_dtype=torch.float32)
+  tok = transformers.AutoTokenizer.from_pretrained(str(out))
+  ids = tok("ls -la | grep log", add_special_tokens=False)["input_ids"]
+  assert ids == policy.tokenizer.encode("ls -la | grep log", add_special_tokens=False)
+  with torch.no_grad():
+    want = hf_model(torch.tensor([ids])).logits[0].numpy()
+  tokens = jnp.asarray([ids], jnp.int32)
+  positions = jnp.arange(len(ids))[None]
+  got, _ = qwen2.forward(policy.graphdef, policy.params, tokens, positions, jnp.ones_like(tokens, bool))
+  np.testing.assert_allclose(np.asarray(got[0]), want, atol=1e-4, rtol=1e-4)
+  check = subprocess.run([sys.executable, "-m", "jaxes.models.check_logits", "--hf_dir", str(out)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert check.returncode == 0, check.stdout[-2000:] + check.stderr[-2000:]

@@ -1,5 +1,7 @@
 """Task-folder loaders (Endless Terminals, Terminal-Bench / Harbor): no container engine needed."""
 import json
+import os
+import stat
 import subprocess
 import textwrap
 
@@ -286,3 +288,61 @@ def test_image_reads_the_mirror_from_apt_sources(tmp_path):
   os_release = tmp_path / "os-release"
   os_release.write_text('NAME="Debian GNU/Linux"\nVERSION_CODENAME=bookworm\n')
   assert image.host_suite(str(os_release)) == "bookworm"
+
+
+# -- hostile task folders: nothing outside the folder is ever read ------------------------------
+
+def test_symlinks_out_of_the_task_folder_are_refused_naming_the_entry(tmp_path):
+  secret = tmp_path / "host" / "shadow"
+  secret.parent.mkdir()
+  secret.write_text("root:$6$hash\n")
+  et = endless_terminals_folder(tmp_path / "et")
+  (et / "data" / "app.log").unlink()
+  (et / "data" / "app.log").symlink_to(secret)            # %files data/app.log -> host file
+  with pytest.raises(TaskLoadError, match=r"data/app.log leads outside the task folder"):
+    load_task(str(et))
+  tb = terminal_bench_folder(tmp_path / "tb")                # COPY inputs/ with a dir symlink
+  (tb / "inputs" / "sub" / "rootdir").symlink_to(secret.parent, target_is_directory=True)
+  with pytest.raises(TaskLoadError, match=r"inputs/sub/rootdir leads outside the task folder"):
+    load_task(str(tb))
+  meta = endless_terminals_folder(tmp_path / "meta")
+  (meta / "test_final_state.py").unlink()
+  (meta / "test_final_state.py").symlink_to(secret)
+  with pytest.raises(TaskLoadError, match=r"test_final_state.py leads outside"):
+    load_task(str(meta))
+
+
+def test_symlinks_inside_the_folder_are_followed_and_loops_refused(tmp_path):
+  tb = terminal_bench_folder(tmp_path / "tb")
+  (tb / "inputs" / "alias.txt").symlink_to("x.txt")
+  assert dict(load_task(str(tb)).files)["/app/inputs/alias.txt"] == b"x\n"
+  (tb / "inputs" / "sub" / "up").symlink_to("..", target_is_directory=True)
+  with pytest.raises(TaskLoadError, match="symlink loop"):
+    load_task(str(tb))
+
+
+def test_fifos_and_devices_are_refused(tmp_path):
+  tb = terminal_bench_folder(tmp_path / "tb")
+  os.mkfifo(tb / "inputs" / "pipe")                          # reading it would block forever
+  with pytest.raises(TaskLoadError, match="inputs/pipe is a FIFO, not a regular file"):
+    load_task(str(tb))
+  if os.geteuid() == 0:
+    (tb / "inputs" / "pipe").unlink()
+    os.mknod(tb / "inputs" / "zero", 0o600 | stat.S_IFCHR, os.makedev(1, 5))   # /dev/zero
+    with pytest.raises(TaskLoadError, match="inputs/zero is a character device"):
+      load_task(str(tb))
+
+
+def test_bytes_a_task_copies_in_are_capped(tmp_path):
+  tb = terminal_bench_folder(tmp_path / "tb", **{"inputs/big.bin": "z" * 5000})
+  with pytest.raises(TaskLoadError, match=r"big.bin \(5000 bytes\) would take the task past "
+                                          r"its 4096-byte cap"):
+    load_task(str(tb), max_bytes=4096)
+  assert len(load_task(str(tb), max_bytes=loaders.MAX_TASK_BYTES).files) == 4
+
+
+def test_non_utf8_task_json_names_the_file(tmp_path):
+  folder = endless_terminals_folder(tmp_path)
+  (folder / "task.json").write_bytes(b'{"description": "caf\xe9"}')
+  with pytest.raises(TaskLoadError, match=r"task.json: not UTF-8 text \(byte 20"):
+    load_task(str(folder))

@@ -30,6 +30,7 @@ import logging
 import os
 import re
 import shlex
+import stat
 import sys
 import tomllib
 
@@ -205,38 +206,100 @@ def _check_stdlib_only(source: str, path: str) -> None:
                             "image does not have (tests must use the stdlib and pytest only)")
 
 
-def _read(path: str) -> str:
-  with open(path, encoding="utf-8") as f:
-    return f.read()
+MAX_TASK_BYTES = 64 << 20   # what one task may copy into a sandbox (files, tests, recipes)
 
 
-def _read_optional(*paths: str) -> str | None:
-  for path in paths:
-    if os.path.isfile(path):
-      return _read(path)
-  return None
+class _Folder:
+  """Reads one task folder without leaving it: every path is resolved with realpath and
+  refused, naming the entry, when it leads outside the folder (a symlink to /etc/shadow or
+  /root) or is not a regular file or directory (devices, FIFOs, sockets); all bytes read
+  count against ``max_bytes``, checked before reading."""
+
+  def __init__(self, folder: str, max_bytes: int = MAX_TASK_BYTES):
+    self.path = folder
+    self.real = os.path.realpath(folder)
+    self.left = self.max_bytes = max_bytes
+
+  def _resolve(self, path: str, where: str) -> str:
+    real = os.path.realpath(path)
+    if os.path.commonpath([real, self.real]) != self.real:
+      entry = os.path.relpath(os.path.abspath(path), os.path.abspath(self.path))
+      raise TaskLoadError(f"{where}: {entry} leads outside the task folder (to {real}); "
+                          "refusing to follow it")
+    return real
+
+  def read_bytes(self, path: str, where: str | None = None) -> bytes:
+    where = where or path
+    real = self._resolve(path, where)
+    try:
+      fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as err:
+      raise TaskLoadError(f"{where}: cannot read {path}: {err.strerror}") from err
+    with os.fdopen(fd, "rb") as f:
+      st = os.fstat(fd)
+      if not stat.S_ISREG(st.st_mode):
+        raise TaskLoadError(f"{where}: {path} is a {_file_kind(st.st_mode)}, not a regular file")
+      if st.st_size > self.left:
+        raise TaskLoadError(f"{where}: {path} ({st.st_size} bytes) would take the task past its "
+                            f"{self.max_bytes}-byte cap")
+      data = f.read(st.st_size + 1)
+    if len(data) > self.left:
+      raise TaskLoadError(f"{where}: {path} grew past the task's {self.max_bytes}-byte cap")
+    self.left -= len(data)
+    return data
+
+  def read(self, path: str) -> str:
+    data = self.read_bytes(path)
+    try:
+      return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+      raise TaskLoadError(f"{path}: not UTF-8 text (byte {err.start}: {err.reason})") from err
+
+  def read_optional(self, *paths: str) -> str | None:
+    for path in paths:
+      if os.path.lexists(path):
+        return self.read(path)
+    return None
+
+  def isfile(self, path: str) -> bool:
+    return os.path.lexists(path) and not os.path.isdir(path)
+
+  def inside(self, base: str, relative: str, where: str) -> str:
+    path = os.path.normpath(os.path.join(base, relative))
+    if os.path.commonpath([path, os.path.normpath(base)]) != os.path.normpath(base):
+      raise TaskLoadError(f"{where}: {relative} is outside the task folder")
+    self._resolve(path, where)
+    return path
+
+  def collect(self, source: str, dest: str, where: str) -> list[tuple[str, bytes]]:
+    if not os.path.lexists(source):
+      raise TaskLoadError(f"{where}: {source} does not exist")
+    real = self._resolve(source, where)
+    if not os.path.isdir(real):
+      return [(dest, self.read_bytes(source, where))]
+    files = []
+    self._walk(source, dest, where, [real], files)
+    return files
+
+  def _walk(self, path: str, dest: str, where: str, stack: list[str], files: list) -> None:
+    for entry in sorted(os.listdir(path)):
+      child, target = os.path.join(path, entry), os.path.join(dest, entry)
+      real = self._resolve(child, where)
+      if os.path.isdir(real):
+        if real in stack:
+          raise TaskLoadError(f"{where}: {child} is a symlink loop")
+        self._walk(child, target, where, stack + [real], files)
+      else:
+        files.append((target, self.read_bytes(child, where)))
 
 
-def _collect_files(source: str, dest: str, where: str) -> list[tuple[str, bytes]]:
-  if not os.path.exists(source):
-    raise TaskLoadError(f"{where}: {source} does not exist")
-  if os.path.isfile(source):
-    with open(source, "rb") as f:
-      return [(dest, f.read())]
-  files = []
-  for dirpath, _, filenames in os.walk(source):
-    for name in sorted(filenames):
-      path = os.path.join(dirpath, name)
-      with open(path, "rb") as f:
-        files.append((os.path.join(dest, os.path.relpath(path, source)), f.read()))
-  return files
-
-
-def _inside(base: str, relative: str, where: str) -> str:
-  path = os.path.normpath(os.path.join(base, relative))
-  if os.path.commonpath([path, os.path.normpath(base)]) != os.path.normpath(base):
-    raise TaskLoadError(f"{where}: {relative} is outside the task folder")
-  return path
+def _file_kind(mode: int) -> str:
+  for test, name in ((stat.S_ISFIFO, "FIFO"), (stat.S_ISCHR, "character device"),
+                     (stat.S_ISBLK, "block device"), (stat.S_ISSOCK, "socket"),
+                     (stat.S_ISDIR, "directory")):
+    if test(mode):
+      return name
+  return "special file"
 
 
 # -- Endless Terminals ----------------------------------------------------------------------------
@@ -244,11 +307,11 @@ def _inside(base: str, relative: str, where: str) -> str:
 _DEF_IGNORED = {"runscript", "labels", "help", "test", "startscript"}
 
 
-def _parse_container_def(path: str, folder: str):
+def _parse_container_def(path: str, folder: _Folder):
   """Returns (setup, files, env) from an Apptainer definition file."""
   sections: dict[str, tuple[int, list[str]]] = {}
   current = None
-  for number, line in enumerate(_read(path).split("\n"), start=1):
+  for number, line in enumerate(folder.read(path).split("\n"), start=1):
     header = re.match(r"^%(\w+)\s*$", line.strip()) if line.startswith("%") else None
     if header:
       current = header.group(1).lower()
@@ -279,7 +342,7 @@ def _parse_container_def(path: str, folder: str):
     dest = words[-1]
     if not dest.startswith("/"):
       raise TaskLoadError(f"{where}: %files destination must be absolute, got {dest}")
-    files += _collect_files(_inside(folder, words[0], where), dest, where)
+    files += folder.collect(folder.inside(folder.path, words[0], where), dest, where)
 
   env = []
   first, lines = sections.get("environment", (0, []))
@@ -306,39 +369,40 @@ def _parse_container_def(path: str, folder: str):
   return setup, files, env
 
 
-def load_endless_terminals(folder: str) -> Task:
+def load_endless_terminals(folder: str, max_bytes: int = MAX_TASK_BYTES) -> Task:
+  reader = _Folder(folder, max_bytes)
   meta_path = os.path.join(folder, "task.json")
   try:
-    meta = json.loads(_read(meta_path))
+    meta = json.loads(reader.read(meta_path))
   except json.JSONDecodeError as err:
     raise TaskLoadError(f"{meta_path} line {err.lineno}: invalid JSON: {err.msg}") from err
   if not isinstance(meta, dict) or not isinstance(meta.get("description"), str):
     raise TaskLoadError(f"{meta_path}: needs a string field \"description\"")
   final_path = os.path.join(folder, "test_final_state.py")
-  if not os.path.isfile(final_path):
+  if not reader.isfile(final_path):
     raise TaskLoadError(f"{folder}: missing test_final_state.py")
-  final_tests = _read(final_path)
+  final_tests = reader.read(final_path)
   _check_stdlib_only(final_tests, final_path)
   initial_path = os.path.join(folder, "test_initial_state.py")
-  initial_tests = _read_optional(initial_path)
+  initial_tests = reader.read_optional(initial_path)
   if initial_tests is not None:
     _check_stdlib_only(initial_tests, initial_path)
   setup, files, env = "", [], []
   def_path = os.path.join(folder, "container.def")
-  if os.path.isfile(def_path):
-    setup, files, env = _parse_container_def(def_path, folder)
+  if reader.isfile(def_path):
+    setup, files, env = _parse_container_def(def_path, reader)
   return Task(
     name=str(meta.get("name") or os.path.basename(os.path.normpath(folder))),
     instruction=meta["description"], setup=setup, final_tests=final_tests,
-    initial_tests=initial_tests, solution=_read_optional(os.path.join(folder, "solution.sh")),
+    initial_tests=initial_tests, solution=reader.read_optional(os.path.join(folder, "solution.sh")),
     files=tuple(files), env=tuple(env), family="endless-terminals")
 
 
 # -- Terminal-Bench / Harbor ----------------------------------------------------------------------
 
-def _dockerfile_instructions(path: str):
+def _dockerfile_instructions(path: str, folder: _Folder):
   """Yields (line number, INSTRUCTION, arguments) with continuations joined."""
-  lines = _read(path).split("\n")
+  lines = folder.read(path).split("\n")
   i = 0
   while i < len(lines):
     number, line = i + 1, lines[i]
@@ -379,11 +443,11 @@ def _expand(value: str, env: dict[str, str], where: str) -> str:
   return re.sub(r"\$\{(\w+)\}|\$(\w+)", lookup, value)
 
 
-def _parse_dockerfile(path: str, context: str):
+def _parse_dockerfile(path: str, context: str, folder: _Folder):
   """Returns (setup, files, env, workdir) from a Dockerfile."""
   setup_lines, files, env = [], [], []
   workdir = "/"
-  for number, instruction, args in _dockerfile_instructions(path):
+  for number, instruction, args in _dockerfile_instructions(path, folder):
     where = f"{path} line {number}"
     if instruction == "FROM":
       log.info("%s: ignoring FROM %s (tasks run in the jaxes sandbox image)", where, args)
@@ -406,11 +470,11 @@ def _parse_dockerfile(path: str, context: str):
       for src in words[:-1]:
         if "*" in src or "?" in src:
           raise TaskLoadError(f"{where}: wildcard {src} cannot be translated")
-        source = _inside(context, src, where)
+        source = folder.inside(context, src, where)
         target = dest
         if os.path.isfile(source) and (words[-1].endswith("/") or len(words) > 2):
           target = os.path.join(dest, os.path.basename(source))
-        files += _collect_files(source, target, where)
+        files += folder.collect(source, target, where)
     elif instruction == "ENV":
       words = shlex.split(args)
       if words and "=" not in words[0]:  # legacy form: ENV KEY value with spaces
@@ -432,11 +496,12 @@ def _parse_dockerfile(path: str, context: str):
   return "\n".join(setup_lines), files, env, workdir
 
 
-def _terminal_bench_config(folder: str) -> tuple[str, dict]:
+def _terminal_bench_config(reader: _Folder) -> tuple[str, dict]:
+  folder = reader.path
   yaml_path, toml_path = os.path.join(folder, "task.yaml"), os.path.join(folder, "task.toml")
-  if os.path.isfile(yaml_path):
+  if reader.isfile(yaml_path):
     try:
-      config = yaml.safe_load(_read(yaml_path)) or {}
+      config = yaml.safe_load(reader.read(yaml_path)) or {}
     except yaml.YAMLError as err:
       mark = getattr(err, "problem_mark", None)
       line = f" line {mark.line + 1}" if mark else ""
@@ -454,10 +519,10 @@ def _terminal_bench_config(folder: str) -> tuple[str, dict]:
       limits["test_timeout_s"] = float(config["max_test_timeout_sec"])
     return instruction, limits
   try:
-    config = tomllib.loads(_read(toml_path))
+    config = tomllib.loads(reader.read(toml_path))
   except tomllib.TOMLDecodeError as err:
     raise TaskLoadError(f"{toml_path}: invalid TOML: {err}") from err
-  instruction = _read_optional(os.path.join(folder, "instruction.md"))
+  instruction = reader.read_optional(os.path.join(folder, "instruction.md"))
   if instruction is None:
     raise TaskLoadError(f"{folder}: task.toml needs instruction.md beside it")
   limits = {}
@@ -470,8 +535,9 @@ def _terminal_bench_config(folder: str) -> tuple[str, dict]:
   return instruction, limits
 
 
-def load_terminal_bench(folder: str) -> Task:
-  instruction, limit_overrides = _terminal_bench_config(folder)
+def load_terminal_bench(folder: str, max_bytes: int = MAX_TASK_BYTES) -> Task:
+  reader = _Folder(folder, max_bytes)
+  instruction, limit_overrides = _terminal_bench_config(reader)
   tests_dir = os.path.join(folder, "tests")
   test_files = sorted(f for f in os.listdir(tests_dir) if re.fullmatch(r"test_\w*\.py", f)) if (
     os.path.isdir(tests_dir)) else []
@@ -479,16 +545,16 @@ def load_terminal_bench(folder: str) -> Task:
     raise TaskLoadError(f"{tests_dir}: expected exactly one test_*.py file, found "
                         f"{test_files or 'none'}")
   test_path = os.path.join(tests_dir, test_files[0])
-  final_tests = _read(test_path)
+  final_tests = reader.read(test_path)
   _check_stdlib_only(final_tests, test_path)
   setup, files, env, workdir = "", [], [], SANDBOX_HOME
   for dockerfile in (os.path.join(folder, "Dockerfile"),
                      os.path.join(folder, "environment", "Dockerfile")):
-    if os.path.isfile(dockerfile):
-      setup, files, env, workdir = _parse_dockerfile(dockerfile, os.path.dirname(dockerfile))
+    if reader.isfile(dockerfile):
+      setup, files, env, workdir = _parse_dockerfile(dockerfile, os.path.dirname(dockerfile), reader)
       break
-  solution = _read_optional(os.path.join(folder, "solution.sh"),
-                            os.path.join(folder, "solution", "solve.sh"))
+  solution = reader.read_optional(os.path.join(folder, "solution.sh"),
+                                  os.path.join(folder, "solution", "solve.sh"))
   if workdir not in ("/", SANDBOX_HOME):
     # The agent starts in /home/user; tell it where the task's working directory is, give
     # that directory to it, and run the oracle there.
@@ -512,26 +578,27 @@ def task_format(folder: str) -> str | None:
   return None
 
 
-def load_task(path: str) -> Task:
-  """Loads one Endless Terminals or Terminal-Bench-style task folder."""
+def load_task(path: str, max_bytes: int = MAX_TASK_BYTES) -> Task:
+  """Loads one Endless Terminals or Terminal-Bench-style task folder; it may copy at most
+  ``max_bytes`` into the sandbox."""
   if not os.path.isdir(path):
     raise TaskLoadError(f"{path}: not a directory")
   kind = task_format(path)
   if kind == "endless-terminals":
-    return load_endless_terminals(path)
+    return load_endless_terminals(path, max_bytes)
   if kind == "terminal-bench":
-    return load_terminal_bench(path)
+    return load_terminal_bench(path, max_bytes)
   raise TaskLoadError(f"{path}: not a task folder (no task.json, task.yaml or task.toml)")
 
 
-def load_tasks(directory: str) -> list[Task]:
+def load_tasks(directory: str, max_bytes: int = MAX_TASK_BYTES) -> list[Task]:
   """Every task folder directly under ``directory`` (or ``directory`` itself), by name."""
   if not os.path.isdir(directory):
     raise TaskLoadError(f"{directory}: not a directory")
   if task_format(directory):
-    return [load_task(directory)]
+    return [load_task(directory, max_bytes)]
   folders = sorted(os.path.join(directory, d) for d in os.listdir(directory)
                    if task_format(os.path.join(directory, d)))
   if not folders:
     raise TaskLoadError(f"{directory}: contains no task folders")
-  return [load_task(folder) for folder in folders]
+  return [load_task(folder, max_bytes) for folder in folders]

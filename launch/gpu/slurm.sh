@@ -14,7 +14,7 @@
 # one node it runs one process over all that node's GPUs and no coordinator.
 #
 #   --nodes N              nodes (default 2)
-#   --gpus-per-node G      GPUs per node (default 8)
+#   --gpus-per-node G      GPUs per node (default 8; 0 for CPU-only nodes, e.g. a rehearsal)
 #   --cpus-per-task C      CPU cores per node's process (default: sbatch's)
 #   --partition P, --account A, --time T, --job-name J, --qos Q   passed to sbatch
 #   --logdir DIR           sbatch output DIR/%x-%j.out (default slurm-logs, created)
@@ -78,13 +78,14 @@ while [ $# -gt 0 ]; do
 done
 [ $# -gt 0 ] || die "missing the run as -- COMMAND..."
 [[ "$nodes" =~ ^[1-9][0-9]*$ ]] || die "--nodes must be a positive integer, got '$nodes'"
-[[ "$gpus" =~ ^[1-9][0-9]*$ ]] || die "--gpus-per-node must be a positive integer, got '$gpus'"
+[[ "$gpus" =~ ^[0-9]+$ ]] || die "--gpus-per-node must be a whole number, got '$gpus'"
 [ -z "$port" ] || [[ "$port" =~ ^[1-9][0-9]*$ ]] || die "--port must be a port number, got '$port'"
 
 if [ -z "${SLURM_JOB_ID:-}" ]; then
   # Submit: sbatch copies this script to its spool, so the job is told where the tree is.
-  args=(sbatch --job-name="$job_name" --nodes="$nodes" --ntasks-per-node=1
-        --gpus-per-node="$gpus" --exclusive --chdir="$root" --output="$logdir/%x-%j.out")
+  args=(sbatch --job-name="$job_name" --nodes="$nodes" --ntasks-per-node=1)
+  [ "$gpus" = 0 ] || args+=(--gpus-per-node="$gpus")
+  args+=(--exclusive --chdir="$root" --output="$logdir/%x-%j.out")
   [ -z "$cpus" ] || args+=(--cpus-per-task="$cpus")
   [ -z "$partition" ] || args+=(--partition="$partition")
   [ -z "$account" ] || args+=(--account="$account")
@@ -92,7 +93,10 @@ if [ -z "${SLURM_JOB_ID:-}" ]; then
   [ -z "$qos" ] || args+=(--qos="$qos")
   inner=("${sbatch_passthrough[@]}")
   [ -z "$port" ] || inner+=(--port="$port")
-  run mkdir -p "$root/$logdir"
+  case "$logdir" in
+    /*) run mkdir -p "$logdir" ;;
+    *) run mkdir -p "$root/$logdir" ;;
+  esac
   run "${args[@]}" "$root/launch/gpu/slurm.sh" "${inner[@]}" -- "$@"
   exit 0
 fi

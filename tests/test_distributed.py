@@ -190,6 +190,15 @@ def test_local_sh_stops_the_rest_and_names_the_failed_process():
     assert f"[p{i}] up {i} of 3 at 127.0.0.1:" in proc.stdout
 
 
+def test_local_sh_names_a_killed_process_and_its_signal():
+  proc = subprocess.run(
+    ["bash", str(LOCAL_SH), "2", "--", "bash", "-c",
+     'if [ "$JAX_PROCESS_ID" = 0 ]; then sleep 0.3; kill -KILL $$; fi; sleep 60'],
+    env=_env(), capture_output=True, text=True, timeout=60)
+  assert proc.returncode == 137
+  assert "process 0 (pid" in proc.stderr and "was killed by SIGKILL (status 137)" in proc.stderr
+
+
 def test_local_sh_rejects_bad_usage():
   for args, message in [(["--", "true"], "missing the process count"),
                         (["two", "--", "true"], "positive integer"),

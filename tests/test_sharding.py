@@ -9,7 +9,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxes import sharding
-from jaxes.models import hf, qwen2
+from jaxes.models import hf, partition, qwen2
 from helpers_models import save_random_hf_checkpoint
 
 needs_8_devices = pytest.mark.skipif(
@@ -29,19 +29,19 @@ def test_parse_mesh():
 def test_mesh_that_does_not_divide_heads_names_the_numbers():
   seven = qwen2.Qwen2Config.preset("qwen2.5-7b")
   with pytest.raises(ValueError, match="tensor=7 does not divide num_kv_heads=4"):
-    sharding.check_divisible(seven, {"tensor": 7})
+    partition.check_divisible(seven, {"tensor": 7})
   with pytest.raises(ValueError, match="tensor=3 does not divide num_heads=28"):
-    sharding.check_divisible(seven, {"tensor": 3})
+    partition.check_divisible(seven, {"tensor": 3})
   with pytest.raises(ValueError, match=r"dimension 1 \(mlp\) has size 80, not divisible by mesh "
                                        r"axes tensor = 3"):
-    sharding.state_specs(sharding.abstract_params(qwen2.Qwen2Config(
+    sharding.state_specs(partition.abstract_params(qwen2.Qwen2Config(
       vocab_size=96, hidden_size=60, intermediate_size=80, num_layers=1, num_heads=3,
       num_kv_heads=3)), {"tensor": 3})
 
 
-def test_7b_bytes_per_device_on_8way_fsdp_from_abstract_shapes(capsys):
+def test_7b_bytes_per_device_on_8way_fsdp_from_abstract_shapes():
   cfg = qwen2.Qwen2Config.preset("qwen2.5-7b", param_dtype="bfloat16", dtype="bfloat16")
-  state = sharding.abstract_params(cfg)
+  state = partition.abstract_params(cfg)
   leaves = [v for _, v in nnx.to_flat_state(state)]
   total = sum(math.prod(v.shape) * 2 for v in leaves)
   # fsdp splits every leaf with an "embed" axis; norm gains and biases stay replicated.
@@ -50,8 +50,19 @@ def test_7b_bytes_per_device_on_8way_fsdp_from_abstract_shapes(capsys):
   assert total == 7_615_616_512 * 2  # Qwen2.5-7B's published parameter count
   per_device = sharding.bytes_per_device(state, {"fsdp": 8})
   assert per_device == (total - replicated) // 8 + replicated
-  sharding.main(["--preset", "qwen2.5-7b", "--mesh", "fsdp=8"])
-  assert f"per device ({per_device} bytes)" in capsys.readouterr().out
+
+
+def test_sharding_imports_no_model():
+  import subprocess, sys
+  code = "import sys, jaxes.sharding; print(sorted(m for m in sys.modules if m.startswith('jaxes.models')))"
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+  assert out.stdout.strip() == "[]"
+
+
+def test_cache_keeps_kv_heads_whole_when_tensor_does_not_divide_them():
+  seven = qwen2.Qwen2Config.preset("qwen2.5-7b")
+  assert partition.cache_specs(seven, {"data": 8, "tensor": 2}).k == P(None, "data", None, "tensor", None)
+  assert partition.cache_specs(seven, {"tensor": 8}).k == P(None, "data", None, None, None)
 
 
 @needs_8_devices
@@ -75,7 +86,7 @@ def test_sharded_logits_equal_single_device(tmp_path):
   np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5, rtol=0)
 
   # Prefill + one decode step with a cache sharded by its logical axes.
-  cache = jax.device_put(qwen2.KVCache.init(CFG, B, 16), sharding.cache_shardings(mesh))
+  cache = jax.device_put(qwen2.KVCache.init(CFG, B, 16), partition.cache_shardings(CFG, mesh))
   assert cache.k.sharding.spec == P(None, "data", None, "tensor", None)
   _, cache = forward(graphdef, sharded, tokens, positions, valid, cache)
   nxt = jnp.asarray([[5], [9]])
@@ -89,7 +100,7 @@ def test_sharded_logits_equal_single_device(tmp_path):
 @needs_8_devices
 def test_sharded_init_places_every_parameter():
   mesh = sharding.make_mesh(fsdp=4, tensor=2)
-  graphdef, params = sharding.init_params(CFG, mesh, seed=0)
+  graphdef, params = partition.init_params(CFG, mesh, seed=0)
   specs = sharding.state_specs(params, mesh)
   for array, spec in zip(jax.tree.leaves(nnx.to_pure_dict(params)), jax.tree.leaves(
       specs, is_leaf=lambda x: isinstance(x, P))):

@@ -22,6 +22,7 @@ from flax import nnx
 from jax.sharding import Mesh, SingleDeviceSharding
 
 from jaxes import sharding
+from jaxes.models import partition
 from jaxes.models.qwen2 import DTYPES, Qwen2Config, Qwen2ForCausalLM
 from jaxes.models.safetensors_io import CheckpointError, TensorInfo, read_header, write_file
 
@@ -177,7 +178,7 @@ def load(hf_dir: str, *, mesh: Mesh | None = None, param_dtype: str | None = Non
   param_dtype = param_dtype or (stored if stored in DTYPES else "float32")
   cfg = Qwen2Config.from_hf_dict(hf, param_dtype=param_dtype, dtype=dtype or param_dtype)
   if mesh is not None:
-    sharding.check_divisible(cfg, mesh)
+    partition.check_divisible(cfg, mesh)
   tensors = checkpoint_tensors(hf_dir)
   graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Qwen2ForCausalLM(cfg, rngs=nnx.Rngs(0))),
                                  nnx.Param)

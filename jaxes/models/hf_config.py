@@ -1,10 +1,7 @@
 """transformers ``config.json`` <-> ``Qwen2Config``: what we support, and a clear error otherwise."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-  from jaxes.models.qwen2 import Qwen2Config
+from typing import Any
 
 ARCHITECTURE = "Qwen2ForCausalLM"
 
@@ -69,7 +66,9 @@ def config_kwargs_from_hf(d: dict) -> dict:
   )
 
 
-def hf_dict_from_config(cfg: "Qwen2Config") -> dict:
+def hf_dict_from_config(cfg) -> dict:
+  """``cfg``: a ``jaxes.models.qwen2.Qwen2Config`` (read by field; this module imports no model,
+  so ``qwen2`` can import it at the top)."""
   d = dict(
     architectures=[ARCHITECTURE], model_type="qwen2", hidden_act="silu",
     vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,

@@ -9,7 +9,8 @@ The decoder layers' parameters are stacked with a leading layer axis and run und
 ``jax.lax.scan``, so compile time does not grow with depth. Every op that reads a parameter goes
 through a ``Noiser`` (``jaxes/models/noiser.py``); with the default ``IdentityNoiser`` this is plain
 inference. Every parameter carries ``logical_axes`` metadata (MaxText-style names) that
-``jaxes.sharding`` maps onto a device mesh.
+``jaxes.sharding`` maps onto a device mesh (``jaxes.models.partition``). Attention kernels are in
+``jaxes.models.attention``.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxes.models import attention, hf_config
 from jaxes.models.noiser import IdentityNoiser, Noiser
 
 DTYPES = ("float32", "bfloat16")
@@ -101,12 +103,10 @@ class Qwen2Config:
   @classmethod
   def from_hf_dict(cls, d: dict, **overrides) -> "Qwen2Config":
     """From a transformers ``config.json`` dict; unsupported features raise naming the key."""
-    from jaxes.models import hf_config
     return cls(**{**hf_config.config_kwargs_from_hf(d), **overrides})
 
   def to_hf_dict(self) -> dict:
     """A transformers ``config.json`` dict for this configuration."""
-    from jaxes.models import hf_config
     return hf_config.hf_dict_from_config(self)
 
 
@@ -222,10 +222,13 @@ class Attention(nnx.Module):
                          **common)
     self.o_proj = Linear("layers/attn/o_proj", q_dim, d, ("heads", "embed"), bias=False, **common)
 
-  def __call__(self, x, positions, mask, write_slots, kv, noiser, layer):
-    """x: [B, T, d]; mask: [B, T, A] which keys each query sees; kv: this layer's cache (k, v)
-    [B, S, KVH, hd] or None (then the keys are the T tokens themselves). With a cache, queries
-    attend to its first A <= S slots only (the caller knows no row holds more)."""
+  def __call__(self, x, positions, noiser, layer, mask=None, cached=None):
+    """x: [B, T, d]. Without a cache, ``mask`` [B, T, T] says which of the T tokens each query
+    sees. With one, ``cached = (k, v, valid, slots, write_slots, span)``: the whole cache
+    ``k, v [L, B, S, KVH, hd]`` (this layer's keys are written into it at ``write_slots``),
+    ``valid [B, S]`` and ``slots [B, T]`` (each query's own slot; it sees the valid slots up to
+    it), and queries attend to the first ``span`` <= S slots only (the caller knows no row holds
+    more). Returns (output, (k, v)) with the cache updated, or (output, None)."""
     cfg = self.cfg
     B, T, _ = x.shape
     q = self.q_proj(x, noiser, layer).reshape(B, T, cfg.num_heads, cfg.head_size)
@@ -233,21 +236,18 @@ class Attention(nnx.Module):
     v = self.v_proj(x, noiser, layer).reshape(B, T, cfg.num_kv_heads, cfg.head_size)
     q = apply_rope(q, positions, cfg.rope_theta)
     k = apply_rope(k, positions, cfg.rope_theta)
-    if kv is not None:
-      rows = jnp.arange(B)[:, None]
-      cache_k, cache_v = kv
-      # Invalid tokens carry an out-of-range slot, so mode="drop" skips them.
-      k = cache_k.at[rows, write_slots].set(k.astype(cache_k.dtype), mode="drop")
-      v = cache_v.at[rows, write_slots].set(v.astype(cache_v.dtype), mode="drop")
-      kv = (k, v)
-      k, v = k[:, :mask.shape[-1]], v[:, :mask.shape[-1]]
     q = q.reshape(B, T, cfg.num_kv_heads, cfg.num_groups, cfg.head_size)
-    scores = jnp.einsum("btkgh,bskh->bkgts", q, k.astype(q.dtype),
-                        preferred_element_type=jnp.float32) * cfg.head_size ** -0.5
-    # A finite floor (not -inf) keeps rows without any visible key (padding) free of NaN.
-    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
-    out = jnp.einsum("bkgts,bskh->btkgh", probs, v.astype(x.dtype))
+    if cached is None:
+      out, kv = attention.dense(q, k, v, mask), None
+    else:
+      cache_k, cache_v, valid, slots, write_slots, span = cached
+      rows = jnp.arange(B)[:, None]
+      # Written into the whole cache (the layer scan's carry) in place; invalid tokens carry an
+      # out-of-range slot, so mode="drop" skips them.
+      cache_k = cache_k.at[layer, rows, write_slots].set(k.astype(cache_k.dtype), mode="drop")
+      cache_v = cache_v.at[layer, rows, write_slots].set(v.astype(cache_v.dtype), mode="drop")
+      out = attention.cached(q, cache_k, cache_v, layer, valid, slots, span)
+      kv = (cache_k, cache_v)
     return self.o_proj(out.reshape(B, T, -1), noiser, layer), kv
 
 
@@ -276,9 +276,8 @@ class DecoderLayer(nnx.Module):
     self.post_attn_norm = RMSNorm("layers/post_attn_norm", cfg.hidden_size, layers=L, cfg=cfg)
     self.mlp = MLP(cfg, rngs=rngs)
 
-  def __call__(self, x, positions, mask, write_slots, kv, noiser, layer):
-    h, kv = self.attn(self.input_norm(x, noiser, layer), positions, mask, write_slots, kv, noiser,
-                      layer)
+  def __call__(self, x, positions, noiser, layer, mask=None, cached=None):
+    h, kv = self.attn(self.input_norm(x, noiser, layer), positions, noiser, layer, mask, cached)
     x = x + h
     x = x + self.mlp(self.post_attn_norm(x, noiser, layer), noiser, layer)
     return x, kv
@@ -314,28 +313,37 @@ class Qwen2ForCausalLM(nnx.Module):
     x = self.embed(tokens, noiser).astype(jnp.dtype(cfg.dtype))
 
     T = tokens.shape[1]
+    layers_def, layers_state = nnx.split(self.layers)
+    layer_ids = jnp.arange(cfg.num_layers)
     if cache is None:
       causal = jnp.tril(jnp.ones((T, T), bool))
       mask = valid[:, None, :] & causal[None]
-      write_slots, kvs = None, None
+
+      def one_layer(x, scanned):
+        state, layer = scanned
+        x, _ = nnx.merge(layers_def, state)(x, positions, noiser, layer, mask=mask)
+        return x, None
+
+      x, _ = jax.lax.scan(one_layer, x, (layers_state, layer_ids))
     else:
       S = cache.valid.shape[1]
       slots = cache.index[:, None] + jnp.cumsum(valid, axis=1, dtype=jnp.int32) - 1
       write_slots = jnp.where(valid, slots, S)
       rows = jnp.arange(tokens.shape[0])[:, None]
       cache_valid = cache.valid.at[rows, write_slots].set(True, mode="drop")
-      A = S if attend_len is None else min(attend_len, S)
-      mask = cache_valid[:, None, :A] & (jnp.arange(A)[None, None, :] <= slots[:, :, None])
-      kvs = (cache.k, cache.v)
+      span = S if attend_len is None else min(attend_len, S)
 
-    layers_def, layers_state = nnx.split(self.layers)
+      # The cache rides in the scan's carry and each layer writes its new keys into it: a cache
+      # passed as scanned input/output would be rebuilt as a second full copy.
+      def one_layer(carry, scanned):
+        x, k, v = carry
+        state, layer = scanned
+        x, (k, v) = nnx.merge(layers_def, state)(
+            x, positions, noiser, layer, cached=(k, v, cache_valid, slots, write_slots, span))
+        return (x, k, v), None
 
-    def one_layer(x, scanned):
-      state, kv, layer = scanned
-      x, kv = nnx.merge(layers_def, state)(x, positions, mask, write_slots, kv, noiser, layer)
-      return x, kv
-
-    x, kvs = jax.lax.scan(one_layer, x, (layers_state, kvs, jnp.arange(cfg.num_layers)))
+      (x, cache_k, cache_v), _ = jax.lax.scan(one_layer, (x, cache.k, cache.v),
+                                              (layers_state, layer_ids))
     if logits_at is not None:
       x = x[jnp.arange(x.shape[0]), logits_at]
     x = self.final_norm(x, noiser)
@@ -345,7 +353,7 @@ class Qwen2ForCausalLM(nnx.Module):
       logits = self.lm_head(x, noiser)
 
     if cache is not None:
-      cache = KVCache(k=kvs[0], v=kvs[1], index=cache.index + valid.sum(axis=1, dtype=jnp.int32),
+      cache = KVCache(k=cache_k, v=cache_v, index=cache.index + valid.sum(axis=1, dtype=jnp.int32),
                       valid=cache_valid)
     return logits.astype(jnp.float32), cache
 

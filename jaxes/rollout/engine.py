@@ -16,6 +16,13 @@ times for the life of the engine. Rows of other versions, parked or free rows ar
 invalid, which leaves their cache rows untouched. A slot's policy is its member's perturbation
 of that version's parameters, applied in-graph by the noiser (``make_noiser``), which is
 rebuilt only when slot assignments change.
+
+On a mesh (``mesh=``; default: one device) every device array is created where it lives: the
+cache by a jitted init with ``out_shardings`` from the logical-axis rules (slots over ``data``,
+KV heads over ``tensor`` where they divide), the noiser with its rows (over ``data``), and the
+step is jitted with explicit in/out shardings, the cache donated and updated in place. With
+``abstract=True`` nothing is allocated: the cache is shapes and shardings only and
+``programs()`` lowers every program the engine runs, for ``jaxes.preflight`` to compile.
 """
 from __future__ import annotations
 
@@ -27,7 +34,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxes.models import qwen2
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxes import sharding
+from jaxes.models import partition, qwen2
 from jaxes.rollout import sampling
 
 FREE, PREFILL, DECODE, PARKED = "free", "prefill", "decode", "parked"
@@ -72,8 +82,8 @@ class EngineStats:
     return self.rows_busy / self.rows_total if self.rows_total else 0.0
 
 
-def _step(graphdef, params, noiser, cache, tokens, positions, valid, base_key, streams, counters,
-          temperature, top_p, attend_len):
+def _step(graphdef, attend_len, params, noiser, cache, tokens, positions, valid, base_key, streams,
+          counters, temperature, top_p):
   last = jnp.maximum(valid.sum(axis=1) - 1, 0)
   last_logits, cache = qwen2.forward(graphdef, params, tokens, positions, valid, cache=cache,
                                      noiser=noiser, logits_at=last, attend_len=attend_len)
@@ -86,15 +96,30 @@ def _reset_rows(cache: qwen2.KVCache, rows: jax.Array) -> qwen2.KVCache:
                              valid=jnp.where(rows[:, None], False, cache.valid))
 
 
+def _abstract(tree, shardings):
+  """ShapeDtypeStructs of ``tree``'s leaves carrying ``shardings`` (a matching pytree)."""
+  return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                      tree, shardings)
+
+
 class Engine:
   """``make_noiser(params, versions[B], members[B], row_group[B]) -> Noiser`` (jittable) or None
-  for plain inference. ``params_by_version`` passed to ``step`` must hold every slot's version."""
+  for plain inference. ``params_by_version`` passed to ``step`` must hold every slot's version,
+  each an ``nnx.State`` like ``nnx.split``'s (placed in the rule table's shardings if it is not).
+  ``mesh``: a (data, fsdp, tensor) mesh (``jaxes.sharding.make_mesh``) whose ``data`` size divides
+  ``num_slots``; None = the first device. ``abstract``: allocate nothing (see ``programs``)."""
 
   def __init__(self, graphdef, model_config: qwen2.Qwen2Config, *, num_slots: int, max_len: int,
                prefill_chunk: int, max_new_tokens: int, stop_ids, im_end_id: int,
-               make_noiser: Callable | None = None, seed: int = 0):
+               make_noiser: Callable | None = None, seed: int = 0, mesh: Mesh | None = None,
+               rules=sharding.LOGICAL_RULES, abstract: bool = False):
     if max_len <= max_new_tokens:
       raise ValueError(f"max_len={max_len} must exceed max_new_tokens={max_new_tokens}")
+    self.mesh = sharding.make_mesh(devices=jax.devices()[:1]) if mesh is None else mesh
+    data = self.mesh.shape["data"]
+    if num_slots % data:
+      raise ValueError(f"num_slots={num_slots} is not divisible by the mesh's data={data}: "
+                       f"every data shard must hold the same number of slots")
     self.num_slots, self.max_len, self.chunk = num_slots, max_len, prefill_chunk
     # Compiled call widths: a step whose longest pending chunk is short (an observation) runs
     # narrow instead of paying for a full prefill chunk on every row.
@@ -106,15 +131,74 @@ class Engine:
     self.stop_ids = frozenset(int(i) for i in stop_ids) | {int(im_end_id)}
     self.im_end_id = int(im_end_id)
     self.slots = [Slot(i) for i in range(num_slots)]
-    self.cache = qwen2.KVCache.init(model_config, num_slots, max_len)
-    self.base_key = jax.random.key(seed)
     self.stats = EngineStats()
+    self.abstract = abstract
+
+    mesh = self.mesh
+    self.rows = NamedSharding(mesh, PartitionSpec("data"))  # per-slot arrays [B] and [B, w]
+    replicated = NamedSharding(mesh, PartitionSpec())
+    self.param_shardings = partition.param_shardings(model_config, mesh, rules)
+    self.abstract_params = _abstract(partition.abstract_params(model_config), self.param_shardings)
+    self.cache_shardings = partition.cache_shardings(model_config, mesh, rules)
+    init_cache = jax.jit(functools.partial(qwen2.KVCache.init, model_config, num_slots, max_len),
+                         out_shardings=self.cache_shardings)
+    self.cache = (_abstract(jax.eval_shape(init_cache), self.cache_shardings) if abstract
+                  else init_cache())
+    self.base_key = (jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype,
+                                          sharding=replicated)
+                     if abstract else jax.device_put(jax.random.key(seed), replicated))
+
+    if make_noiser is None:
+      self._make_noiser, self.noiser_shardings, self.abstract_noiser = None, None, None
+    else:
+      slot_ids = jax.ShapeDtypeStruct((num_slots,), jnp.int32, sharding=self.rows)
+      shapes = jax.eval_shape(make_noiser, self.abstract_params, slot_ids, slot_ids, slot_ids)
+      self.noiser_shardings = jax.tree.map(self._noiser_leaf_sharding, shapes)
+      self.abstract_noiser = _abstract(shapes, self.noiser_shardings)
+      self._make_noiser = jax.jit(make_noiser, in_shardings=(self.param_shardings, self.rows,
+                                                             self.rows, self.rows),
+                                  out_shardings=self.noiser_shardings)
+    rows = self.rows
     self._step = jax.jit(functools.partial(_step, graphdef), donate_argnames=("cache",),
-                         static_argnames=("attend_len",))
-    self._reset = jax.jit(_reset_rows, donate_argnames=("cache",))
-    self._make_noiser = None if make_noiser is None else jax.jit(make_noiser)
+                         static_argnums=0,  # attend_len; positional, as jit with in_shardings takes no kwargs
+                         in_shardings=(self.param_shardings, self.noiser_shardings,
+                                       self.cache_shardings, rows, rows, rows, replicated, rows,
+                                       rows, rows, rows),
+                         out_shardings=(rows, self.cache_shardings))
+    self._reset = jax.jit(_reset_rows, donate_argnames=("cache",),
+                          in_shardings=(self.cache_shardings, rows),
+                          out_shardings=self.cache_shardings)
     self._noisers: dict[int, Any] = {}
     self._to_reset = np.zeros(num_slots, bool)
+
+  def _noiser_leaf_sharding(self, leaf) -> NamedSharding:
+    """Noiser leaves with one entry per slot live with their rows (over ``data``); anything else
+    (a full-rank member's weights) is replicated."""
+    per_row = leaf.ndim >= 1 and leaf.shape[0] == self.num_slots
+    return NamedSharding(self.mesh, PartitionSpec("data" if per_row else None))
+
+  def programs(self) -> dict[str, Any]:
+    """Every program this engine runs, lowered over abstract arguments (nothing allocated):
+    ``step[w=W,span=A]`` for each width and span, ``reset``, and ``noiser`` (its build) when
+    there is a noiser. ``.compile()`` each for its memory analysis."""
+    B = self.num_slots
+    out = {}
+    def rows(shape, dtype):
+      return jax.ShapeDtypeStruct(shape, dtype, sharding=self.rows)
+    slot_ids = rows((B,), jnp.int32)
+    per_slot = (rows((B,), jnp.uint32), slot_ids, rows((B,), jnp.float32), rows((B,), jnp.float32))
+    key = self.base_key if self.abstract else jax.ShapeDtypeStruct(
+        self.base_key.shape, self.base_key.dtype, sharding=self.base_key.sharding)
+    cache = self.cache if self.abstract else _abstract(self.cache, self.cache_shardings)
+    for w in self.widths:
+      for span in self.spans:
+        out[f"step[w={w},span={span}]"] = self._step.lower(
+            span, self.abstract_params, self.abstract_noiser, cache, rows((B, w), jnp.int32),
+            rows((B, w), jnp.int32), rows((B, w), jnp.bool_), key, *per_slot)
+    out["reset"] = self._reset.lower(cache, rows((B,), jnp.bool_))
+    if self._make_noiser is not None:
+      out["noiser"] = self._make_noiser.lower(self.abstract_params, slot_ids, slot_ids, slot_ids)
+    return out
 
   # -- slot management (host) -------------------------------------------------------------------
   def free_slots(self) -> list[int]:
@@ -172,15 +256,16 @@ class Engine:
 
   def _call(self, params, version, rows, tokens, positions, valid):
     slots = self.slots
+    params = jax.device_put(params, self.param_shardings)  # no-op when already in place
     need = max(s.length for s in rows) + tokens.shape[1]
     span = next((a for a in self.spans if a >= need), self.max_len)
     streams = np.array([s.stream for s in slots], np.uint32)
     counters = np.array([s.sampled for s in slots], np.int32)
     temperature = np.array([s.temperature for s in slots], np.float32)
     top_p = np.array([s.top_p for s in slots], np.float32)
-    next_tokens, self.cache = self._step(params, self._noiser(version, params), self.cache, tokens,
-                                         positions, valid, self.base_key, streams, counters,
-                                         temperature, top_p, attend_len=span)
+    next_tokens, self.cache = self._step(span, params, self._noiser(version, params), self.cache,
+                                         tokens, positions, valid, self.base_key, streams,
+                                         counters, temperature, top_p)
     self.stats.rows_busy += len(rows)
     self.stats.rows_total += self.num_slots
     return np.asarray(next_tokens)
@@ -202,6 +287,8 @@ class Engine:
     """Advances every working slot once: one call per live version in which decoding rows feed
     their last token and prefilling rows their next prompt chunk (ragged rows in one batch, as
     the cache allows). Returns the turns that finished."""
+    if self.abstract:
+      raise RuntimeError("an abstract engine has no arrays to run; lower its programs() instead")
     if self._to_reset.any():
       self.cache = self._reset(self.cache, self._to_reset)
       self._to_reset[:] = False

@@ -1,0 +1,144 @@
+"""The rollout engine on an 8-device CPU mesh: the same tokens as on one device (low-rank and
+full-rank noise), the cache created in the rule table's shardings and updated in place, and a
+bounded number of compiled programs."""
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from jaxes import es, sharding
+from jaxes.models import attention, qwen2
+from jaxes.rollout.engine import Engine
+
+pytestmark = pytest.mark.skipif(
+  jax.device_count() < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
+
+IM_END = 3
+SLOTS = 8
+MESHES = {"data4xtensor2": dict(data=4, tensor=2), "data8": dict(data=8)}
+
+
+@pytest.fixture(scope="module")
+def model():
+  cfg = qwen2.Qwen2Config.preset("tiny-gqa", vocab_size=64)
+  graphdef, params = nnx.split(qwen2.Qwen2ForCausalLM(cfg, rngs=nnx.Rngs(0)), nnx.Param)
+  return cfg, graphdef, params
+
+
+def _engine(model, mesh, strategy=None, run_key=None, **kw):
+  cfg, graphdef, _ = model
+  make_noiser = None
+  if strategy is not None:
+    def make_noiser(p, versions, members, row_group):
+      return strategy.member_noiser(p, versions, members, row_group, run_key=run_key)
+  args = dict(num_slots=SLOTS, max_len=64, prefill_chunk=8, max_new_tokens=6, stop_ids=[],
+              im_end_id=IM_END, make_noiser=make_noiser, mesh=mesh)
+  return Engine(graphdef, cfg, **{**args, **kw})
+
+
+def _decode(engine, params_by_version, jobs):
+  """Two turns per slot with ragged prompts and observations; every turn's tokens by slot."""
+  rng = np.random.default_rng(0)
+  for slot, (version, member) in jobs.items():
+    prompt = list(rng.integers(4, 64, size=int(rng.integers(2, 20))))
+    assert engine.start(slot, prompt, version=version, member=member, stream=slot)
+  out = {slot: [] for slot in jobs}
+  second = set()
+  while engine.busy():
+    for turn in engine.step(params_by_version):
+      out[turn.slot].append(turn.tokens)
+      if turn.slot not in second:
+        second.add(turn.slot)
+        assert engine.continue_turn(turn.slot, list(rng.integers(4, 64, size=1 + turn.slot)))
+  return out
+
+
+_SINGLE = {}
+
+
+@pytest.mark.parametrize("mode,mesh_name", [("lowrank", "data4xtensor2"), ("lowrank", "data8"),
+                                            ("full", "data4xtensor2")])
+def test_sharded_engine_decodes_the_single_device_tokens(model, mode, mesh_name):
+  _, _, params = model
+  strategy = es.Strategy(population=8, sigma=0.3, learning_rate=0.1, mode=mode, rank=2)
+  state0 = strategy.init(params, jax.random.key(1))
+  state1, _ = strategy.update(state0, [(0, m, float(m)) for m in range(8)])
+  params_by_version = {0: state0.params, 1: state1.params}
+  jobs = {s: (s % 2, s - 2) for s in range(SLOTS)}  # slots 0, 1 unperturbed; two versions
+  if mode not in _SINGLE:  # the one-device reference, shared by the meshes
+    _SINGLE[mode] = _decode(_engine(model, None, strategy, state0.run_key), params_by_version, jobs)
+  single = _SINGLE[mode]
+  mesh = sharding.make_mesh(**MESHES[mesh_name])
+  engine = _engine(model, mesh, strategy, state0.run_key)
+  sharded = _decode(engine, params_by_version, jobs)
+  assert sharded == single
+  assert len({tuple(t[0]) for t in single.values()}) > 2  # the members decode different text
+
+
+@pytest.mark.parametrize("mesh_name", sorted(MESHES))
+def test_cache_is_created_in_the_rule_tables_shardings(model, mesh_name):
+  cfg, _, _ = model
+  mesh = sharding.make_mesh(**MESHES[mesh_name])
+  engine = _engine(model, mesh)
+  for name, axes in qwen2.KVCache.LOGICAL_AXES.items():
+    array = getattr(engine.cache, name)
+    assert array.sharding.spec == sharding.logical_to_spec(axes), name
+  data, tensor = mesh.shape["data"], mesh.shape["tensor"]
+  local = (cfg.num_layers, SLOTS // data, 64, cfg.num_kv_heads // tensor, cfg.head_size)
+  assert {s.data.shape for s in engine.cache.k.addressable_shards} == {local}
+  assert engine.cache.k.sharding.spec == P(None, "data", None, "tensor", None)
+
+
+def test_compiled_step_updates_the_cache_in_place(model):
+  """The donated cache is aliased to the step's output and no temporary holds a second copy."""
+  cfg, _, _ = model
+  mesh = sharding.make_mesh(data=4, tensor=2)
+  max_len = 4096
+  engine = _engine(model, mesh, max_len=max_len, abstract=True)
+  cache_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(engine.cache)) // 8
+  for name in ("step[w=8,span=4096]", "step[w=1,span=1024]"):
+    stats = engine.programs()[name].compile().memory_analysis()
+    assert stats.alias_size_in_bytes >= cache_bytes, name
+    assert stats.temp_size_in_bytes < cache_bytes / 4, (name, stats.temp_size_in_bytes, cache_bytes)
+
+
+def test_abstract_engine_allocates_nothing_and_lowers_every_program(model):
+  mesh = sharding.make_mesh(data=4, tensor=2)
+  strategy = es.Strategy(population=8, sigma=0.3, learning_rate=0.1, mode="lowrank")
+  engine = _engine(model, mesh, strategy, jax.random.key(0), abstract=True)
+  assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(engine.cache))
+  for leaf, sh in zip(jax.tree.leaves(engine.abstract_noiser), jax.tree.leaves(engine.noiser_shardings)):
+    if leaf.shape[0] == SLOTS:  # per-slot noise factors live with their rows
+      assert sh.spec[0] == "data"
+  programs = engine.programs()
+  assert len(programs) == len(engine.widths) * len(engine.spans) + 2  # + reset, noiser build
+  with pytest.raises(RuntimeError, match="abstract engine"):
+    engine.start(0, [5, 6], version=0, member=-1, stream=0)
+    engine.step({0: None})
+
+
+def test_sharded_compile_count_is_bounded(model):
+  _, _, params = model
+  engine = _engine(model, sharding.make_mesh(data=8))
+  rng = np.random.default_rng(1)
+  for round_ in range(3):
+    for slot in engine.free_slots():
+      engine.start(slot, list(rng.integers(4, 64, size=int(rng.integers(1, 30)))), version=0,
+                   member=-1, stream=round_ * SLOTS + slot)
+    while engine.busy():
+      for t in engine.step({0: params}):
+        engine.release(t.slot)
+    if round_ == 0:
+      warm = engine.compilations()
+  assert engine.compilations() == warm <= len(engine.widths) * len(engine.spans) + 1
+
+
+def test_blockwise_attention_in_the_engine_matches_one_block(model, monkeypatch):
+  """Keys read 4 at a time (many blocks per span) decode the tokens of whole-span attention."""
+  _, _, params = model
+  jobs = {s: (0, -1) for s in range(SLOTS)}
+  whole = _decode(_engine(model, None), {0: params}, jobs)
+  monkeypatch.setattr(attention, "KV_BLOCK", 4)
+  blocks = _decode(_engine(model, sharding.make_mesh(data=4, tensor=2)), {0: params}, jobs)
+  assert blocks == whole

@@ -166,7 +166,11 @@ def initialize(heartbeat_timeout_s: int | None = None,
     # Cross-process collectives between CPU devices need a transport; gloo ships with jaxlib.
     # The option only concerns the CPU client, so it is harmless on GPU and TPU.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(**kwargs)
+    try:
+      jax.distributed.initialize(**kwargs)
+    except ValueError as e:   # JAX's detection found no coordinator / count / index
+      raise LaunchError(f"launch looked like {launch.source!r} but JAX could not tell the "
+                        f"coordinator, process count or index: {e}") from None
   sys.excepthook = _exit_at_once_on_error
   _launch = launch
   return launch

@@ -272,10 +272,13 @@ def test_layout_rule():
   assert not follows([(0, 1), (1, 2)])                  # process 1 holds parts of two shards
 
 
-def test_bad_timeout_variable_stops_before_joining():
+@pytest.mark.parametrize("env, message", [
+  ({"JAXES_HEARTBEAT_TIMEOUT_S": "soon"},
+   "LaunchError: JAXES_HEARTBEAT_TIMEOUT_S='soon': expected a whole number"),
+  ({}, "LaunchError: launch looked like 'auto' but JAX could not tell the coordinator"),
+])
+def test_forced_auto_launch_fails_with_one_line(env, message):
   code = "from jaxes import distributed; distributed.initialize()"
-  proc = subprocess.run([sys.executable, "-c", code],
-                        env=_env(JAXES_DISTRIBUTED="auto", JAXES_HEARTBEAT_TIMEOUT_S="soon"),
+  proc = subprocess.run([sys.executable, "-c", code], env=_env(JAXES_DISTRIBUTED="auto", **env),
                         capture_output=True, text=True, timeout=60)
-  assert proc.returncode == 1
-  assert "LaunchError: JAXES_HEARTBEAT_TIMEOUT_S='soon': expected a whole number" in proc.stderr
+  assert proc.returncode == 1 and message in proc.stderr

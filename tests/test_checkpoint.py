@@ -87,7 +87,8 @@ def _save_steps(d, steps, keep=5):
 def test_roundtrip_named_items_with_keys_scalars_and_numpy(tmp_path):
   ckpt = Checkpointer(str(tmp_path / "ckpt"), keep=2)
   host = {"controller": {"version": 3, "queue": [1, 2]}, "pos": 9, "old_versions": [3]}
-  items = {**_items(3), "host_arrays": {"n": np.arange(6, dtype=np.int64).reshape(2, 3), "lr": 0.5, "on": True}}
+  items = {**_items(3),
+           "host_arrays": {"n": np.arange(6, dtype=np.int64).reshape(2, 3), "lr": 0.5, "on": True}}
   ckpt.save(3, items, host)
   ckpt.wait()
   target = lambda h: {**_target(h), "host_arrays": {"n": np.zeros((2, 3), np.int64), "lr": 0.0, "on": False}}
@@ -97,6 +98,20 @@ def test_roundtrip_named_items_with_keys_scalars_and_numpy(tmp_path):
   _equal(trees, items)
   assert isinstance(trees["es"].version, int) and trees["es"].version == 3
   assert trees["host_arrays"]["n"].dtype == np.int64 and type(trees["host_arrays"]["lr"]) is float
+  ckpt.close()
+
+
+def test_a_version_saved_as_a_0d_array_restores_into_an_int_and_back(tmp_path):
+  ckpt = Checkpointer(str(tmp_path / "ckpt"))
+  ckpt.save(1, {"es": dataclasses.replace(_state(1), version=jnp.asarray(1, jnp.int32))}, {})
+  ckpt.save(2, {"es": _state(2)}, {})
+  ckpt.wait()
+  as_int = ckpt.restore_item(1, "es", _state(0))
+  assert type(as_int.version) is int and as_int.version == 1
+  as_array = ckpt.restore_item(2, "es", dataclasses.replace(_state(0), version=jnp.asarray(0, jnp.int32)))
+  assert as_array.version.dtype == jnp.int32 and int(as_array.version) == 2
+  with pytest.raises(CheckpointMismatch, match="'version' is stored as a Python int, this run expects float32"):
+    ckpt.restore_item(2, "es", dataclasses.replace(_state(0), version=jnp.asarray(0.0)))
   ckpt.close()
 
 
@@ -130,7 +145,8 @@ def test_flipped_bytes_are_detected_and_fall_back_leaving_the_step_untouched(tmp
   _flip(_data_files(d, 2)[0])   # 64 bytes inside the largest array chunk of step 2
   before = _tree_hash(d)
   ckpt = Checkpointer(d, keep=5)
-  with pytest.warns(RuntimeWarning, match=r"step 2 .* corrupt \((checksum mismatch in item 'es'|arrays unreadable)"):
+  corrupt = r"step 2 .* corrupt \((checksum mismatch in item 'es'|arrays unreadable)"
+  with pytest.warns(RuntimeWarning, match=corrupt):
     step, trees, host = ckpt.restore(_target)
   assert step == 1 and host["s"] == 1
   _equal(trees, _items(1))
@@ -184,11 +200,13 @@ def test_config_change_is_a_mismatch_and_every_checkpoint_stays_byte_identical(t
                                                                       "float32[64, 4]", "float32[64, 6]")
   assert "params/a/kernel" in str(err) and "float32[64, 4]" in str(err) and "\n" not in str(err)
   # A renamed leaf and a changed dtype name the leaf too.
-  renamed = lambda h: {**_target(h), "es": dataclasses.replace(_state(0), params={**_params(0), "c": jnp.zeros(5)})}
+  renamed = lambda h: {**_target(h),
+                       "es": dataclasses.replace(_state(0), params={**_params(0), "c": jnp.zeros(5)})}
   with pytest.raises(CheckpointMismatch, match=r"leaf 'params/c' is stored as absent"):
     ckpt.restore(renamed)
   retyped = lambda h: {**_target(h), "old/3": {**_params(0), "h": jnp.zeros(8, jnp.float32)}}
-  with pytest.raises(CheckpointMismatch, match=r"'old/3' leaf 'h' is stored as bfloat16\[8\], this run expects float32\[8\]"):
+  retyped_message = r"'old/3' leaf 'h' is stored as bfloat16\[8\], this run expects float32\[8\]"
+  with pytest.raises(CheckpointMismatch, match=retyped_message):
     ckpt.restore(retyped)
   with pytest.raises(CheckpointMismatch, match="'old/5'"):
     ckpt.restore(lambda h: {**_target(h), "old/5": _params(0)})
@@ -219,7 +237,8 @@ def test_partial_restore_against_abstract_sharded_targets(tmp_path):
 
   def abstract(tree):
     def one(x):
-      sharding = shard if getattr(x, "ndim", 0) and x.shape[0] % jax.device_count() == 0 else NamedSharding(mesh, P())
+      split = getattr(x, "ndim", 0) and x.shape[0] % jax.device_count() == 0
+      sharding = shard if split else NamedSharding(mesh, P())
       return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding) if isinstance(x, jax.Array) else x
     return jax.tree.map(one, tree)
 
@@ -246,7 +265,8 @@ def test_checksums_do_not_depend_on_sharding(tmp_path):
   ckpt.save(1, {"w": {"x": sharded}}, {})
   ckpt.wait()
   for sharding in (NamedSharding(mesh, P(None, "data")), jax.sharding.SingleDeviceSharding(jax.devices()[3])):
-    restored = ckpt.restore_item(1, "w", {"x": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)})["x"]
+    target = {"x": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)}
+    restored = ckpt.restore_item(1, "w", target)["x"]
     assert restored.sharding == sharding
     np.testing.assert_array_equal(np.asarray(restored), np.asarray(x))
   ckpt.close()
@@ -285,7 +305,8 @@ def test_bad_host_dict_and_unknown_step_are_one_line_errors(tmp_path):
 
 def test_earlier_positional_format_is_named_not_treated_as_corrupt(tmp_path):
   d = str(tmp_path / "ckpt")
-  old = ocp.CheckpointManager(d, options=ocp.CheckpointManagerOptions(create=True), item_names=("arrays", "host"))
+  old = ocp.CheckpointManager(d, options=ocp.CheckpointManagerOptions(create=True),
+                              item_names=("arrays", "host"))
   old.save(1, args=ocp.args.Composite(arrays=ocp.args.StandardSave({"00000_a": np.zeros(3)}),
                                       host=ocp.args.JsonSave({"s": 1})))
   old.wait_until_finished()

@@ -213,8 +213,8 @@ def _realistic_records(updates: int) -> list[dict]:
                       "sigma": 0.015, "update_norm": 1.234567, "live_versions": live_versions}})
       return {}
 
-  sim = Simulator(Controller(config, num_tasks=512), workers=64, durations=durations.parse("lognormal:1.0", 60.0, 0),
-                  fitness=Logged())
+  sim = Simulator(Controller(config, num_tasks=512), workers=64,
+                  durations=durations.parse("lognormal:1.0", 60.0, 0), fitness=Logged())
   sim.run(updates)
   return records
 

@@ -285,7 +285,8 @@ class Checkpointer:
     try:
       crc = _json_crc(body)
     except (TypeError, ValueError) as e:
-      raise CheckpointError(f"checkpoint step {step}: the host dict is not JSON-serialisable ({e})") from None
+      raise CheckpointError(f"checkpoint step {step}: the host dict is not JSON-serialisable "
+                            f"({e})") from None
     args[_META] = ocp.args.JsonSave({"body": body, "crc32": crc})
     if not self._manager.save(step, args=ocp.args.Composite(**args)):
       raise CheckpointError(f"orbax declined to save step {step} in {self.directory}")
@@ -293,6 +294,7 @@ class Checkpointer:
   def _supersede(self, step: int) -> None:
     """Steps >= ``step`` belong to a timeline this run has left (it resumed from an older step or
     restarted): move them aside, never delete them."""
+    # The manager's cached listing, so every process of a multi-host run sees the same steps.
     later = [s for s in self.steps() if s >= step]
     if not later:
       return
@@ -360,11 +362,13 @@ class Checkpointer:
             f"steps are moved to {self.superseded_directory}, never deleted) or use a new workdir")
       raise CorruptCheckpoint(self.directory, step, "its meta item is missing")
     try:
-      stored = self._manager.restore(step, args=ocp.args.Composite(**{_META: ocp.args.JsonRestore()}))[_META]
+      args = ocp.args.Composite(**{_META: ocp.args.JsonRestore()})
+      stored = self._manager.restore(step, args=args)[_META]
       body = stored["body"]
       ok = stored["crc32"] == _json_crc(body) and body["format"] == FORMAT
     except Exception as e:   # unreadable or not our layout: the step cannot be trusted
-      raise CorruptCheckpoint(self.directory, step, f"meta unreadable ({type(e).__name__}: {str(e)[:200]})") from None
+      raise CorruptCheckpoint(self.directory, step,
+                              f"meta unreadable ({type(e).__name__}: {str(e)[:200]})") from None
     if not ok:
       raise CorruptCheckpoint(self.directory, step, "meta checksum mismatch")
     return body
@@ -380,16 +384,21 @@ class Checkpointer:
     for n, ref in zip(names, refs):
       expected = _spec(ref)
       if n not in records or not _compatible(records[n], expected):
-        raise CheckpointMismatch(self.directory, step, name, n, _describe(records.get(n)), _describe(expected))
+        raise CheckpointMismatch(self.directory, step, name, n, _describe(records.get(n)),
+                                 _describe(expected))
     extra = [] if partial else [n for n in records if n not in set(names)]
     if extra:
-      raise CheckpointMismatch(self.directory, step, name, extra[0], _describe(records[extra[0]]), "absent")
+      raise CheckpointMismatch(self.directory, step, name, extra[0], _describe(records[extra[0]]),
+                               "absent")
     return [(n, records[n], ref) for n, ref in zip(names, refs)]
 
   def _restore_step(self, step, make_target, items, partial):
     body = self._meta(step)
     targets = make_target(body["host"])
     if items is not None:
+      missing = [k for k in items if k not in targets]
+      if missing:
+        raise CheckpointError(f"restore items {missing}: make_target gave no target for them")
       targets = {k: targets[k] for k in items}
     plans = {k: self._plan(step, k, body["items"].get(k), t, partial) for k, t in targets.items()}
     dirs = {k: body["items"][k]["dir"] for k in targets}
@@ -403,7 +412,8 @@ class Checkpointer:
     try:
       read = self._manager.restore(step, args=ocp.args.Composite(**args)) if args else {}
     except Exception as e:   # tensorstore/orbax failed to read the bytes back
-      raise CorruptCheckpoint(self.directory, step, f"arrays unreadable ({type(e).__name__}: {str(e)[:200]})") from None
+      raise CorruptCheckpoint(self.directory, step,
+                              f"arrays unreadable ({type(e).__name__}: {str(e)[:200]})") from None
     trees = {}
     for k, plan in plans.items():
       values = [read[dirs[k]][r["key"]] for _, r, _ in plan]
@@ -411,7 +421,8 @@ class Checkpointer:
         if s != r["sum"]:
           raise CorruptCheckpoint(self.directory, step, f"checksum mismatch in item {k!r} leaf {n!r}")
       treedef = jax.tree.structure(targets[k])
-      trees[k] = jax.tree.unflatten(treedef, [_decode(r, v, ref) for (_, r, ref), v in zip(plan, values)])
+      leaves = [_decode(r, v, ref) for (_, r, ref), v in zip(plan, values)]
+      trees[k] = jax.tree.unflatten(treedef, leaves)
     return trees, body["host"]
 
   def wait(self) -> None:

@@ -63,7 +63,8 @@ def scan(data: bytes, path: str = "<bytes>") -> tuple[list[dict], list[int], str
       raise CorruptUpdateLog(path, offset, "bad record header")
     end = offset + _HEADER.size + length
     if end > len(data):
-      return records, ends, f"record at offset {offset} has {rest - _HEADER.size} of {length} payload bytes (torn)"
+      return records, ends, (f"record at offset {offset} has {rest - _HEADER.size} of {length} "
+                             f"payload bytes (torn)")
     payload = data[offset + _HEADER.size:end]
     if zlib.crc32(payload) != payload_crc:
       if end == len(data):
@@ -89,7 +90,8 @@ def _fsync_dir(path: str) -> None:
 
 
 class UpdateLog:
-  """``append(record)`` (durable when it returns), ``records()``, ``replay_after(v)``, ``truncate_to(v)``."""
+  """``append(record)`` (durable when it returns), ``records()``, ``replay_after(v)``,
+  ``truncate_to(v)``."""
 
   def __init__(self, path: str):
     self.path = os.path.abspath(path)
@@ -104,7 +106,8 @@ class UpdateLog:
       return b"", [], []
     records, ends, torn = scan(data, self.path)
     if torn and warn:
-      warnings.warn(f"update log {self.path}: dropped {torn}; it was never applied", RuntimeWarning, stacklevel=3)
+      warnings.warn(f"update log {self.path}: dropped {torn}; it was never applied", RuntimeWarning,
+                    stacklevel=3)
     return data, records, ends
 
   def records(self) -> list[dict]:

@@ -135,18 +135,22 @@ def _timeout_s(given: int | None, name: str, default: int) -> int:
   return int(value)
 
 
-def initialize(heartbeat_timeout_s: int | None = None,
+def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
+               process_id: int | None = None, heartbeat_timeout_s: int | None = None,
                shutdown_timeout_s: int | None = None) -> Launch:
   """Join the multi-process run the environment describes, or do nothing for a single process.
 
-  Idempotent. Must run before any JAX computation. Timeouts default to
+  Idempotent. Must run before any JAX computation. The first three arguments (e.g. from command
+  line flags) take the place of ``JAX_COORDINATOR_ADDRESS`` / ``JAX_NUM_PROCESSES`` /
+  ``JAX_PROCESS_ID`` and are checked the same way. Timeouts default to
   ``JAXES_HEARTBEAT_TIMEOUT_S`` / ``JAXES_SHUTDOWN_TIMEOUT_S``, else 60 s / 120 s (JAX's own
   defaults are 100 s / 300 s).
   """
   global _launch
   if _launch is not None:
     return _launch
-  launch = detect()
+  given = dict(zip(EXPLICIT_VARS, (coordinator_address, num_processes, process_id)))
+  launch = detect({**os.environ, **{k: str(v) for k, v in given.items() if v is not None}})
   if not launch.multi_process:
     _launch = launch
     return launch

@@ -273,13 +273,16 @@ def test_layout_rule():
   assert not follows([(0, 1), (1, 2)])                  # process 1 holds parts of two shards
 
 
-@pytest.mark.parametrize("env, message", [
-  ({"JAXES_HEARTBEAT_TIMEOUT_S": "soon"},
+@pytest.mark.parametrize("env, args, message", [
+  ({"JAXES_DISTRIBUTED": "auto", "JAXES_HEARTBEAT_TIMEOUT_S": "soon"}, "",
    "LaunchError: JAXES_HEARTBEAT_TIMEOUT_S='soon': expected a whole number"),
-  ({}, "LaunchError: launch looked like 'auto' but JAX could not tell the coordinator"),
+  ({"JAXES_DISTRIBUTED": "auto"}, "",
+   "LaunchError: launch looked like 'auto' but JAX could not tell the coordinator"),
+  ({}, "coordinator_address='h:1'",   # arguments are checked like the variables
+   "LaunchError: JAX_COORDINATOR_ADDRESS set but JAX_NUM_PROCESSES, JAX_PROCESS_ID not"),
 ])
-def test_forced_auto_launch_fails_with_one_line(env, message):
-  code = "from jaxes import distributed; distributed.initialize()"
-  proc = subprocess.run([sys.executable, "-c", code], env=_env(JAXES_DISTRIBUTED="auto", **env),
-                        capture_output=True, text=True, timeout=60)
+def test_launches_that_cannot_work_fail_with_one_line(env, args, message):
+  code = f"from jaxes import distributed; distributed.initialize({args})"
+  proc = subprocess.run([sys.executable, "-c", code], env=_env(**env), capture_output=True,
+                        text=True, timeout=60)
   assert proc.returncode == 1 and message in proc.stderr

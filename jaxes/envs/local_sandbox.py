@@ -19,6 +19,7 @@ This is weaker isolation than the docker backend (shared kernel, host filesystem
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 import os
@@ -34,7 +35,7 @@ import time
 import uuid
 import warnings
 
-from jaxes.envs import final_tests
+from jaxes.envs import cgroups, final_tests
 from jaxes.envs.sandbox import (ExecResult, OutputCapture, Sandbox, SandboxError, SandboxHandle,
                                 TestReport)
 from jaxes.envs.task import Task
@@ -88,9 +89,10 @@ def _system_binds() -> tuple[str, ...]:
   return tuple(args)
 
 
-def _bwrap_argv(ep_dir: str) -> list[str]:
+def _bwrap_argv(ep_dir: str, tmp_bytes: int = 1 << 30) -> list[str]:
+  size = ["--size", str(tmp_bytes)]
   argv = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", *_system_binds(),
-          "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp", "--tmpfs", "/var/tmp",
+          "--dev", "/dev", "--proc", "/proc", *size, "--tmpfs", "/tmp", *size, "--tmpfs", "/var/tmp",
           "--dir", "/run", "--dir", "/home",
           "--bind", os.path.join(ep_dir, "home"), HOME,
           "--bind", os.path.join(ep_dir, "ctl"), CTL,
@@ -102,7 +104,7 @@ def _bwrap_argv(ep_dir: str) -> list[str]:
 def _unshare_argv(ep_dir: str) -> list[str]:
   # Mapped root inside a fresh user namespace may mount; the mounts vanish with the namespace.
   mounts = [f"mount --bind {ep_dir}/home {HOME}", f"mount --bind {ep_dir}/ctl {CTL}",
-            f"mkdir {CMD} && mount --bind -o ro {ep_dir}/in {CMD}"]
+            f"mkdir {CMD} && mount --bind -o ro,nosuid,nodev {ep_dir}/in {CMD}"]
   script = " && ".join([
       "mount -t tmpfs tmpfs /home", f"mkdir {HOME}",
       "mount -t tmpfs tmpfs /run", f"mkdir {CTL}", *mounts,
@@ -163,6 +165,21 @@ def _warn_unisolated() -> None:
   log.warning(msg)
 
 
+def _warn_weak_limits(have_cgroups: bool, have_mounts: bool) -> None:
+  missing = []
+  if not have_cgroups:
+    missing.append("no per-episode cgroup (needs root and a writable cgroup v2 with memory+pids "
+                   "delegated, or cgroup v1 memory+pids): memory, processes and CPU are limited "
+                   "per process (rlimits) only, not for the episode's processes together")
+  if not have_mounts:
+    missing.append("episode directories are not size-capped tmpfs mounts (needs root): only "
+                   "the per-file size rlimit bounds what an agent writes to disk")
+  if missing:
+    msg = "jaxes local sandbox: " + "; ".join(missing) + "."
+    warnings.warn(msg, RuntimeWarning, stacklevel=3)
+    log.warning(msg)
+
+
 def _default_parent() -> str | None:
   """/dev/shm when usable: episode directories are small and memory-backed directory
   operations are ~100x faster than on disk (closing an episode costs ~0.1 ms, not ~15 ms)."""
@@ -174,14 +191,57 @@ def _default_parent() -> str | None:
   return shm if usable else None
 
 
+_MS_NOSUID, _MS_NODEV, _MNT_DETACH = 2, 4, 2
+_INODES_PER_MB = 256       # a tmpfs's inode cap, so a flood of empty files is bounded too
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _mount_tmpfs(path: str, size_bytes: int) -> None:
+  """A size-capped tmpfs on ``path`` (host mount namespace; needs root)."""
+  inodes = max(size_bytes >> 20, 1) * _INODES_PER_MB
+  opts = f"size={size_bytes},nr_inodes={inodes},mode=0711".encode()
+  if _libc.mount(b"tmpfs", path.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, opts) != 0:
+    err = ctypes.get_errno()
+    raise OSError(err, f"mounting a tmpfs on {path}: {os.strerror(err)}")
+
+
+def _unmount_under(path: str) -> None:
+  """Detaches every mount at or below ``path`` (deepest first)."""
+  path = os.path.abspath(path)
+  with open("/proc/self/mountinfo") as f:
+    points = [line.split()[4].encode().decode("unicode_escape") for line in f]
+  for point in sorted((p for p in points if p == path or p.startswith(path + "/")),
+                      key=len, reverse=True):
+    _libc.umount2(point.encode(), _MNT_DETACH)
+
+
+@functools.lru_cache(maxsize=None)
+def _can_mount(parent: str) -> bool:
+  """Whether we may mount a tmpfs per episode here (root in the host mount namespace)."""
+  if os.geteuid() != 0:
+    return False
+  probe = tempfile.mkdtemp(prefix="jaxes-mount-probe-", dir=parent)
+  try:
+    _mount_tmpfs(probe, 1 << 20)
+  except OSError:
+    return False
+  else:
+    _unmount_under(probe)
+    return True
+  finally:
+    os.rmdir(probe)
+
+
 def remove_orphans(parent: str) -> int:
   """Removes episode roots under ``parent`` left by processes that died without ``shutdown``
-  (killed runs); returns how many. Roots carry their creator's pid in their name."""
+  (killed runs), their episode mounts included; returns how many. Roots carry their
+  creator's pid in their name."""
   removed = 0
   for name in os.listdir(parent):
     m = re.fullmatch(re.escape(_ROOT_PREFIX) + r"(\d+)-\w+", name)
     if not m or _pid_alive(int(m.group(1))):
       continue
+    _unmount_under(os.path.join(parent, name))
     _rmtree(os.path.join(parent, name))
     removed += 1
   return removed
@@ -238,18 +298,29 @@ class LocalSandbox(Sandbox):
   isolation: "auto" (bwrap, else unshare, else "none" with a warning), or one of them.
   run_as_uid: uid commands run as; default 65534 (nobody) when we are root, else our own.
   use_pytest: run final tests with real pytest instead of the light in-process runner.
+  cpus: CPU quota of each episode's cgroup (None: no quota).
+
+  As root, each episode gets a cgroup (memory = ``Limits.memory_mb`` and pids =
+  ``Limits.processes`` for all its processes together, ``cpus``) and its directory is a tmpfs
+  of ``Limits.disk_mb``; where either is impossible a warning says what is missing.
+  ``cgroups`` (None when unavailable) and ``mounts`` tell which apply.
   """
 
   def __init__(self, root_dir: str | None = None, isolation: str = "auto",
-               run_as_uid: int | None = None, use_pytest: bool = False):
+               run_as_uid: int | None = None, use_pytest: bool = False,
+               cpus: float | None = 1.0):
     if run_as_uid is None and os.geteuid() == 0:
       run_as_uid = NOBODY
     self.uid = run_as_uid if run_as_uid != os.geteuid() else None
     self.isolation = resolve_isolation(isolation, self.uid)
     self.use_pytest = use_pytest
+    self.cpus = cpus
     self._own_root = root_dir is None
     if root_dir is None:
-      parent = _default_parent() or tempfile.gettempdir()
+      # Episode directories are capped tmpfs mounts where we may mount (their mount points
+      # may then live in RAM), else plain directories that belong on disk, not in /dev/shm.
+      shm = _default_parent()
+      parent = shm if shm and _can_mount(shm) else tempfile.gettempdir()
       remove_orphans(parent)
       root_dir = tempfile.mkdtemp(prefix=f"{_ROOT_PREFIX}{os.getpid()}-", dir=parent)
     self.root_dir = root_dir
@@ -257,6 +328,12 @@ class LocalSandbox(Sandbox):
     os.chmod(self.root_dir, 0o711)   # the sandbox uid must traverse it to reach its episode
     if self.uid is not None:
       _check_searchable(self.root_dir, self.uid)
+    self.mounts = _can_mount(self.root_dir)
+    layout = cgroups.layout() if os.geteuid() == 0 else None
+    if layout is not None:
+      cgroups.remove_orphans(layout)
+    self.cgroups = cgroups.RunCgroups(layout) if layout is not None else None
+    _warn_weak_limits(self.cgroups is not None, self.mounts)
     self._live: set[LocalHandle] = set()
     self._lock = threading.Lock()
 
@@ -277,7 +354,10 @@ class LocalSandbox(Sandbox):
       live = list(self._live)
     for handle in live:
       handle.close()
+    if self.cgroups is not None:
+      self.cgroups.remove()
     if self._own_root:
+      _unmount_under(self.root_dir)
       _rmtree(self.root_dir)
 
   def leftovers(self) -> dict[str, int]:
@@ -303,11 +383,18 @@ class LocalHandle(SandboxHandle):
     # Written by us and mounted read-only: never write into a directory the agent controls
     # (as root, a planted symlink there would redirect our write onto a host file).
     self.cmd_dir = os.path.join(ep_dir, "in")
+    self.cgroup: cgroups.EpisodeCgroup | None = None
     self._closed = False
 
   # ---- set-up -------------------------------------------------------------------------------
   def _prepare(self) -> None:
+    limits = self.task.limits
     os.mkdir(self.ep_dir, 0o711)
+    if self._sb.mounts:
+      _mount_tmpfs(self.ep_dir, limits.disk_mb << 20)
+    if self._sb.cgroups is not None:
+      self.cgroup = self._sb.cgroups.episode(limits.memory_mb << 20, limits.processes,
+                                             self._sb.cpus)
     os.mkdir(self.home, 0o755)
     os.mkdir(self.ctl, 0o700)
     os.mkdir(self.cmd_dir, 0o755)
@@ -333,8 +420,11 @@ class LocalHandle(SandboxHandle):
                        "sandbox can only place files under it (use setup, or the docker backend)")
     dest = os.path.join(self.home, rel)
     os.makedirs(os.path.dirname(dest), exist_ok=True)
-    with open(dest, "wb") as f:
-      f.write(data)
+    try:
+      with open(dest, "wb") as f:
+        f.write(data)
+    except OSError as e:   # e.g. the task's files exceed Limits.disk_mb
+      raise SandboxError(f"task {self.task.name!r}: placing {path} failed: {e}") from e
 
   def _chown_tree(self, top: str) -> None:
     uid = self._sb.uid
@@ -375,7 +465,7 @@ class LocalHandle(SandboxHandle):
   def _argv(self, inner: list[str]) -> list[str]:
     iso = self._sb.isolation
     if iso == "bwrap":
-      return _bwrap_argv(self.ep_dir) + inner
+      return _bwrap_argv(self.ep_dir, self.task.limits.disk_mb << 20) + inner
     if iso == "unshare":
       return _unshare_argv(self.ep_dir) + inner
     return inner
@@ -396,13 +486,23 @@ class LocalHandle(SandboxHandle):
       one_line = "; ".join(line for line in prelude.splitlines() if line.strip())
       argv = ["bash", "--noprofile", "--norc", "-c", one_line]
     full = self._argv(argv)
+    as_user = _as_user(self._sb.uid)
+    if self.cgroup is not None:
+      # A root sh joins the episode's cgroup, then becomes the sandbox uid: nothing the
+      # command forks can start outside the cgroup.
+      drop = [] if self._sb.uid is None else [
+          "setpriv", f"--reuid={self._sb.uid}", f"--regid={self._sb.uid}", "--clear-groups",
+          "--inh-caps=-all", "--"]
+      full = ["sh", "-c", cgroups.JOIN_SH, "jaxes-join", *self.cgroup.procs_files, "--",
+              *drop, *full]
+      as_user = {}
     cwd = self.home if self._sb.isolation == "none" else "/"
     capture = OutputCapture(limits.output_chars)
     try:
       proc = subprocess.Popen(full, stdin=subprocess.DEVNULL if stdin_data is None else subprocess.PIPE,
                               stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, env=self._env(), cwd=cwd,
-                              start_new_session=True, close_fds=True, **_as_user(self._sb.uid))
+                              start_new_session=True, close_fds=True, **as_user)
     except OSError as e:
       raise SandboxError(f"could not start a sandboxed command: {e}") from e
     if stdin_data is not None:   # from a thread: a payload larger than the pipe must not block us
@@ -434,6 +534,8 @@ class LocalHandle(SandboxHandle):
     MAC verifies."""
     if not os.path.isdir(self.home):
       raise FileNotFoundError(f"{self.home} vanished")
+    if self.cgroup is not None and not self.cgroup.kill():
+      raise SandboxError("could not kill the agent's processes before the final tests")
     source = self.task.final_tests
     names = final_tests.plain_test_names(source)
     runner = "light" if names is not None and not self._sb.use_pytest else "pytest"
@@ -464,7 +566,13 @@ class LocalHandle(SandboxHandle):
       return
     self._closed = True
     try:
+      if self.cgroup is not None:
+        self.cgroup.kill()
+      if self._sb.mounts:
+        _unmount_under(self.ep_dir)
       _rmtree(self.ep_dir)
+      if self.cgroup is not None:
+        self.cgroup.remove()
     except Exception:   # close never raises; a leftover shows up in leftovers()
       log.exception("could not remove %s", self.ep_dir)
     self._sb._forget(self)

@@ -15,6 +15,7 @@ class Limits:
   memory_mb: int = 2048        # address space / container memory
   processes: int = 256         # RLIMIT_NPROC / container pids
   file_size_mb: int = 256      # RLIMIT_FSIZE
+  disk_mb: int = 1024          # local backend: size cap of the episode's files (and of each /tmp)
   output_chars: int = 50_000   # observation cap (head + tail kept)
 
 

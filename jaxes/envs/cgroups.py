@@ -1,0 +1,284 @@
+"""Per-episode cgroups for the local sandbox: memory, processes and CPU of an episode as a whole.
+
+rlimits bound each process; a cgroup bounds all of an episode's processes together (three
+1.5 GB processes cannot take 4.5 GB of a 2 GB episode). We use cgroup v2 where our own cgroup
+can hand the memory and pids controllers to children, else the cgroup v1 memory, pids and cpu
+hierarchies; ``layout()`` is None where neither is writable (not root, a read-only cgroupfs),
+and the caller warns. Every process of an episode is started by a root ``sh`` that writes
+itself into the episode's ``cgroup.procs`` files and only then execs the sandbox as the
+agent's uid, so nothing it forks is ever outside the cgroup.
+
+Cgroups are named ``jaxes-<pid>-<hex>/ep-<hex>`` under our own cgroup; ``remove_orphans``
+removes those of dead runs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+import re
+import signal
+import time
+import uuid
+
+log = logging.getLogger(__name__)
+
+V1_CONTROLLERS = ("memory", "pids", "cpu")   # memory and pids are required, cpu is optional
+_PREFIX = "jaxes-"
+_KILL_ROUNDS = 200
+
+# Moves itself into every cgroup.procs named before "--", then execs the rest.
+JOIN_SH = ('for f; do [ "$f" = -- ] && break; echo 0 > "$f" || exit 126; shift; done; '
+           'shift; exec "$@"')
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """Where runs' cgroups go: one directory per hierarchy (v2: one for all controllers)."""
+  version: int
+  bases: tuple[str, ...]
+  controllers: tuple[str, ...]
+
+
+def _mount_points() -> dict[str, tuple[str, str]]:
+  """controller ("" for v2) -> (mount point, mount root) of the cgroup filesystems."""
+  found = {}
+  with open("/proc/self/mountinfo") as f:
+    for line in f:
+      left, _, right = line.partition(" - ")
+      fields, (fstype, _source, options) = left.split(), right.split()[:3]
+      root, point = fields[3], fields[4].replace("\\040", " ")
+      if fstype == "cgroup2":
+        found.setdefault("", (point, root))
+      elif fstype == "cgroup":
+        for name in options.split(","):
+          if name in V1_CONTROLLERS:
+            found.setdefault(name, (point, root))
+  return found
+
+
+def _own_paths() -> dict[str, str]:
+  """controller ("" for v2) -> our cgroup's path in that hierarchy."""
+  paths = {}
+  with open("/proc/self/cgroup") as f:
+    for line in f:
+      _, names, path = line.rstrip("\n").split(":", 2)
+      for name in names.split(",") if names else [""]:
+        paths[name] = path
+  return paths
+
+
+def _own_dir(point: str, root: str, path: str) -> str:
+  """The directory of cgroup ``path`` in a hierarchy mounted at ``point`` from ``root``."""
+  rel = os.path.relpath(path, root) if root != "/" and path.startswith(root) else path.lstrip("/")
+  return os.path.normpath(os.path.join(point, "" if rel == "." else rel))
+
+
+def _write(path: str, value: str) -> None:
+  with open(path, "w") as f:
+    f.write(value)
+
+
+def _try_v2(mounts, own) -> Layout | None:
+  if "" not in mounts or "" not in own:
+    return None
+  base = _own_dir(*mounts[""], own[""])
+  try:
+    with open(os.path.join(base, "cgroup.controllers")) as f:
+      available = f.read().split()
+  except OSError:
+    return None
+  if not {"memory", "pids"} <= set(available):
+    return None
+  wanted = [c for c in ("memory", "pids", "cpu") if c in available]
+  try:   # a non-root cgroup with processes in it cannot delegate (no internal processes)
+    _write(os.path.join(base, "cgroup.subtree_control"), " ".join("+" + c for c in wanted))
+    probe = os.path.join(base, f"{_PREFIX}probe-{uuid.uuid4().hex[:8]}")
+    os.mkdir(probe)
+    os.rmdir(probe)
+  except OSError:
+    return None
+  return Layout(2, (base,), tuple(wanted))
+
+
+def _try_v1(mounts, own) -> Layout | None:
+  bases, names = [], []
+  for name in V1_CONTROLLERS:
+    if name not in mounts or name not in own:
+      continue
+    base = _own_dir(*mounts[name], own[name])
+    probe = os.path.join(base, f"{_PREFIX}probe-{uuid.uuid4().hex[:8]}")
+    try:
+      os.mkdir(probe)
+      os.rmdir(probe)
+    except OSError:
+      continue
+    bases.append(base)
+    names.append(name)
+  if not {"memory", "pids"} <= set(names):
+    return None
+  return Layout(1, tuple(bases), tuple(names))
+
+
+@functools.lru_cache(maxsize=None)
+def layout() -> Layout | None:
+  """How this machine lets us make cgroups, or None (checked once per process)."""
+  try:
+    mounts, own = _mount_points(), _own_paths()
+  except OSError:
+    return None
+  return _try_v2(mounts, own) or _try_v1(mounts, own)
+
+
+def _procs(directory: str) -> list[int]:
+  try:
+    with open(os.path.join(directory, "cgroup.procs")) as f:
+      return [int(line) for line in f if line.strip()]
+  except (FileNotFoundError, ProcessLookupError):
+    return []
+
+
+def _kill_all(directory: str) -> bool:
+  """SIGKILLs every process in ``directory``'s cgroup until it is empty; True when it is."""
+  kill_file = os.path.join(directory, "cgroup.kill")   # v2, Linux 5.14+: one atomic pass
+  if os.path.exists(kill_file):
+    try:
+      _write(kill_file, "1")
+    except OSError:
+      pass
+  for _ in range(_KILL_ROUNDS):   # v1: repeat, a fork may land between reading and killing
+    pids = _procs(directory)
+    if not pids:
+      return True
+    for pid in pids:
+      try:
+        os.kill(pid, signal.SIGKILL)
+      except ProcessLookupError:
+        pass
+    time.sleep(0.005)
+  return not _procs(directory)
+
+
+def _rmdir(directory: str) -> None:
+  if not os.path.isdir(directory):
+    return
+  for child in os.listdir(directory):
+    path = os.path.join(directory, child)
+    if os.path.isdir(path):
+      _rmdir(path)
+  _kill_all(directory)
+  for _ in range(100):   # a killed process leaves its cgroup only once it is reaped
+    try:
+      os.rmdir(directory)
+      return
+    except FileNotFoundError:
+      return
+    except OSError:
+      time.sleep(0.01)
+  log.warning("could not remove cgroup %s", directory)
+
+
+class EpisodeCgroup:
+  """One episode's cgroup (one directory per v1 hierarchy)."""
+
+  def __init__(self, lay: Layout, dirs: list[str]):
+    self.layout = lay
+    self.dirs = dirs
+
+  @property
+  def procs_files(self) -> list[str]:
+    return [os.path.join(d, "cgroup.procs") for d in self.dirs]
+
+  def _dir(self, controller: str) -> str | None:
+    if self.layout.version == 2:
+      return self.dirs[0]
+    if controller in self.layout.controllers:
+      return self.dirs[self.layout.controllers.index(controller)]
+    return None
+
+  def memory_peak(self) -> int | None:
+    """The most memory the episode's processes held together, in bytes (kernel's count)."""
+    name = "memory.peak" if self.layout.version == 2 else "memory.max_usage_in_bytes"
+    try:
+      with open(os.path.join(self._dir("memory"), name)) as f:
+        return int(f.read())
+    except (OSError, ValueError):
+      return None
+
+  def kill(self) -> bool:
+    return all([_kill_all(d) for d in self.dirs])
+
+  def remove(self) -> None:
+    for d in self.dirs:
+      _rmdir(d)
+
+
+class RunCgroups:
+  """A sandbox's cgroups: ``jaxes-<pid>-<hex>`` in each hierarchy, one child per episode."""
+
+  def __init__(self, lay: Layout):
+    self.layout = lay
+    name = f"{_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    self.dirs = [os.path.join(base, name) for base in lay.bases]
+    for d in self.dirs:
+      os.mkdir(d)
+    if lay.version == 2:
+      _write(os.path.join(self.dirs[0], "cgroup.subtree_control"),
+             " ".join("+" + c for c in lay.controllers))
+
+  def episode(self, memory_bytes: int, pids: int, cpus: float | None) -> EpisodeCgroup:
+    name = f"ep-{uuid.uuid4().hex[:12]}"
+    cg = EpisodeCgroup(self.layout, [os.path.join(d, name) for d in self.dirs])
+    try:
+      for d in cg.dirs:
+        os.mkdir(d)
+      quota = None if cpus is None else max(int(cpus * 100_000), 1000)
+      if self.layout.version == 2:
+        d = cg.dirs[0]
+        _write(os.path.join(d, "memory.max"), str(memory_bytes))
+        if os.path.exists(os.path.join(d, "memory.swap.max")):
+          _write(os.path.join(d, "memory.swap.max"), "0")
+        _write(os.path.join(d, "pids.max"), str(pids))
+        if quota and "cpu" in self.layout.controllers:
+          _write(os.path.join(d, "cpu.max"), f"{quota} 100000")
+      else:
+        mem = cg._dir("memory")
+        _write(os.path.join(mem, "memory.limit_in_bytes"), str(memory_bytes))
+        if os.path.exists(os.path.join(mem, "memory.memsw.limit_in_bytes")):
+          _write(os.path.join(mem, "memory.memsw.limit_in_bytes"), str(memory_bytes))
+        _write(os.path.join(cg._dir("pids"), "pids.max"), str(pids))
+        cpu = cg._dir("cpu")
+        if quota and cpu:
+          _write(os.path.join(cpu, "cpu.cfs_period_us"), "100000")
+          _write(os.path.join(cpu, "cpu.cfs_quota_us"), str(quota))
+    except BaseException:
+      cg.remove()
+      raise
+    return cg
+
+  def remove(self) -> None:
+    for d in self.dirs:
+      _rmdir(d)
+
+
+def _pid_alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True
+  return True
+
+
+def remove_orphans(lay: Layout) -> int:
+  """Removes the cgroups of runs whose process is dead; returns how many."""
+  removed = 0
+  for base in lay.bases:
+    for name in os.listdir(base):
+      m = re.fullmatch(re.escape(_PREFIX) + r"(\d+)-\w+", name)
+      if m and not _pid_alive(int(m.group(1))):
+        _rmdir(os.path.join(base, name))
+        removed += 1
+  return removed

@@ -1,0 +1,82 @@
+"""Limits that hold for an episode as a whole: its processes' combined memory, and the disk it
+may fill (local backend: a per-episode cgroup and a size-capped tmpfs; docker: the container's
+memory limit). Where the machine cannot give a guarantee the test skips, saying why."""
+import os
+import shutil
+import tempfile
+
+import pytest
+
+from jaxes.envs import make_sandbox
+from jaxes.envs.check import descendant_processes
+from jaxes.envs.task import Limits, Task
+
+MEMORY_MB = 300
+# Three processes of 200 MB each, alive together for a second: 600 MB > 300 MB.
+THREE_HOGS = ("for i in 1 2 3; do python3 -c 'import time; b = b\"x\" * (200 << 20); "
+              "time.sleep(1.5); print(\"done\", flush=True)' & done; wait; echo end")
+
+
+def _docker_or_skip():
+  docker = pytest.importorskip("docker")
+  try:
+    client = docker.from_env()
+    client.ping()
+    client.images.get("jaxes-sandbox:latest")
+  except Exception as err:
+    pytest.skip(f"no docker engine or image ({err}); run `bash launch/docker/setup.sh`")
+
+
+@pytest.fixture(scope="module", params=["local", "docker"])
+def sandbox(request):
+  if request.param == "docker":
+    _docker_or_skip()
+  sb = make_sandbox(request.param)
+  yield sb
+  sb.shutdown()
+
+
+def test_combined_memory_of_an_episode_stays_under_its_limit(sandbox):
+  if getattr(sandbox, "cgroups", True) is None:
+    pytest.skip("no per-episode cgroup on this machine (needs root and cgroup v2 with memory "
+                "and pids delegated, or cgroup v1): memory is limited per process only")
+  task = Task(name="hogs", instruction="x",
+              limits=Limits(memory_mb=MEMORY_MB, command_timeout_s=30))
+  with sandbox.start(task) as handle:
+    res = handle.exec(THREE_HOGS, 30)
+    assert res.output.strip().endswith("end"), res
+    # Not all three ever held their 200 MB at once: the cgroup's OOM killer stopped the others.
+    assert res.output.splitlines().count("done") <= 1, res.output
+    cgroup = getattr(handle, "cgroup", None)
+    if cgroup is not None:   # the kernel's own peak of the episode's processes together
+      assert 0 < cgroup.memory_peak() <= MEMORY_MB << 20
+    assert handle.exec("echo alive", 10).output == "alive\n"
+  assert descendant_processes() == 0
+
+
+def _free_bytes() -> dict[str, int]:
+  return {path: shutil.disk_usage(path).free for path in {"/dev/shm", tempfile.gettempdir(), "/"}
+          if os.path.isdir(path)}
+
+
+def test_disk_filling_fails_inside_the_episode_and_the_host_keeps_its_space(sandbox):
+  if not getattr(sandbox, "mounts", False):
+    pytest.skip("episode directories are not size-capped here (local backend as non-root, or "
+                "docker: no per-container disk quota on overlay2 without xfs project quotas)")
+  task = Task(name="fill", instruction="x",
+              limits=Limits(disk_mb=64, file_size_mb=4096, command_timeout_s=30))
+  before = _free_bytes()
+  with sandbox.start(task) as handle:
+    res = handle.exec("for i in 1 2 3 4; do head -c 50M /dev/zero > /home/user/f$i || break; "
+                      "done; du -sm /home/user | cut -f1", 30)
+    assert "No space left on device" in res.output, res
+    assert int(res.output.split()[-1]) <= 64
+    res = handle.exec("head -c 2G /dev/zero > /tmp/big; echo $?; du -sm /tmp | cut -f1", 30)
+    assert "No space left on device" in res.output and int(res.output.split()[-1]) <= 64, res
+    res = handle.exec("for i in $(seq 1 40000); do : > /home/user/e$i || break; done; echo $i", 60)
+    assert "No space left on device" in res.output, res   # inodes are capped too
+    assert handle.exec("rm -f /home/user/f* /home/user/e*; echo ok > /home/user/ok; cat ok",
+                       10).output == "ok\n"   # the episode goes on
+  after = _free_bytes()
+  for path, free in before.items():   # other processes share the disk: allow 32 MB of drift
+    assert abs(after[path] - free) < 32 << 20, (path, free, after[path])

@@ -7,8 +7,10 @@ gradient accumulation over fixed-shape micro-batches under one jitted step.
     state, metrics = learner.step(state, batch)  # batch: jaxes.rl.batch.Batch
 
 With ``master_weights`` and non-float32 params the state keeps a float32 copy that AdamW
-updates (its moments are float32 too); the forward runs on the params cast from it. The step
-donates ``state``: keep no other reference to its arrays.
+updates (its moments are float32 too); the forward runs on the params cast from it. ``init``
+copies what it is given; ``step`` donates ``state`` (so a step holds one copy of the params and
+moments, not two): a caller that needs an older version's params afterwards (an engine decoding
+stale episodes) keeps its own ``jax.tree.map(jnp.copy, state.params)``.
 """
 from __future__ import annotations
 
@@ -127,6 +129,7 @@ class GRPOLearner:
   def init(self, params, ref_params=None) -> LearnerState:
     """``ref_params``: the KL reference (default: a copy of ``params``) when ``kl_coef`` > 0."""
     c = self.config
+    params = jax.tree.map(jnp.copy, params)
     master = None
     if c.master_weights and not _is_f32(params):
       master = jax.tree.map(lambda x: x.astype(jnp.float32), params)
@@ -187,7 +190,7 @@ class GRPOLearner:
     else:
       params = jax.tree.map(lambda m, p: m.astype(p.dtype), target, state.params)
       master = target
-    metrics = dict(loss=loss, grad_norm=optax.global_norm(grads),
+    metrics = dict(loss=loss, grad_norm=optax.tree.norm(grads),
                    tokens=batch.sampled.sum(dtype=jnp.int32),
                    episodes=(batch.group_ids >= 0).sum(dtype=jnp.int32), **sums)
     return LearnerState(params, master, opt_state, state.ref_params, state.step + 1), metrics

@@ -12,9 +12,10 @@ import pytest
 from helpers_models import tiny_model, tiny_tokenizer
 
 from jaxes.models import qwen2
-from jaxes.rl import GRPOConfig, GRPOLearner, build_batch, episode_from_messages, episode_from_turns
 from jaxes.rl import objective
-from jaxes.rl.batch import EpisodeTokens
+from jaxes.rl.batch import EpisodeTokens, build_batch, episode_from_messages, episode_from_turns
+from jaxes.rl.config import GRPOConfig
+from jaxes.rl.grpo import GRPOLearner
 from jaxes.rollout import chat, sampling
 from jaxes.rollout.engine import Engine
 
@@ -434,3 +435,28 @@ def test_build_batch_rejects_bad_input():
     build_batch(episodes, [0.0, 1.0], [0, 0], seq_len=SEQ, num_rows=1)
   batch = build_batch(episodes, [0.0, 1.0], ["t7", "t7"], seq_len=SEQ, num_rows=4)
   assert batch.group_ids.tolist() == [0, 0, -1, -1] and not batch.valid[2:].any()
+
+
+def test_demo_grpo_run_config():
+  import pathlib
+  from jaxes.rl import config as run_config
+  from jaxes.train.config import load_config_file
+  c = load_config_file(pathlib.Path(__file__).resolve().parents[1] / "configs" / "demo_grpo.py")
+  learner = run_config.from_run_config(c)
+  assert learner.temperature == c.rollout.temperature == 1.0 and learner.micro_batches == 4
+  assert c.grpo.group_size * c.grpo.tasks_per_update == 32 and c.controller.max_staleness == 0
+  assert set(run_config.default_config()) == set(c.grpo)
+  for key, value, match in [("group_size", 1, r"config\.grpo\.group_size: must be an int >= 2"),
+                            ("seq_len", 4096, r"config\.grpo\.seq_len: must be <= config\.rollout\.max_len"),
+                            ("micro_batches", 3, r"config\.grpo\.micro_batches: must divide"),
+                            ("aggregation", "mean", r"config\.grpo\.aggregation: must be one of"),
+                            ("temperature", 1.0, r"config\.grpo\.temperature: set config\.rollout\.temperature")]:
+    bad = c.copy_and_resolve_references()
+    with bad.unlocked():
+      bad.grpo[key] = value
+    with pytest.raises(ValueError, match=match):
+      run_config.from_run_config(bad)
+  greedy = c.copy_and_resolve_references()
+  greedy.rollout.temperature = 0.0
+  with pytest.raises(ValueError, match=r"config\.rollout\.temperature: must be > 0"):
+    run_config.from_run_config(greedy)

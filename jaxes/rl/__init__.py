@@ -1,6 +1,7 @@
-"""Gradient-based RL baselines on the same engine, environments and metrics as ES (GRPO)."""
-from jaxes.rl.batch import Batch, EpisodeTokens, build_batch, episode_from_messages, episode_from_turns
-from jaxes.rl.grpo import GRPOConfig, GRPOLearner, LearnerState
+"""Gradient-based RL baselines on the same engine, environments and metrics as ES.
 
-__all__ = ["Batch", "EpisodeTokens", "GRPOConfig", "GRPOLearner", "LearnerState", "build_batch",
-           "episode_from_messages", "episode_from_turns"]
+  jaxes.rl.batch      episodes (engine turns or transcripts) -> fixed-shape training batches
+  jaxes.rl.objective  group advantages, token weights, clipped ratio + k3 KL, teacher-forced log-probs
+  jaxes.rl.config     GRPOConfig and the run config's ``grpo`` block (no JAX import)
+  jaxes.rl.grpo       GRPOLearner: init(params) -> state, step(state, batch) -> (state, metrics)
+"""

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -24,78 +24,7 @@ import optax
 
 from jaxes.rl import objective
 from jaxes.rl.batch import Batch
-
-
-@dataclasses.dataclass(frozen=True)
-class GRPOConfig:
-  learning_rate: float = 1e-6
-  warmup_steps: int = 0            # linear warm-up from 0, then constant
-  weight_decay: float = 0.0
-  adam_b1: float = 0.9
-  adam_b2: float = 0.999
-  adam_eps: float = 1e-8
-  max_grad_norm: float = 1.0       # 0 = no clipping
-  clip_eps_low: float = 0.2        # ratio clipped to [1 - low, 1 + high] (DAPO: high 0.28)
-  clip_eps_high: float = 0.2
-  kl_coef: float = 0.0             # > 0: k3 KL to the reference params given to init
-  advantage: str = "zscore"        # "zscore" (GRPO) or "centered" (Dr.GRPO: no std division)
-  advantage_eps: float = 1e-6
-  aggregation: str = "token"       # "token" or "sequence" mean over the sampled tokens
-  micro_batches: int = 1           # the batch's rows are split into this many, grads summed
-  remat: bool = False              # jax.checkpoint around each micro-batch's forward
-  master_weights: bool = True      # float32 master copy (and moments) when params are not f32
-  temperature: float = 1.0         # of the sampling distribution the log-probs are under
-  top_p: float = 1.0
-
-  def __post_init__(self):
-    def fail(key, why):
-      raise ValueError(f"GRPOConfig.{key}: {why}, got {getattr(self, key)!r}")
-
-    def number(key):
-      v = getattr(self, key)
-      if isinstance(v, bool) or not isinstance(v, (int, float)):
-        fail(key, "must be a number")
-      return v
-
-    if not number("learning_rate") > 0:
-      fail("learning_rate", "must be > 0")
-    for key in ("weight_decay", "max_grad_norm", "kl_coef", "adam_eps"):
-      if number(key) < 0:
-        fail(key, "must be >= 0")
-    for key in ("adam_b1", "adam_b2"):
-      if not 0 <= number(key) < 1:
-        fail(key, "must be in [0, 1)")
-    if not 0 < number("clip_eps_low") < 1:
-      fail("clip_eps_low", "must be in (0, 1)")
-    if not number("clip_eps_high") > 0:
-      fail("clip_eps_high", "must be > 0")
-    if not number("advantage_eps") > 0:
-      fail("advantage_eps", "must be > 0")
-    if not number("temperature") > 0:
-      fail("temperature", "must be > 0 (GRPO needs sampled episodes; greedy has no log-probs)")
-    if not 0 < number("top_p") <= 1:
-      fail("top_p", "must be in (0, 1]")
-    for key in ("warmup_steps", "micro_batches"):
-      v = getattr(self, key)
-      if isinstance(v, bool) or not isinstance(v, int) or v < (1 if key == "micro_batches" else 0):
-        fail(key, f"must be an int >= {1 if key == 'micro_batches' else 0}")
-    if self.advantage not in objective.ADVANTAGES:
-      fail("advantage", f"must be one of {objective.ADVANTAGES}")
-    if self.aggregation not in objective.AGGREGATIONS:
-      fail("aggregation", f"must be one of {objective.AGGREGATIONS}")
-    for key in ("remat", "master_weights"):
-      if not isinstance(getattr(self, key), bool):
-        fail(key, "must be a bool")
-
-  @classmethod
-  def from_dict(cls, d: Mapping[str, Any]) -> "GRPOConfig":
-    """From a config block (a ``ConfigDict`` or dict); an unknown key is an error naming it."""
-    d = dict(d)
-    known = {f.name for f in dataclasses.fields(cls)}
-    for key in d:
-      if key not in known:
-        raise ValueError(f"GRPOConfig.{key}: unknown key; known: {', '.join(sorted(known))}")
-    return cls(**d)
+from jaxes.rl.config import GRPOConfig
 
 
 @jax.tree_util.register_dataclass

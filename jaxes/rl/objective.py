@@ -11,10 +11,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxes.models import qwen2
+from jaxes.rl.config import ADVANTAGES, AGGREGATIONS
 from jaxes.rollout import sampling
-
-AGGREGATIONS = ("token", "sequence")
-ADVANTAGES = ("zscore", "centered")
 
 
 def group_advantages(rewards: jax.Array, group_ids: jax.Array, kind: str = "zscore",

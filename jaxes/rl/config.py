@@ -1,0 +1,133 @@
+"""The GRPO learner's configuration (no JAX here: config validation imports it cheaply).
+
+``GRPOConfig`` is what ``GRPOLearner`` takes. A run config's ``grpo`` block (``default_config``)
+holds those fields plus the trainer's own (``TRAINER_KEYS``); ``from_run_config`` checks the
+block, the rollout settings GRPO depends on, and builds the learner's config, every error naming
+its key.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+ADVANTAGES = ("zscore", "centered")
+AGGREGATIONS = ("token", "sequence")
+
+# The trainer's keys of the ``grpo`` block, beside GRPOConfig's fields, with their defaults.
+TRAINER_KEYS = dict(
+  group_size=8,          # episodes per task (G); a group's advantages are relative to each other
+  tasks_per_update=4,    # groups per learner batch: group_size * tasks_per_update episode rows
+  seq_len=0,             # token rows of a batch; 0 = rollout.max_len (which bounds every episode)
+  updates_per_batch=1,   # learner steps per batch; later ones are off-policy (the ratio corrects)
+)
+# GRPOConfig fields that come from the rollout block, not the grpo block.
+FROM_ROLLOUT = ("temperature", "top_p")
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOConfig:
+  learning_rate: float = 1e-6
+  warmup_steps: int = 0            # linear warm-up from 0, then constant
+  weight_decay: float = 0.0
+  adam_b1: float = 0.9
+  adam_b2: float = 0.999
+  adam_eps: float = 1e-8
+  max_grad_norm: float = 1.0       # 0 = no clipping
+  clip_eps_low: float = 0.2        # ratio clipped to [1 - low, 1 + high] (DAPO: high 0.28)
+  clip_eps_high: float = 0.2
+  kl_coef: float = 0.0             # > 0: k3 KL to the reference params given to init
+  advantage: str = "zscore"        # "zscore" (GRPO) or "centered" (Dr.GRPO: no std division)
+  advantage_eps: float = 1e-6
+  aggregation: str = "token"       # "token" or "sequence" mean over the sampled tokens
+  micro_batches: int = 1           # the batch's rows are split into this many, grads summed
+  remat: bool = False              # jax.checkpoint around each micro-batch's forward
+  master_weights: bool = True      # float32 master copy (and moments) when params are not f32
+  temperature: float = 1.0         # of the sampling distribution the log-probs are under
+  top_p: float = 1.0
+
+  def __post_init__(self):
+    def fail(key, why):
+      raise ValueError(f"GRPOConfig.{key}: {why}, got {getattr(self, key)!r}")
+
+    def number(key):
+      v = getattr(self, key)
+      if isinstance(v, bool) or not isinstance(v, (int, float)):
+        fail(key, "must be a number")
+      return v
+
+    if not number("learning_rate") > 0:
+      fail("learning_rate", "must be > 0")
+    for key in ("weight_decay", "max_grad_norm", "kl_coef", "adam_eps"):
+      if number(key) < 0:
+        fail(key, "must be >= 0")
+    for key in ("adam_b1", "adam_b2"):
+      if not 0 <= number(key) < 1:
+        fail(key, "must be in [0, 1)")
+    if not 0 < number("clip_eps_low") < 1:
+      fail("clip_eps_low", "must be in (0, 1)")
+    if not number("clip_eps_high") > 0:
+      fail("clip_eps_high", "must be > 0")
+    if not number("advantage_eps") > 0:
+      fail("advantage_eps", "must be > 0")
+    if not number("temperature") > 0:
+      fail("temperature", "must be > 0 (GRPO needs sampled episodes; greedy has no log-probs)")
+    if not 0 < number("top_p") <= 1:
+      fail("top_p", "must be in (0, 1]")
+    for key in ("warmup_steps", "micro_batches"):
+      v = getattr(self, key)
+      if isinstance(v, bool) or not isinstance(v, int) or v < (1 if key == "micro_batches" else 0):
+        fail(key, f"must be an int >= {1 if key == 'micro_batches' else 0}")
+    if self.advantage not in ADVANTAGES:
+      fail("advantage", f"must be one of {ADVANTAGES}")
+    if self.aggregation not in AGGREGATIONS:
+      fail("aggregation", f"must be one of {AGGREGATIONS}")
+    for key in ("remat", "master_weights"):
+      if not isinstance(getattr(self, key), bool):
+        fail(key, "must be a bool")
+
+  @classmethod
+  def from_dict(cls, d: Mapping[str, Any]) -> "GRPOConfig":
+    """From a config block (a ``ConfigDict`` or dict); an unknown key is an error naming it."""
+    d = dict(d)
+    known = {f.name for f in dataclasses.fields(cls)}
+    for key in d:
+      if key not in known:
+        raise ValueError(f"GRPOConfig.{key}: unknown key; known: {', '.join(sorted(known))}")
+    return cls(**d)
+
+
+def default_config():
+  """The ``grpo`` block of a run config with every key at its default."""
+  from ml_collections import config_dict
+  learner = {f.name: f.default for f in dataclasses.fields(GRPOConfig) if f.name not in FROM_ROLLOUT}
+  return config_dict.ConfigDict({**learner, **TRAINER_KEYS})
+
+
+def from_run_config(c) -> GRPOConfig:
+  """The learner's config from a run config (``c.grpo``, ``c.rollout``), after checking the
+  trainer's keys; errors name the run config's key (``config.grpo.group_size: ...``)."""
+  block = dict(c.grpo)
+  for key, lo in (("group_size", 2), ("tasks_per_update", 1), ("seq_len", 0), ("updates_per_batch", 1)):
+    v = block.get(key, TRAINER_KEYS[key])
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+      raise ValueError(f"config.grpo.{key}: must be an int >= {lo}, got {v!r}")
+  if block.get("seq_len", 0) > c.rollout.max_len:
+    raise ValueError(f"config.grpo.seq_len: must be <= config.rollout.max_len={c.rollout.max_len} "
+                     f"(0 = equal to it), got {block['seq_len']!r}")
+  rows = block.get("group_size", TRAINER_KEYS["group_size"]) * block.get("tasks_per_update",
+                                                                         TRAINER_KEYS["tasks_per_update"])
+  learner = {k: v for k, v in block.items() if k not in TRAINER_KEYS}
+  for key in FROM_ROLLOUT:
+    if key in learner:
+      raise ValueError(f"config.grpo.{key}: set config.rollout.{key} instead (episodes are sampled "
+                       "at it, and the learner's log-probs must be under the same distribution)")
+  try:
+    config = GRPOConfig.from_dict({**learner, **{k: c.rollout[k] for k in FROM_ROLLOUT}})
+  except ValueError as err:
+    key = str(err).split(":")[0].removeprefix("GRPOConfig.")
+    block_name = "rollout" if key in FROM_ROLLOUT else "grpo"
+    raise ValueError(f"config.{block_name}.{str(err).removeprefix('GRPOConfig.')}") from None
+  if rows % config.micro_batches:
+    raise ValueError(f"config.grpo.micro_batches: must divide group_size * tasks_per_update = {rows}, "
+                     f"got {config.micro_batches}")
+  return config

@@ -17,10 +17,11 @@ from ml_collections import config_dict
 
 from jaxes import es, sharding, tokenization
 from jaxes.controller import ControllerConfig
-from jaxes.envs import generator, protocol
+from jaxes.envs import generator, make_sandbox, protocol, webshop
 from jaxes.models import hf, qwen2
 from jaxes.rollout.engine import Engine
 from jaxes.rollout.episodes import EpisodeRunner
+from jaxes.train import warmstart
 from jaxes.train.errors import ConfigError
 
 # Text every episode repeats, weighted up when a BPE tokenizer is built so its merges compress it.
@@ -34,9 +35,19 @@ def task_families(config) -> list[str]:
   return [f.strip() for f in config.env.families.split(",") if f.strip()] or list(generator.FAMILIES)
 
 
+def is_webshop(config) -> bool:
+  return config.env.kind == "webshop"
+
+
 def make_tasks(config, split: str, n: int, start: int = 0) -> list:
   """Generated tasks ``start .. start + n - 1`` of a split: task i is family i mod F of the
-  configured families at ``env.difficulty``, or cycling through 1..3 when it is 0."""
+  configured families at ``env.difficulty``, or cycling through 1..3 when it is 0. WebShop:
+  goals ``start .. start + n - 1`` of the split (generated or released)."""
+  if is_webshop(config):
+    w = config.webshop
+    return webshop.make_goals(split, n, config.seed, start, data_path=w.data_path,
+                              num_products=w.num_products, catalog_seed=w.catalog_seed,
+                              human_goals=w.human_goals, max_steps=w.max_steps)
   families = task_families(config)
   tasks = []
   for i in range(start, start + n):
@@ -63,11 +74,39 @@ def warmstart_tasks(config) -> list:
 
 
 def system_prompt(config) -> str:
-  return config.env.system_prompt or protocol.SYSTEM_PROMPT
+  if config.env.system_prompt:
+    return config.env.system_prompt
+  if is_webshop(config):
+    return webshop.SYSTEM_PROMPT.format(max_steps=config.webshop.max_steps)
+  return protocol.SYSTEM_PROMPT
+
+
+def build_sandbox(config):
+  """The episode backend: a sandbox for terminal tasks, the in-process WebShop backend."""
+  if is_webshop(config):
+    return webshop.WebShopBackend()
+  return make_sandbox(config.env.sandbox)
+
+
+def oracle_transcripts(config, sandbox) -> list[list[dict]]:
+  """The warm start's oracle transcripts (only passing episodes)."""
+  tasks = warmstart_tasks(config)
+  if is_webshop(config):
+    out = [webshop.transcript(g, sandbox, episode_factory(config), config.webshop.max_steps) for g in tasks]
+    return [m for m in out if m is not None]
+  return warmstart.oracle_transcripts(tasks, sandbox, episode_factory(config), config.env.sandbox_workers)
 
 
 def episode_factory(config) -> Callable[[Any, Any], protocol.Episode]:
   """``make_episode(task, handle)``: the agent protocol with the config's reward settings."""
+  if is_webshop(config):
+
+    def make_webshop_episode(goal, handle):
+      return webshop.WebShopEpisode(goal, handle, max_steps=config.webshop.max_steps,
+                                    system_prompt=system_prompt(config),
+                                    parse_error_penalty=config.env.parse_error_penalty)
+    return make_webshop_episode
+
   def make_episode(task, handle):
     return protocol.Episode(task, handle, partial_credit=config.env.partial_credit,
                             parse_error_penalty=config.env.parse_error_penalty,
@@ -91,7 +130,11 @@ def tokenizer_dir(config, workdir: str) -> str | None:
 def build_tokenizer(config, workdir: str, transcripts: list[list[dict]], log=print):
   """A small byte-level BPE tokenizer (saved to ``workdir/tokenizer``) from the system prompt,
   the protocol's fixed texts, the training instructions and the warm start's transcripts."""
-  texts = 64 * [system_prompt(config), *_REPEATED_TEXTS]
+  if is_webshop(config):
+    repeated = webshop.tokenizer_texts(config.webshop.max_steps)
+  else:
+    repeated = _REPEATED_TEXTS
+  texts = 64 * [system_prompt(config), *repeated]
   texts += [t.instruction for t in training_tasks(config)]
   for messages in transcripts:
     texts += [m["content"] for m in messages[1:]]

@@ -130,7 +130,13 @@ class _Checks:
 
   def env(self):
     c = self.c
+    self.one_of("env.kind", ("terminal", "webshop"))
     self.one_of("env.sandbox", ("local", "docker"))
+    if c.env.kind == "webshop":
+      self.at_least("webshop.max_steps", 1)
+      self.at_least("webshop.num_products", 0)
+      if c.webshop.data_path:
+        self.check("webshop.data_path", os.path.isdir(c.webshop.data_path), "must be a directory")
     for fam in filter(None, (f.strip() for f in c.env.families.split(","))):
       self.check("env.families", fam in generator.FAMILIES,
                  f"{fam!r} is not a task family; known: {', '.join(generator.FAMILIES)}")

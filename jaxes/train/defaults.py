@@ -32,6 +32,7 @@ def base_config() -> config_dict.ConfigDict:
   c.mesh.data = -1
   c.mesh.fsdp = 1
   c.mesh.tensor = 1
+  c.mesh.target = ""             # the devices the mesh is sized for (a jaxes.preflight topology)
 
   c.es = config_dict.ConfigDict()
   c.es.mode = "lowrank"
@@ -59,6 +60,7 @@ def base_config() -> config_dict.ConfigDict:
   c.controller.max_retries = 3
 
   c.env = config_dict.ConfigDict()
+  c.env.kind = "terminal"        # "terminal" (shell tasks in sandboxes) or "webshop" (in-process)
   c.env.sandbox = "local"
   c.env.families = ""            # comma-separated subset of generator.FAMILIES; empty = all
   c.env.difficulty = 0            # 1..3; 0 cycles through 1, 2, 3 (as generator.split)
@@ -70,6 +72,14 @@ def base_config() -> config_dict.ConfigDict:
   c.env.system_prompt = ""       # empty = jaxes.envs.protocol.SYSTEM_PROMPT
   c.env.max_turns = 16
   c.env.sandbox_workers = 8
+
+  # WebShop (env.kind = "webshop"): the generated catalog unless data_path names the released files.
+  c.webshop = config_dict.ConfigDict()
+  c.webshop.data_path = ""       # folder with items_shuffle*.json, items_ins_v2*.json, items_human_ins.json
+  c.webshop.num_products = 0     # 0: 1000 generated products / every released one
+  c.webshop.catalog_seed = 0     # generated catalog
+  c.webshop.human_goals = True   # released data: human instructions (False: synthetic ones)
+  c.webshop.max_steps = 15       # actions per episode (WebShop's evaluation limit)
 
   c.rollout = config_dict.ConfigDict()
   c.rollout.num_slots = 64

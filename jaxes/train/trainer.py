@@ -24,7 +24,6 @@ import jax
 from ml_collections import config_dict
 
 from jaxes.controller import Job
-from jaxes.envs import make_sandbox
 from jaxes.es import keys
 from jaxes.rollout.episodes import EpisodeSpec
 from jaxes.train import builders, checkpoint, evaluation, metrics, warmstart
@@ -73,7 +72,7 @@ class Trainer:
     with open(os.path.join(self.workdir, "config.json"), "w") as f:
       f.write(c.to_json_best_effort(indent=2))
     with contextlib.ExitStack() as stack:
-      sandbox = self._sandbox or make_sandbox(c.env.sandbox)
+      sandbox = self._sandbox or builders.build_sandbox(c)
       stack.callback(sandbox.shutdown)
       ckpt = checkpoint.Checkpointer(os.path.join(self.workdir, "checkpoints"), keep=c.train.keep_checkpoints)
       stack.callback(ckpt.close)
@@ -101,8 +100,7 @@ class Trainer:
     if not needs_transcripts(c, self.workdir, resuming):
       return []
     t = time.perf_counter()
-    transcripts = warmstart.oracle_transcripts(builders.warmstart_tasks(c), sandbox,
-                                               builders.episode_factory(c), c.env.sandbox_workers)
+    transcripts = builders.oracle_transcripts(c, sandbox)
     self.log(f"{len(transcripts)} oracle transcripts in {time.perf_counter() - t:.1f}s")
     return warmstart.off_protocol(transcripts, c.warmstart.off_protocol_fraction, c.seed)
 

@@ -57,3 +57,54 @@ def test_unplayable_tasks_are_counted_not_fatal():
   summary = check.summarize(results, leaked)
   assert summary["failures"] == {"NO_SOLUTION": 1, "TASK_ERROR": 1} and leaked == 0
   assert "TASK_ERROR=1" in check.family_table(results)
+
+
+def test_bad_task_folders_give_one_line_and_no_traceback(capsys, tmp_path):
+  folder = tmp_path / "tasks" / "t1"
+  folder.mkdir(parents=True)
+  (folder / "task.json").write_text('{"description": "x"}')
+  (folder / "test_final_state.py").symlink_to("/etc/passwd")
+  assert check.main(["--tasks", str(tmp_path / "tasks"), "--no-progress"]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and "test_final_state.py leads outside the task folder" in err[0], err
+  (folder / "test_final_state.py").unlink()
+  (folder / "test_final_state.py").write_text("def test_x():\n  pass\n")
+  (folder / "task.json").write_bytes(b'{"description": "\xff"}')
+  assert check.main(["--tasks", str(tmp_path / "tasks"), "--no-progress"]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and "task.json: not UTF-8 text" in err[0], err
+
+
+@pytest.mark.parametrize("content", ['{"shell_script-d1-s24": "ls"}', '["ok", 3]', '"ls"',
+                                     '{"t": [["nested"]]}'])
+def test_replay_values_must_be_lists_of_strings(tmp_path, content):
+  bad = tmp_path / "bad.json"
+  bad.write_text(content)
+  with pytest.raises(SystemExit, match="must hold a JSON list of model outputs"):
+    check.main(["--generated", "1", "--agent", f"replay:{bad}"])
+
+
+def test_pytest_missing_in_the_sandbox_is_an_infrastructure_error(tmp_path):
+  from jaxes.envs import make_sandbox, protocol
+  from jaxes.envs.sandbox import SandboxError
+  from jaxes.envs.task import Task
+  # The sandbox's python3 without its site packages: a system without python3-pytest.
+  task = Task(name="no-pytest", instruction="x", solution="true",
+              files=(("/home/user/.py/python3", b'#!/bin/sh\nexec /usr/bin/python3 -S "$@"\n'),),
+              setup="chmod +x /home/user/.py/python3",
+              final_tests="import pytest\n\ndef test_x():\n  assert True\n")
+  sandbox = make_sandbox("local", use_pytest=True, python="/home/user/.py/python3")
+  try:
+    with sandbox.start(task) as handle:
+      with pytest.raises(SandboxError, match="need pytest, which the sandbox's python3 lacks"):
+        handle.run_tests()
+    results, leaked = check.run_checks(sandbox, [task], "oracle", progress=False)
+  finally:
+    sandbox.shutdown()
+  assert check.summarize(results, leaked)["failures"] == {protocol.SANDBOX_ERROR: 1}
+
+
+def test_weak_isolation_only_when_asked_for_and_warned(capsys):
+  with pytest.warns(RuntimeWarning, match=r"WEAK ISOLATION \(none\)"):
+    code, _, summary = run(capsys, "--generated", "2", "--isolation", "none")
+  assert code == 0 and summary["passed"] == 2

@@ -3,6 +3,7 @@ import dataclasses
 import os
 import subprocess
 import time
+import warnings
 
 import pytest
 
@@ -175,9 +176,16 @@ def test_closed_handle_refuses_and_close_is_idempotent(sandbox):
     h.exec("true", 1)
 
 
+@pytest.mark.parametrize("isolation", ["unshare", "none"])
+def test_weak_isolation_is_refused_unless_asked_for(isolation):
+  with pytest.raises(SandboxError, match=f"isolation='{isolation}' is refused for training: .*"
+                                         "Install bubblewrap"):
+    make_sandbox("local", isolation=isolation)
+
+
 def test_unisolated_fallback_warns_and_still_works():
-  with pytest.warns(RuntimeWarning, match="NO NAMESPACE ISOLATION"):
-    sb = make_sandbox("local", isolation="none")
+  with pytest.warns(RuntimeWarning, match=r"WEAK ISOLATION \(none\)"):
+    sb = make_sandbox("local", isolation="none", allow_weak_isolation=True)
   try:
     with sb.start(TASK) as h:
       assert h.exec("cd /home/user && echo hi > hello.txt && cat data/in.txt", 10).output == "payload\n"
@@ -190,7 +198,9 @@ def test_unisolated_fallback_warns_and_still_works():
 @pytest.mark.parametrize("isolation", ["bwrap", "unshare"])
 def test_each_namespace_mechanism_when_available(isolation):
   try:
-    sb = make_sandbox("local", isolation=isolation)
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore", RuntimeWarning)
+      sb = make_sandbox("local", isolation=isolation, allow_weak_isolation=True)
   except SandboxError as e:
     pytest.skip(str(e))
   try:

@@ -224,3 +224,36 @@ def test_programs_the_tests_run_cannot_reach_the_verifier(sandbox, runner):
   with sandbox.start(task) as handle:
     report = handle.run_tests()
   assert report.passed, report.report
+
+
+# Wrappers the agent plants in a directory on the task's PATH: each records who ran it; the
+# python3 one, if it were ever the verifier, would sign a passing verdict with the key it read.
+HIJACK = r'''mkdir -p /home/user/bin && cd /home/user/bin
+for tool in timeout setpriv bash sh; do
+  printf '#!/bin/sh\nid -u >> /home/user/ran_as\nexec /usr/bin/%s "$@"\n' $tool > $tool
+done
+cat > python3 <<'PY'
+#!/usr/bin/python3 -I
+import hashlib, hmac, json, os, sys
+os.system("id -u >> /home/user/ran_as")
+if "-c" in sys.argv:
+  raw = open(sys.argv[-1]).read() if sys.argv[-1].endswith(".json") else sys.stdin.read()
+  key = bytes.fromhex(json.loads(raw)["key"])
+  body = "1 0 1 ok"
+  print("JAXES_TEST_RESULT " + body + " " + hmac.new(key, body.encode(), hashlib.sha256).hexdigest())
+  sys.exit(0)
+os.execv("/usr/bin/python3", ["python3", *sys.argv[1:]])
+PY
+chmod +x *'''
+
+
+def test_tools_on_an_agent_writable_task_path_never_run_privileged(sandbox):
+  task = Task(name="path", instruction="x", env=(("PATH", "/home/user/bin:/usr/bin:/bin"),),
+              final_tests="def test_never():\n  assert False\n")
+  with sandbox.start(task) as handle:
+    assert handle.exec(HIJACK, 10).exit_code == 0
+    handle.exec("true", 10)
+    report = handle.run_tests()
+    ran_as = handle.exec("cat /home/user/ran_as 2>/dev/null; true", 10).output.split()
+  assert not report.passed and report.num_passed == 0, report.report
+  assert "0" not in ran_as, ran_as     # the agent's wrappers only ever ran as the agent

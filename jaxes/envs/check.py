@@ -8,7 +8,8 @@ answers done at once; ``replay:FILE`` plays a JSON list of raw model outputs as 
 JSON object mapping task names to such lists), then done. The oracle must pass every generated
 task and noop none (a task noop passes is broken). The last line printed is one JSON object:
 {"tasks", "passed", "pass_rate", "failures": {reason: count}, "leaked"}. Exit status 1 when
-anything leaked, or the oracle missed / noop passed a task.
+anything leaked, or the oracle missed / noop passed a task; 2 (with one line saying why) when a
+task folder cannot be loaded or the sandbox cannot start.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from typing import Callable
 import tqdm
 
 from jaxes.envs import generator, make_sandbox, protocol
+from jaxes.envs.sandbox import SandboxError
 from jaxes.envs.task import Task
 
 DONE = "<action>done</action>"
@@ -49,14 +51,15 @@ def make_agent(spec: str) -> Callable[[Task], Callable[[list], str] | None]:
         data = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
       raise SystemExit(f"--agent {spec}: cannot read {path}: {e}")
-    if not (isinstance(data, list) or isinstance(data, dict)):
+    lists = [data] if isinstance(data, list) else list(data.values()) if isinstance(data, dict) else None
+    # A string value would be played as one-character turns: reject anything but lists of strings.
+    if lists is None or not all(isinstance(v, list) and all(isinstance(o, str) for o in v)
+                                for v in lists):
       raise SystemExit(f"--agent {spec}: {path} must hold a JSON list of model outputs "
-                       "or an object mapping task names to such lists")
+                       "(strings) or an object mapping task names to such lists")
 
     def replay(task: Task):
       outputs = data if isinstance(data, list) else data.get(task.name, [])
-      if not all(isinstance(o, str) for o in outputs):
-        raise SystemExit(f"--agent {spec}: every model output in {path} must be a string")
       turns = iter(outputs)
       return lambda messages: next(turns, DONE)
     return replay
@@ -166,6 +169,9 @@ def main(argv: list[str] | None = None) -> int:
   ap.add_argument("--workers", type=int, default=1)
   ap.add_argument("--pytest", action="store_true", help="local backend: run final tests with "
                   "real pytest instead of the light runner")
+  ap.add_argument("--isolation", choices=("auto", "bwrap", "unshare", "none"), default="auto",
+                  help="local backend: bubblewrap (auto), or for a manual check only the weak "
+                  "unshare / none mechanisms (warned about; never used for training)")
   ap.add_argument("--no-progress", action="store_true")
   args = ap.parse_args(argv)
   if args.generated is not None and args.generated < 1:
@@ -173,12 +179,23 @@ def main(argv: list[str] | None = None) -> int:
 
   make_agent(args.agent)   # fail on a bad --agent before starting anything
   if args.tasks:
-    from jaxes.envs.loaders import load_tasks
-    tasks = load_tasks(args.tasks)
+    from jaxes.envs.loaders import TaskLoadError, load_tasks
+    try:
+      tasks = load_tasks(args.tasks)
+    except TaskLoadError as e:
+      print(f"check: {e}", file=sys.stderr)
+      return 2
   else:
     tasks = generator.split(args.split, args.generated, seed=args.seed)
-  kwargs = {"use_pytest": True} if args.pytest and args.backend == "local" else {}
-  sandbox = make_sandbox(args.backend, **kwargs)
+  kwargs = {}
+  if args.backend == "local":
+    kwargs = {"use_pytest": args.pytest, "isolation": args.isolation,
+              "allow_weak_isolation": args.isolation in ("unshare", "none")}
+  try:
+    sandbox = make_sandbox(args.backend, **kwargs)
+  except SandboxError as e:
+    print(f"check: {e}", file=sys.stderr)
+    return 2
   try:
     results, leaked = run_checks(sandbox, tasks, args.agent, args.workers, not args.no_progress)
   finally:

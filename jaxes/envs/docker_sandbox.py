@@ -41,6 +41,9 @@ CTL = "/run/jaxes"                   # the agent shell's saved state (cwd, expor
 MAX_READ_BYTES = 16 << 20            # a command printing more than this is killed
 KILL_EXIT_CODE = 137                 # what `timeout -s KILL` returns when it fires
 KILL_WAIT_S = 10.0                   # how long a kill waits for the agent's processes to go
+# Absolute paths: commands run as root are never looked up on the task's PATH, which may name
+# a directory the agent can write (ENV PATH=/app/bin:$PATH would run its `timeout` as root).
+TIMEOUT, SETPRIV, BASH, PYTHON = "/usr/bin/timeout", "/usr/bin/setpriv", "/bin/bash", "/usr/bin/python3"
 SHELL_ENV = {
   "HOME": SANDBOX_HOME, "USER": SANDBOX_USER, "LOGNAME": SANDBOX_USER, "SHELL": "/bin/bash",
   "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8",
@@ -394,7 +397,7 @@ class DockerHandle(SandboxHandle):
     deadline = time.monotonic() + KILL_WAIT_S
     while True:
       try:
-        exit_code, _ = self._container.exec_run(["bash", "--noprofile", "--norc", "-c", script],
+        exit_code, _ = self._container.exec_run([BASH, "--noprofile", "--norc", "-c", script],
                                                 user=SANDBOX_USER)
       except _DOCKER_ERRORS:
         return  # the container is gone or the timeout still kills the command
@@ -403,7 +406,7 @@ class DockerHandle(SandboxHandle):
       time.sleep(0.05)
 
   def _root_script(self, script: str, timeout_s: float, cap_chars: int = 200_000):
-    argv = ["timeout", "-s", "KILL", f"{timeout_s:g}s", "bash", "-c", script]
+    argv = [TIMEOUT, "-s", "KILL", f"{timeout_s:g}s", BASH, "-c", script]
     exit_code, output, _, seconds, _ = self._exec(argv, "root", timeout_s, cap_chars)
     return exit_code, output, seconds
 
@@ -436,10 +439,10 @@ class DockerHandle(SandboxHandle):
                               home=SANDBOX_HOME, ctl=CTL, reap=_REAP)
     # timeout (root) runs the command in its own process group and SIGKILLs the whole group;
     # setpriv drops to the agent's user below it, out of reach of the agent's `kill -1`.
-    argv = ["timeout", "-s", "KILL", f"{timeout_s:g}s",
-            "setpriv", f"--reuid={SANDBOX_UID}", f"--regid={SANDBOX_UID}", "--init-groups",
+    argv = [TIMEOUT, "-s", "KILL", f"{timeout_s:g}s",
+            SETPRIV, f"--reuid={SANDBOX_UID}", f"--regid={SANDBOX_UID}", "--init-groups",
             "--inh-caps=-all", "--",
-            "bash", "--noprofile", "--norc", "-c", prelude, "jaxes-shell", command]
+            BASH, "--noprofile", "--norc", "-c", prelude, "jaxes-shell", command]
     exit_code, output, chars, seconds, flooded = self._exec(
       argv, "root", timeout_s, limits.output_chars)
     timed_out = exit_code == KILL_EXIT_CODE and seconds >= timeout_s and not flooded
@@ -467,8 +470,8 @@ class DockerHandle(SandboxHandle):
       self._container.put_archive("/", _tar_private(job_path, job))
     except _DOCKER_ERRORS as err:
       self._fail(f"copying tests failed: {err}", err)
-    argv = ["timeout", "-s", "KILL", f"{timeout_s:g}s",
-            "python3", "-I", "-B", "-c", final_tests.VERIFIER, job_path]
+    argv = [TIMEOUT, "-s", "KILL", f"{timeout_s:g}s",
+            PYTHON, "-I", "-B", "-c", final_tests.VERIFIER, job_path]
     exit_code, output, _, seconds, _ = self._exec(argv, "root", timeout_s, 200_000)
     timed_out = exit_code == KILL_EXIT_CODE and seconds >= timeout_s
     verdict = None if timed_out else final_tests.parse_verdict(output, key)

@@ -1,21 +1,24 @@
 """The ``local`` sandbox: one private directory per episode, seen as /home/user.
 
 Every command is a fresh ``bash`` inside new user, mount, pid, network, ipc and uts
-namespaces (bubblewrap, or util-linux ``unshare``): under bubblewrap only the host's system
-directories (/usr, /etc, …) are visible, read-only; under ``unshare`` the host root stays
-visible with the sandbox uid's permissions. /tmp, /dev/shm, /run and /home are private, there
-is no network (not even the host's loopback), and the pid namespace dies with the command, so
-nothing an agent starts outlives it. The shell's working directory and exported variables
-carry over between commands, as in an interactive terminal. rlimits (cpu seconds, address
-space, processes, file size) are set with ``ulimit`` before the command runs; when we run as
-root, commands run as an unprivileged uid (65534 by default) so the process limit holds. A
-command past its timeout is killed with its whole process group (and pid namespace).
+namespaces (bubblewrap): only the host's system directories (/usr, /etc, …) are visible,
+read-only; /tmp, /var/tmp, /run and /home are private, there is no network (not even the
+host's loopback), and the pid namespace dies with the command, so nothing an agent starts
+outlives it. The shell's working directory and exported variables carry over between commands,
+as in an interactive terminal. rlimits (cpu seconds, address space, processes, file size) are
+set with ``ulimit`` before the command runs; when we run as root, commands run as an
+unprivileged uid (65534 by default) so the process limit holds, each episode gets a cgroup
+(memory, pids and CPU of all its processes together) and its directory is a size-capped tmpfs.
+A command past its timeout is killed with its whole process group (and pid namespace).
 
-Where no namespace can be created, ``isolation="none"`` runs commands directly on the host in
-the episode directory, rewriting the literal path /home/user to it: this is NOT isolation
-(no network cut, host files writable by the uid) and is warned about loudly.
+The final tests run in a verifier (``final_tests.VERIFIER``) the agent's programs cannot
+reach: it gets the tests through its stdin, is non-dumpable, and signs its verdict.
 
-This is weaker isolation than the docker backend (shared kernel, host filesystem readable).
+``isolation="unshare"`` (util-linux, mapped root) and ``"none"`` (commands on the host) keep
+neither the host nor the verifier from the agent: they are refused unless
+``allow_weak_isolation=True`` (manual checks) and then warned about loudly.
+
+This is weaker isolation than the docker backend (shared kernel, system directories readable).
 """
 from __future__ import annotations
 
@@ -133,36 +136,52 @@ def _probe(isolation: str, uid: int | None) -> bool:
     return out.returncode == 0 and os.path.exists(os.path.join(root, "home", "ok"))
 
 
+def _host_tool(name: str) -> str:
+  return shutil.which(name) or name
+
+
 def _as_user(uid: int | None) -> dict:
   return {} if uid is None else {"user": uid, "group": uid, "extra_groups": []}
 
 
-def resolve_isolation(isolation: str = "auto", uid: int | None = None) -> str:
-  """The isolation mechanism to use: the one asked for (checked), or for "auto" the first
-  that works of bwrap, unshare, none (the last with a loud warning)."""
+WEAK_ISOLATIONS = ("unshare", "none")
+# What the agent can do under each weak mechanism (why training refuses them).
+_WEAKNESS = {
+    "unshare": "the agent is mapped root in its user namespace: it can unmount the private "
+               "/tmp, /dev/shm and /proc to reach the host's, read the host's files and other "
+               "episodes' paths, and ptrace the verifier",
+    "none": "commands run directly on the host (as uid 65534 when started as root, else as "
+            "you) with only rlimits, timeouts and a /home/user path rewrite; the network is not "
+            "cut and host files are readable",
+}
+
+
+def resolve_isolation(isolation: str = "auto", uid: int | None = None,
+                      allow_weak: bool = False) -> str:
+  """The isolation mechanism to use: bubblewrap for "auto" (an error where it does not work),
+  or the one asked for. "unshare" and "none" do not keep the agent from the host or the
+  verifier: they need ``allow_weak=True`` (manual checks) and warn loudly."""
   if isolation not in ISOLATIONS:
     raise ValueError(f"isolation={isolation!r}: expected one of {ISOLATIONS}")
-  if isolation == "none":
-    _warn_unisolated()
-    return "none"
-  candidates = ("bwrap", "unshare") if isolation == "auto" else (isolation,)
-  for name in candidates:
-    if shutil.which(name) and _probe(name, uid):
-      return name
-  if isolation != "auto":
-    raise SandboxError(f"isolation={isolation!r} does not work on this machine "
-                       "(not installed, or user namespaces are disabled)")
-  _warn_unisolated()
-  return "none"
-
-
-def _warn_unisolated() -> None:
-  msg = ("jaxes local sandbox: NO NAMESPACE ISOLATION — commands run directly on the host (as "
-         "uid 65534 when started as root, else as you); only rlimits, timeouts and a "
-         "/home/user path rewrite apply; the network is NOT cut. Use the docker backend or "
-         "install bubblewrap for untrusted agents.")
-  warnings.warn(msg, RuntimeWarning, stacklevel=3)
-  log.warning(msg)
+  if isolation in WEAK_ISOLATIONS:
+    if not allow_weak:
+      raise SandboxError(f"isolation={isolation!r} is refused for training: "
+                         f"{_WEAKNESS[isolation]}. Install bubblewrap (apt-get install "
+                         "bubblewrap); for a manual check pass allow_weak_isolation=True "
+                         f"(python -m jaxes.envs.check --isolation={isolation})")
+    if isolation == "unshare" and not (shutil.which("unshare") and _probe("unshare", uid)):
+      raise SandboxError("isolation='unshare' does not work on this machine (util-linux "
+                         "unshare missing, or user namespaces are disabled)")
+    msg = f"jaxes local sandbox: WEAK ISOLATION ({isolation}): {_WEAKNESS[isolation]}."
+    warnings.warn(msg, RuntimeWarning, stacklevel=3)
+    log.warning(msg)
+    return isolation
+  if shutil.which("bwrap") and _probe("bwrap", uid):
+    return "bwrap"
+  raise SandboxError("the local sandbox needs bubblewrap (bwrap), which "
+                     + ("does not work here (user namespaces disabled?)" if shutil.which("bwrap")
+                        else "is not installed")
+                     + ": apt-get install bubblewrap, or use the docker backend")
 
 
 def _warn_weak_limits(have_cgroups: bool, have_mounts: bool) -> None:
@@ -295,10 +314,12 @@ class LocalSandbox(Sandbox):
   """Starts local episodes. ``root_dir`` holds one directory per live episode (default: a new
   directory in /dev/shm, else in the system temp directory; removed by ``shutdown``).
 
-  isolation: "auto" (bwrap, else unshare, else "none" with a warning), or one of them.
+  isolation: "auto" or "bwrap" (bubblewrap; an error where it does not work), or, only with
+    ``allow_weak_isolation=True`` and a warning, "unshare" / "none" (see ``resolve_isolation``).
   run_as_uid: uid commands run as; default 65534 (nobody) when we are root, else our own.
   use_pytest: run final tests with real pytest instead of the light in-process runner.
   cpus: CPU quota of each episode's cgroup (None: no quota).
+  python: the interpreter (inside the sandbox) that runs the final tests.
 
   As root, each episode gets a cgroup (memory = ``Limits.memory_mb`` and pids =
   ``Limits.processes`` for all its processes together, ``cpus``) and its directory is a tmpfs
@@ -308,13 +329,15 @@ class LocalSandbox(Sandbox):
 
   def __init__(self, root_dir: str | None = None, isolation: str = "auto",
                run_as_uid: int | None = None, use_pytest: bool = False,
-               cpus: float | None = 1.0):
+               cpus: float | None = 1.0, allow_weak_isolation: bool = False,
+               python: str = "/usr/bin/python3"):
     if run_as_uid is None and os.geteuid() == 0:
       run_as_uid = NOBODY
     self.uid = run_as_uid if run_as_uid != os.geteuid() else None
-    self.isolation = resolve_isolation(isolation, self.uid)
+    self.isolation = resolve_isolation(isolation, self.uid, allow_weak_isolation)
     self.use_pytest = use_pytest
     self.cpus = cpus
+    self.python = python
     self._own_root = root_dir is None
     if root_dir is None:
       # Episode directories are capped tmpfs mounts where we may mount (their mount points
@@ -465,10 +488,14 @@ class LocalHandle(SandboxHandle):
   def _argv(self, inner: list[str]) -> list[str]:
     iso = self._sb.isolation
     if iso == "bwrap":
-      return _bwrap_argv(self.ep_dir, self.task.limits.disk_mb << 20) + inner
-    if iso == "unshare":
-      return _unshare_argv(self.ep_dir) + inner
-    return inner
+      argv = _bwrap_argv(self.ep_dir, self.task.limits.disk_mb << 20) + inner
+    elif iso == "unshare":
+      argv = _unshare_argv(self.ep_dir) + inner
+    else:
+      argv = list(inner)
+    # Looked up on our PATH, not on the task's (subprocess would search the env we pass).
+    argv[0] = _host_tool(argv[0])
+    return argv
 
   def _run(self, command: str, timeout_s: float, argv: list[str] | None = None,
            stdin_data: bytes | None = None) -> ExecResult:
@@ -491,10 +518,10 @@ class LocalHandle(SandboxHandle):
       # A root sh joins the episode's cgroup, then becomes the sandbox uid: nothing the
       # command forks can start outside the cgroup.
       drop = [] if self._sb.uid is None else [
-          "setpriv", f"--reuid={self._sb.uid}", f"--regid={self._sb.uid}", "--clear-groups",
-          "--inh-caps=-all", "--"]
-      full = ["sh", "-c", cgroups.JOIN_SH, "jaxes-join", *self.cgroup.procs_files, "--",
-              *drop, *full]
+          _host_tool("setpriv"), f"--reuid={self._sb.uid}", f"--regid={self._sb.uid}",
+          "--clear-groups", "--inh-caps=-all", "--"]
+      full = [_host_tool("sh"), "-c", cgroups.JOIN_SH, "jaxes-join", *self.cgroup.procs_files,
+              "--", *drop, *full]
       as_user = {}
     cwd = self.home if self._sb.isolation == "none" else "/"
     capture = OutputCapture(limits.output_chars)
@@ -544,7 +571,7 @@ class LocalHandle(SandboxHandle):
     job = final_tests.verifier_job(
         self._localise(source), key, runner, path=f"{TESTS}/test_final_state.py",
         cwd=self._localise(HOME), cpu_s=limits.cpu_s, mem_bytes=limits.memory_mb << 20)
-    argv = ["python3", "-I", "-B", "-c", final_tests.VERIFIER]
+    argv = [self._sb.python, "-I", "-B", "-c", final_tests.VERIFIER]
     res = self._run("", limits.test_timeout_s, argv=argv, stdin_data=job)
     expected = len(names) if names is not None else final_tests.count_tests(source)
     verdict = None if res.timed_out else final_tests.parse_verdict(res.output, key)
@@ -640,5 +667,8 @@ def _kill_group(proc: subprocess.Popen) -> None:
     pass
 
 
-if __name__ == "__main__":   # python -m jaxes.envs.local_sandbox: which isolation works here
-  print(resolve_isolation("auto", NOBODY if os.geteuid() == 0 else None), file=sys.stdout)
+if __name__ == "__main__":   # python -m jaxes.envs.local_sandbox: whether bubblewrap works here
+  try:
+    print(resolve_isolation("auto", NOBODY if os.geteuid() == 0 else None))
+  except SandboxError as e:
+    sys.exit(str(e))

@@ -167,6 +167,15 @@ def replay_writing(script: str, tasks) -> dict:
   return turns
 
 
+def assert_nothing_left(sandbox):
+  assert not any(sandbox.leftovers().values())
+  if getattr(sandbox, "cgroups", None) is not None:
+    assert sandbox.cgroups.live_episodes() == 0
+  if getattr(sandbox, "root_dir", None):
+    with open("/proc/self/mountinfo") as f:
+      assert sandbox.root_dir not in f.read()
+
+
 @pytest.mark.parametrize("attack", sorted(ATTACKS))
 def test_attack_on_the_verifier_passes_no_task(sandbox, attack, tmp_path):
   script, ran_marker = ATTACKS[attack]
@@ -177,6 +186,7 @@ def test_attack_on_the_verifier_passes_no_task(sandbox, attack, tmp_path):
   summary = check.summarize(results, leaked)
   assert summary["passed"] == 0 and summary["leaked"] == 0, summary
   assert summary["failures"] == {"FAILED_TESTS": 3}
+  assert_nothing_left(sandbox)
   # The attack really ran while the tests ran it (its output is what the test compared).
   with sandbox.start(tasks[0]) as handle:
     handle.exec(replay_writing(script, tasks[:1])[tasks[0].name][0][9:-10], 10)

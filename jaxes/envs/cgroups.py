@@ -257,6 +257,11 @@ class RunCgroups:
       raise
     return cg
 
+  def live_episodes(self) -> int:
+    """Episode cgroups that still exist (each is removed when its episode closes)."""
+    return sum(name.startswith("ep-") for d in self.dirs if os.path.isdir(d)
+               for name in os.listdir(d))
+
   def remove(self) -> None:
     for d in self.dirs:
       _rmdir(d)

@@ -1,0 +1,234 @@
+"""The experiment grid: the aggregator on synthetic run directories (known numbers -> known
+table, missing/failed/unfinished runs and an unavailable variant reported as such), variant
+resolution and launch lines, a 2-variant x 1-seed x 2-update grid end to end on the tiny config,
+and a grid SIGKILLed mid-run that a rerun completes, skipping the finished run."""
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from helpers_train import ROOT, build_tiny_tokenizer, tiny_config
+from jaxes.experiments import aggregate, grid, plots, rundirs, variants
+
+ENV = {"families": "permissions", "num_heldout_tasks": 4}
+
+
+# -- synthetic run directories ------------------------------------------------------------------
+def _write_run(path, seed, *, summary=None, train=(), evals=(), attempts=None, log="", num_updates=2):
+  os.makedirs(path)
+  json.dump({"seed": seed, "env": ENV, "eval": {"num_tasks": 4}, "train": {"num_updates": num_updates}},
+            open(os.path.join(path, "config.json"), "w"))
+  with open(os.path.join(path, "metrics.jsonl"), "w") as f:
+    for r in list(train) + list(evals):
+      f.write(json.dumps(r) + "\n")
+  if summary is not None:
+    json.dump(summary, open(os.path.join(path, "summary.json"), "w"))
+  if attempts is not None:
+    json.dump({"attempts": attempts}, open(os.path.join(path, rundirs.GRID_RUN), "w"))
+  if log:
+    open(os.path.join(path, rundirs.GRID_LOG), "w").write(log)
+
+
+def _ev(version, per_task):
+  return {"version": version, "success": float(np.mean(per_task)), "stderr": 0.1, "per_task": per_task}
+
+
+def _finished(path, seed, before, after, hist_per_update, wall_s, dropped=0, delayed=0):
+  train = [{"version": v + 1, "staleness_hist": h, "dropped": dropped, "delayed": delayed, "excluded": 0,
+            "time": {"wall_s": wall_s}, "train": {"success": 0.0}} for v, h in enumerate(hist_per_update)]
+  b, a = _ev(0, before), _ev(len(train), after)
+  change = {"success": a["success"] - b["success"], "stderr": 0.05, "tasks": len(after)}
+  _write_run(path, seed, summary={"version": len(train), "before": b, "after": a, "change": change},
+             train=train, evals=[{"version": 0, "eval": b}, {"version": len(train), "eval": a}],
+             attempts=[{"command": ["x"], "returncode": 0, "wall_s": 10.0, "cpu_s": 15.0}],
+             num_updates=len(train))
+
+
+def test_aggregate_synthetic_runs_known_table(tmp_path):
+  w = str(tmp_path)
+  before = [0.0, 0.0, 0.0, 0.0]
+  _finished(f"{w}/sync-s0", 0, before, [1, 0, 1, 1], [[4], [4]], wall_s=30.0)
+  _finished(f"{w}/sync-s1", 1, before, [1, 0, 0, 0], [[4], [4]], wall_s=60.0)
+  _finished(f"{w}/async1-s0", 0, before, [1, 1, 1, 0], [[3, 1], [2, 2]], wall_s=15.0, dropped=1)
+  _write_run(f"{w}/async1-s1", 1, train=[{"version": 1, "staleness_hist": [4], "time": {"wall_s": 5.0}}],
+             attempts=[{"command": ["x"], "returncode": 1, "wall_s": 3.0, "cpu_s": 2.0}],
+             log="loading\nerror: invalid config: config.es.sigma: must be > 0\n")
+  _write_run(f"{w}/delay8-s1", 1, train=[{"version": 1, "staleness_hist": [4], "time": {"wall_s": 5.0}}])
+  vs = [variants.Variant("sync", "c.py:sync", {}), variants.Variant("async1", "c.py:async1", {}),
+        variants.Variant("delay8", "c.py:delay8", {}),
+        variants.Variant("grpo", "", {}, unavailable="no GRPO trainer entry point")]
+  result = aggregate.aggregate(vs, [0, 1], w)
+  by = {v["variant"]: v for v in result["variants"]}
+  runs = {(r["variant"], r["seed"]): r for r in result["runs"]}
+
+  # sync: after 0.75 and 0.25 -> mean 0.5, s.e. = std([.75, .25], ddof=1) / sqrt(2) = 0.25
+  assert by["sync"]["status"] == "finished"
+  assert by["sync"]["after"]["mean"] == pytest.approx(0.5) and by["sync"]["after"]["stderr"] == pytest.approx(0.25)
+  # updates/hour: 2 updates in 60 s -> 120/h; in 120 s -> 60/h
+  assert by["sync"]["updates_per_hour"]["mean"] == pytest.approx(90.0)
+  assert by["sync"]["staleness"]["mean"] == 0 and by["sync"]["staleness"]["share_stale"] == 0
+
+  # async1: only seed 0 finished; paired vs sync s0: diffs [0, 1, 0, -1] -> 0 ± sqrt(2/3)/2
+  assert by["async1"]["status"] == "1/2 finished"
+  vs_s0 = runs["async1", 0]["vs_sync"]
+  assert vs_s0["success"] == pytest.approx(0.0) and vs_s0["stderr"] == pytest.approx(math.sqrt(2 / 3) / 2)
+  assert by["async1"]["vs_sync"]["mean"] == pytest.approx(0.0) and by["async1"]["vs_sync_seeds"] == 1
+  # staleness pooled [5, 3]: mean 3/8, share stale 3/8, max 1; 1 dropped per update, 2 updates
+  st = by["async1"]["staleness"]
+  assert st["hist"] == [5, 3] and st["mean"] == pytest.approx(3 / 8) and st["max"] == 1
+  assert by["async1"]["dropped"]["mean"] == 2
+  assert runs["async1", 1]["status"] == "failed" and "exit status 1" in runs["async1", 1]["reason"]
+  assert "must be > 0" in runs["async1", 1]["reason"]
+
+  # delay8: s0 missing, s1 unfinished -> no means, both reported
+  assert by["delay8"]["status"] == "0/2 finished" and by["delay8"]["after"] is None
+  assert runs["delay8", 0]["status"] == "missing" and runs["delay8", 1]["status"] == "unfinished"
+  assert by["grpo"]["status"] == "not available"
+
+  md = aggregate.to_markdown(result)
+  assert "| sync | finished | 0.000 ± 0.000 | 0.500 ± 0.250 |" in md
+  assert "| async1 | 1/2 finished |" in md and "+0.000 ± 0.000" in md
+  assert "| grpo | not available |" in md and "no GRPO trainer entry point" in md
+  assert "delay8-s0 | missing" in md and "delay8-s1 | unfinished" in md and "async1-s1 | failed" in md
+  curves = plots.success_curves(result)
+  assert curves["sync"]["versions"] == [0, 2] and curves["sync"]["mean"][1] == pytest.approx(0.5)
+  assert "delay8" not in curves
+  plots.write(result, w)
+  assert os.path.getsize(f"{w}/success.png") > 0 and os.path.getsize(f"{w}/staleness.png") > 0
+
+
+def test_paired_vs_sync_needs_the_same_tasks(tmp_path):
+  w = str(tmp_path)
+  _finished(f"{w}/sync-s0", 0, [0, 0], [1, 0], [[2]], wall_s=1.0)
+  _finished(f"{w}/async1-s0", 0, [0, 0], [1, 1], [[2]], wall_s=1.0)
+  config = json.load(open(f"{w}/async1-s0/config.json"))
+  config["env"] = {**ENV, "families": "log_count"}   # other held-out tasks
+  json.dump(config, open(f"{w}/async1-s0/config.json", "w"))
+  vs = [variants.Variant("sync", "c", {}), variants.Variant("async1", "c", {})]
+  result = aggregate.aggregate(vs, [0], w)
+  assert result["runs"][1]["vs_sync"] is None and result["variants"][1]["vs_sync"] is None
+
+
+# -- variants and launch lines --------------------------------------------------------------------
+def test_variants_resolve_for_configs_with_and_without_variants():
+  paper = variants.resolve(str(ROOT / "configs/paper.py"), "delay8")
+  assert paper.config_spec.endswith("configs/paper.py:delay8") and paper.overrides == {}
+  target = variants.resolve(str(ROOT / "configs/paper.py") + ":{variant},v5p-64", "sync")
+  assert target.config_spec.endswith(":sync,v5p-64")
+  demo = variants.resolve(str(ROOT / "configs/demo.py"), "delay4")
+  assert demo.overrides["controller.delay_updates"] == 4 and demo.overrides["controller.delay_fraction"] == 0.1
+  for config in ("configs/paper.py", "configs/demo.py", "configs/demo_grid.py"):
+    grpo = variants.resolve(str(ROOT / config), "grpo")
+    assert not grpo.available and "grpo" in grpo.unavailable.lower()
+  assert not variants.resolve(str(ROOT / "configs/demo.py"), "async7").available
+
+
+def test_print_launch_shared_warm_start_and_launchers(capsys):
+  argv = ["--config=configs/demo_grid.py", "--variants=sync,delay8,grpo", "--seeds=0,1",
+          "--workdir=runs/g", "--print-launch", "--config.es.sigma=0.02"]
+  cwd = os.getcwd()
+  os.chdir(ROOT)
+  try:
+    assert grid.main(argv) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert grid.main(argv + ["--launcher=slurm", "--launcher_args=--nodes 1"]) == 0
+    slurm = capsys.readouterr().out.splitlines()
+    assert grid.main(argv + ["--config.es.sigmaa=1"]) == 2
+    assert capsys.readouterr().err.strip() == "error: config.es.sigmaa: unknown key (did you mean 'sigma'?)"
+  finally:
+    os.chdir(cwd)
+  assert out[0].startswith("# grpo: not available")
+  commands = [l for l in out if l.startswith("python")]
+  assert len(commands) == 2 + 4   # a warm start per seed, then 2 variants x 2 seeds
+  assert "--workdir=runs/g/init-s1" in commands[1] and "--config.train.num_updates=0" in commands[1]
+  assert ("--config=configs/demo_grid.py:delay8 --workdir=runs/g/delay8-s1 --config.es.sigma=0.02 "
+          "--config.seed=1 --config.warmstart.init_from=runs/g/init-s1") in commands[5]
+  assert [l for l in slurm if "delay8-s0" in l][0].startswith(
+      "launch/gpu/slurm.sh --job-name jaxes-delay8-s0 --nodes 1 -- python -m jaxes.train")
+
+
+# -- end to end on the tiny config ---------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_grid_config(tmp_path_factory):
+  d = tmp_path_factory.mktemp("grid")
+  config = tiny_config(build_tiny_tokenizer(str(d / "tok")))
+  path = d / "tiny_grid.py"
+  path.write_text(
+      "import json\nfrom ml_collections import config_dict\n\nVARIANTS = ('sync', 'async1')\n"
+      f"BASE = {config.to_json()!r}\n\n\n"
+      "def get_config(variant='async1'):\n"
+      "  c = config_dict.ConfigDict(json.loads(BASE))\n"
+      "  c.controller.mode, c.controller.max_staleness = ('sync', 0) if variant == 'sync' else ('async', 1)\n"
+      "  return c\n")
+  return str(path)
+
+
+def _grid_cmd(config, workdir, parallel):
+  return [sys.executable, "-m", "jaxes.experiments.grid", f"--config={config}",
+          "--variants=sync,async1,grpo", "--seeds=0", f"--workdir={workdir}", f"--parallel={parallel}"]
+
+
+def test_grid_end_to_end_tiny(tiny_grid_config, tmp_path):
+  w = tmp_path / "grid"
+  done = subprocess.run(_grid_cmd(tiny_grid_config, w, 2), cwd=ROOT, capture_output=True, text=True,
+                        timeout=900)
+  assert done.returncode == 0, done.stderr[-3000:]
+  table = json.load(open(w / "table.json"))
+  by = {v["variant"]: v for v in table["variants"]}
+  assert by["sync"]["status"] == by["async1"]["status"] == "finished"
+  assert by["grpo"]["status"] == "not available"
+  sync, async1 = table["runs"]
+  assert sync["version"] == async1["version"] == 2 and sync["staleness"]["max"] == 0
+  assert async1["vs_sync"]["tasks"] == 2 and sync["vs_sync"] is None
+  assert async1["updates_per_hour"] > 0 and async1["cpu_s"] > 0
+  assert [e["version"] for e in async1["evals"]] == [0, 2]
+  md = (w / "table.md").read_text()
+  assert "| async1 | finished |" in md and "| grpo | not available |" in md
+  assert (w / "success.png").stat().st_size > 0 and (w / "staleness.png").stat().st_size > 0
+  # --aggregate-only rereads the same runs into the same table
+  again = subprocess.run(_grid_cmd(tiny_grid_config, w, 2) + ["--aggregate-only"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+  assert again.returncode == 0 and json.load(open(w / "table.json")) == table
+
+
+def test_killed_grid_rerun_skips_finished_runs(tiny_grid_config, tmp_path):
+  w = tmp_path / "grid"
+  log = open(tmp_path / "grid.err", "w+")
+  proc = subprocess.Popen(_grid_cmd(tiny_grid_config, w, 1), cwd=ROOT, stdout=subprocess.DEVNULL,
+                          stderr=log)
+  deadline = time.monotonic() + 600
+  while not (w / "async1-s0" / "config.json").exists() and proc.poll() is None and time.monotonic() < deadline:
+    time.sleep(0.1)
+  assert proc.poll() is None, "the grid ended before it could be killed"
+  assert rundirs.is_finished(str(w / "sync-s0"))
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  log.seek(0)
+  child = int(re.search(r"started async1-s0 \(pid (\d+)\)", log.read()).group(1))
+  for _ in range(100):   # the run dies with the grid (PR_SET_PDEATHSIG)
+    if not os.path.exists(f"/proc/{child}") or open(f"/proc/{child}/stat").read().split()[2] == "Z":
+      break
+    time.sleep(0.1)
+  else:
+    pytest.fail(f"run process {child} outlived the SIGKILLed grid")
+  assert not rundirs.is_finished(str(w / "async1-s0"))
+  sync_summary = (w / "sync-s0" / "summary.json").read_bytes()
+
+  done = subprocess.run(_grid_cmd(tiny_grid_config, w, 1), cwd=ROOT, capture_output=True, text=True,
+                        timeout=900)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert "sync-s0 already finished (version 2), skipped" in done.stderr
+  assert "started sync-s0" not in done.stderr
+  assert (w / "sync-s0" / "summary.json").read_bytes() == sync_summary
+  assert len(rundirs.attempts(str(w / "sync-s0"))) == 1
+  tries = rundirs.attempts(str(w / "async1-s0"))
+  assert [t["returncode"] for t in tries] == [None, 0]   # the killed attempt, then the finished one
+  table = json.load(open(w / "table.json"))
+  assert [r["status"] for r in table["runs"]] == ["finished", "finished"]

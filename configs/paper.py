@@ -8,24 +8,43 @@ Variants: sync (synchronous ES), async1 (natural asynchrony, staleness <= 1), de
 every result in a cohort is stale). ES hyperparameters follow Qiu et al. (population 30,
 sigma 1e-3, alpha 5e-4, greedy decoding, z-score shaping); the model path, the mesh and the
 sandbox backend are overridable (`--config.mesh.fsdp=8`, `--config.env.sandbox=local`).
+
+Every variant names the devices it is sized for: `configs/paper.py:async1,v5p-64` (default
+8xH100: 8 x H100 80GB). `TARGETS` holds each target's mesh, chosen with
+
+  python -m jaxes.preflight --config=configs/paper.py:async1,v5p-64 --topology=v5p-64
+
+(`--topology` defaults to the config's `mesh.target`; numbers in benchmarks/RESULTS.md). Slots go
+over `data` (the KV cache, 240 x 16384 tokens = 210 GiB in bf16, dominates), the model over
+`tensor` (Qwen2.5-7B has 4 KV heads, so at most tensor=4 also splits the cache).
 """
 from jaxes.train.defaults import base_config
 
 VARIANTS = ("sync", "async1", "delay4", "delay8", "allstale")
+# target -> (data, fsdp, tensor); data x tensor = 8 and more shard the cache 8 ways or more.
+TARGETS = {
+  "8xH100": (2, 1, 4),
+  "8xH200": (4, 1, 2),
+  "v5p-8": (1, 1, 4),
+  "v5p-64": (8, 1, 4),
+}
 
 
-def get_config(variant: str = "async1"):
+def get_config(arg: str = "async1"):
+  variant, _, target = arg.partition(",")
+  target = target or "8xH100"
   if variant not in VARIANTS:
     raise ValueError(f"configs/paper.py: unknown variant {variant!r}; choose one of {VARIANTS}")
+  if target not in TARGETS:
+    raise ValueError(f"configs/paper.py: unknown target {target!r}; choose one of {sorted(TARGETS)}")
   c = base_config()
   c.model.preset = "qwen2.5-7b"
   c.model.path = ""                  # required: a local Qwen2.5-7B-Instruct directory
   c.model.dtype = "bfloat16"
   c.model.param_dtype = "bfloat16"
   c.tokenizer.path = ""              # empty = the tokenizer in model.path
-  c.mesh.data = 1
-  c.mesh.fsdp = -1
-  c.mesh.tensor = 1
+  c.mesh.data, c.mesh.fsdp, c.mesh.tensor = TARGETS[target]
+  c.mesh.target = target
 
   c.es.mode = "lowrank"
   c.es.population = 30

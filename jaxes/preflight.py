@@ -1,0 +1,389 @@
+"""Does a training config fit its target devices? Proven by compiling the run, not by renting it.
+
+  python -m jaxes.preflight --config=configs/paper.py:async1 --topology=v5p-64 [--json]
+      [--config.rollout.num_slots=...] [--headroom=0.9] [--device_memory_gib=...]
+
+Builds the run abstractly (shapes and shardings only: nothing is allocated) on a mesh over the
+topology's devices, ahead-of-time compiles every program the run executes — each engine step
+(width x attention span), the cache reset, the noiser build, the ES update; held-out evaluation
+runs the same step programs with member -1 — and prints per device: parameters, the KV cache,
+noiser state, optimizer state, the older parameter versions kept alive for in-flight episodes,
+and each program's compiled temporaries, against the device's memory. The peak is the resident
+state plus the largest program's temporaries and non-donated outputs. Exit 0 iff the peak is
+at most ``headroom`` of the device memory, else 1 with a line naming the biggest consumer and
+what to change. The last line is one JSON object.
+
+Topologies:
+* TPU slices (``v4-8``, ``v5e-8``, ``v5p-8`` ... ``v5p-128``, ``v6e-8``): the real TPU compiler
+  through ``jax.experimental.topologies`` (needs ``libtpu``: ``pip install -e '.[tpu]'``; no TPU
+  needed).
+* GPU targets (``8xH100``, ``8xH200``): an *estimate*, from the CPU compiler compiling the same
+  mesh over host devices. The CPU backend widens some bfloat16 arithmetic to float32, so its
+  temporaries can exceed the GPU compiler's; it does not use cuDNN attention.
+* ``cpu:N``: N host devices (the structure, on any machine); memory = host RAM / N unless
+  ``--device_memory_gib`` says otherwise.
+
+Device memory is the vendor's nominal per-chip HBM in decimal GB (conservative: the usable
+amount is a little larger). On GPU, JAX preallocates 75% of memory by default: run with
+``XLA_PYTHON_CLIENT_MEM_FRACTION=0.95`` for the headroom checked here to be available.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import sys
+import tempfile
+import time
+from typing import Any
+
+# Host devices must be configured before JAX initialises: `cpu:N` and the GPU estimates compile
+# over N fake host devices. Only when run as a program (a test process has its own devices).
+GPU_TARGETS = {"8xH100": ("NVIDIA H100 80GB", 8, 80e9), "8xH200": ("NVIDIA H200 141GB", 8, 141e9)}
+
+
+def _host_devices_wanted(argv) -> int | None:
+  for arg in argv:
+    m = re.fullmatch(r"--topology=(.+)", arg)
+    if m:
+      name = m.group(1)
+      if name in GPU_TARGETS:
+        return GPU_TARGETS[name][1]
+      if re.fullmatch(r"cpu:\d+", name):
+        return int(name.split(":")[1])
+  return None
+
+
+if __name__ == "__main__":
+  _n = _host_devices_wanted(sys.argv) or 8  # no --topology: the config's target, up to 8 GPUs
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")  # TPU topologies compile from the CPU client too
+  if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               f" --xla_force_host_platform_device_count={_n}").strip()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+# Google Cloud's TPU system-architecture pages: per-chip HBM (decimal GB) and the topology of
+# each slice name (vN-C: C TensorCores; v5p and v4 chips are one megacore device of 2 cores).
+TPU_MEMORY = {"v4": 32e9, "v5e": 16e9, "v5p": 95e9, "v6e": 32e9}
+TPU_TOPOLOGIES = {
+  "v4-8": "v4:2x2x1", "v4-16": "v4:2x2x2", "v4-32": "v4:2x2x4",
+  "v5e-1": "v5e:1x1", "v5e-4": "v5e:2x2", "v5e-8": "v5e:2x4", "v5e-16": "v5e:4x4",
+  "v5p-8": "v5p:2x2x1", "v5p-16": "v5p:2x2x2", "v5p-32": "v5p:2x2x4", "v5p-64": "v5p:2x4x4",
+  "v5p-128": "v5p:4x4x4",
+  "v6e-1": "v6e:1x1", "v6e-4": "v6e:2x2", "v6e-8": "v6e:2x4", "v6e-16": "v6e:4x4",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+  name: str
+  devices: list
+  device_memory: float   # bytes per device
+  compiler: str          # "tpu", or "cpu" (cpu:N and the GPU estimates)
+  estimate: bool         # GPU by the CPU compiler
+
+
+def resolve_topology(name: str, device_memory_gib: float | None = None) -> Target:
+  """Devices (real or abstract), memory per device and compiler for a topology name."""
+  override = None if device_memory_gib is None else device_memory_gib * 2**30
+  if name in TPU_TOPOLOGIES:
+    try:
+      from jax.experimental import topologies
+      topo = topologies.get_topology_desc(TPU_TOPOLOGIES[name], "tpu")
+    except Exception as e:  # libtpu missing or unable to describe the slice
+      raise SystemExit(f"preflight: cannot describe TPU topology {name!r} ({type(e).__name__}: "
+                       f"{str(e).splitlines()[0][:200]}); install libtpu: pip install -e '.[tpu]'")
+    memory = override or TPU_MEMORY[name.split("-")[0]]
+    return Target(name, list(topo.devices), memory, "tpu", False)
+  if name in GPU_TARGETS:
+    _, n, memory = GPU_TARGETS[name]
+    return Target(name, _host_devices(name, n), override or memory, "cpu", True)
+  m = re.fullmatch(r"cpu:(\d+)", name)
+  if m:
+    n = int(m.group(1))
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return Target(name, _host_devices(name, n), override or host / n, "cpu", False)
+  raise SystemExit(f"preflight: unknown topology {name!r}; known: cpu:N, "
+                   f"{', '.join(GPU_TARGETS)}, {', '.join(TPU_TOPOLOGIES)}")
+
+
+def _host_devices(name: str, n: int) -> list:
+  devices = jax.devices("cpu")
+  if len(devices) < n:
+    raise SystemExit(f"preflight: {name} needs {n} host devices, this process has {len(devices)} "
+                     f"(run it as `python -m jaxes.preflight`, which sets them up)")
+  return devices[:n]
+
+
+# -- the run, abstractly ----------------------------------------------------------------------------
+def _bytes_per_device(tree) -> int:
+  """Bytes one device holds of a pytree of sharded ShapeDtypeStructs or arrays (the largest
+  shard: uneven shardings put more on some devices)."""
+  total = 0
+  for leaf in jax.tree.leaves(tree):
+    shape = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
+    total += math.prod(shape) * jnp.dtype(leaf.dtype).itemsize
+  return total
+
+
+def _like_params(tree, params):
+  """Shardings for an optimizer state: a leaf shaped like a parameter is sharded like it (the
+  states of optax are parameter-shaped trees), anything else replicated."""
+  by_shape = {}
+  for p in jax.tree.leaves(params):
+    by_shape.setdefault(tuple(p.shape), p.sharding)
+  any_sharding = jax.tree.leaves(params)[0].sharding
+  replicated = jax.sharding.NamedSharding(any_sharding.mesh, jax.sharding.PartitionSpec())
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+      x.shape, x.dtype, sharding=by_shape.get(tuple(x.shape), replicated)), tree)
+
+
+def _es_update_program(strategy, params, num_keys: int):
+  """The ES update lowered over abstract parameters (what ``Strategy.update`` runs)."""
+  import optax
+  from jaxes.es import update
+  state = jax.eval_shape(lambda p: strategy.init(p, jax.random.key(0)), params)
+  opt_state = _like_params(state.opt_state, params)
+  # The optimizer as es.Strategy builds it (sgd: stateless; adam: two float32 moments).
+  if strategy.optimizer == "adam":
+    tx = optax.adamw(strategy.learning_rate, weight_decay=strategy.weight_decay)
+  else:
+    tx = optax.chain(optax.add_decayed_weights(strategy.weight_decay), optax.sgd(strategy.learning_rate))
+  mesh = jax.tree.leaves(params)[0].sharding.mesh
+  rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+  def arg(shape, dtype):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=rep)
+
+  fn = jax.jit(lambda p, o, k, v, m, w, n: update.apply(p, o, k, v, m, w, n, cfg=strategy.noise_config, tx=tx),
+               out_shardings=(jax.tree.map(lambda x: x.sharding, params),
+                              jax.tree.map(lambda x: x.sharding, opt_state), rep))
+  key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=rep)
+  run_key = jax.eval_shape(jax.random.wrap_key_data, key)
+  run_key = jax.ShapeDtypeStruct(run_key.shape, run_key.dtype, sharding=rep)
+  lowered = fn.lower(params, opt_state, run_key, arg((num_keys,), jnp.int32),
+                     arg((num_keys,), jnp.int32), arg((num_keys,), jnp.float32), arg((), jnp.int32))
+  return lowered, opt_state
+
+
+@dataclasses.dataclass
+class Program:
+  name: str
+  arguments: int
+  outputs: int
+  aliased: int
+  temporaries: int
+  code: int
+  replaces: int = 0      # resident bytes this program's output takes the place of
+  required: int = 0      # > 0: the compiler refused it, needing this many bytes in all
+  seconds: float = 0.0
+
+  @property
+  def extra(self) -> int:
+    """Bytes beyond the resident state while it runs: temporaries and fresh outputs."""
+    return self.temporaries + max(0, self.outputs - self.aliased - self.replaces) + self.code
+
+
+_OOM = re.compile(r"required for HLO temporaries \(([\d.]+)([KMGT])\)")
+
+
+def _compile(name: str, lowered, replaces: int = 0) -> Program:
+  """Compile and read the memory analysis; a compiler that runs out of device memory (the TPU
+  compiler refuses such a program) gives the bytes it said it needed."""
+  start = time.perf_counter()
+  try:
+    stats = lowered.compile().memory_analysis()
+  except Exception as e:  # noqa: BLE001 -- only out-of-memory refusals are reported, others raise
+    m = _OOM.search(str(e))
+    if "RESOURCE_EXHAUSTED" not in str(e) or not m:
+      raise
+    required = float(m.group(1)) * 2 ** (10 * "KMGT".index(m.group(2)) + 10)
+    return Program(name, 0, 0, 0, 0, 0, replaces, int(required), time.perf_counter() - start)
+  return Program(name, stats.argument_size_in_bytes, stats.output_size_in_bytes,
+                 stats.alias_size_in_bytes, stats.temp_size_in_bytes,
+                 stats.generated_code_size_in_bytes, replaces, 0, time.perf_counter() - start)
+
+
+def live_versions(config) -> int:
+  """Parameter versions held at once: the current one and up to ``max_staleness`` older ones
+  whose episodes may still be decoding (delayed members hold back results, not parameters)."""
+  return 1 + int(config.controller.max_staleness)
+
+
+def plan(config, target: Target, log=print) -> dict:
+  """Build the run abstractly on ``target``, compile its programs; the report as a dict."""
+  from jaxes import sharding
+  from jaxes.models import qwen2
+  from jaxes.rollout.engine import Engine
+  from jaxes.train import builders
+  preset = qwen2.PRESETS.get(config.model.preset, {})
+  vocab = config.model.vocab_size or preset.get("vocab_size") or config.tokenizer.vocab_size
+  cfg = builders.model_config(config, vocab)
+  shape = builders.mesh_shape(config, len(target.devices))
+  mesh = sharding.make_mesh(*shape, devices=target.devices[:math.prod(shape)])
+  strategy = builders.build_strategy(config)
+  run_key = jax.random.key(config.seed)
+
+  def make_noiser(params, versions, members, row_group):
+    return strategy.member_noiser(params, versions, members, row_group, run_key=run_key)
+
+  graphdef = builders.build_model(config, vocab).graphdef
+  r = config.rollout
+  engine = Engine(graphdef, cfg, num_slots=r.num_slots, max_len=r.max_len,
+                  prefill_chunk=r.prefill_chunk, max_new_tokens=r.max_new_tokens, stop_ids=[],
+                  im_end_id=0, make_noiser=make_noiser, seed=config.seed, mesh=mesh, abstract=True)
+  params = engine.abstract_params
+  versions = live_versions(config)
+  noiser_bytes = _bytes_per_device(engine.abstract_noiser)
+  programs = []
+  update_lowered, opt_state = _es_update_program(strategy, params, config.es.population)
+  lowered = {**engine.programs(), "es_update": update_lowered}
+  for name, program in lowered.items():
+    programs.append(_compile(name, program, replaces=noiser_bytes if name == "noiser" else 0))
+    p = programs[-1]
+    log(f"  compiled {name} in {p.seconds:.1f}s: " + (
+        f"REFUSED, needs {p.required / 2**30:.2f} GiB" if p.required else
+        f"arguments {p.arguments / 2**30:.2f} GiB, temporaries {p.temporaries / 2**30:.2f} GiB"))
+
+  resident = {
+    "parameters": _bytes_per_device(params),
+    "old_versions": (versions - 1) * _bytes_per_device(params),
+    "kv_cache": _bytes_per_device(engine.cache),
+    "noiser_state": versions * noiser_bytes,
+    "optimizer_state": _bytes_per_device(opt_state),
+  }
+  total = sum(resident.values())
+  peaks = {p.name: max(p.required, total) if p.required else total + p.extra for p in programs}
+  worst = max(programs, key=lambda p: peaks[p.name])
+  peak = peaks[worst.name]
+  per_device = {**resident, "temporaries": peak - total}
+  return {
+    "topology": target.name, "devices": len(target.devices),
+    "device_kind": getattr(target.devices[0], "device_kind", "cpu"),
+    "compiler": target.compiler, "estimate": target.estimate,
+    "mesh": dict(mesh.shape), "device_memory_bytes": int(target.device_memory),
+    "peak_bytes_per_device": int(peak), "per_device": per_device,
+    "peak_program": worst.name, "live_versions": versions,
+    "programs": [dataclasses.asdict(p) | {"extra": p.extra} for p in programs],
+  }
+
+
+ADVICE = {
+  "kv_cache": "shard the slots over more devices (mesh.data; KV heads over mesh.tensor where it "
+              "divides num_kv_heads) or lower rollout.num_slots x rollout.max_len",
+  "parameters": "shard the model over mesh.fsdp / mesh.tensor (fewer devices on mesh.data)",
+  "old_versions": "shard the model over mesh.fsdp / mesh.tensor, or lower controller.max_staleness",
+  "noiser_state": "use es.mode=lowrank (full-rank noise materialises member weights) or fewer "
+                  "slots per device (mesh.data)",
+  "optimizer_state": "use es.optimizer=sgd (stateless) or shard the model over mesh.fsdp",
+  "temporaries": "lower rollout.prefill_chunk (the widest step's activations) or shard more",
+}
+
+
+def _gib(n: float) -> str:
+  return f"{n / 2**30:8.2f} GiB" if n >= 2**30 or n == 0 else f"{n / 2**20:8.2f} MiB"
+
+
+def render(report: dict, headroom: float) -> tuple[list[str], bool]:
+  memory = report["device_memory_bytes"]
+  peak = report["peak_bytes_per_device"]
+  fits = peak <= headroom * memory
+  kind = "estimate: CPU compiler, bf16 widened to f32 on CPU" if report["estimate"] else report["compiler"] + " compiler"
+  lines = [f"{report['topology']}: {report['devices']} x {report['device_kind']} ({kind}), "
+           f"mesh {report['mesh']}, {_gib(memory).strip()} per device, "
+           f"{report['live_versions']} live parameter version(s)"]
+  for key, value in report["per_device"].items():
+    note = f"  (largest: {report['peak_program']})" if key == "temporaries" else ""
+    lines.append(f"  {key:16s} {_gib(value)}{note}")
+  lines.append(f"  {'peak':16s} {_gib(peak)}  = {peak / memory:.1%} of device memory "
+               f"(headroom {headroom:.0%})")
+  lines.append("  programs (per device: arguments / temporaries / outputs not donated):")
+  for p in report["programs"]:
+    if p["required"]:
+      lines.append(f"    {p['name']:24s} refused by the compiler: needs {_gib(p['required'])}")
+      continue
+    lines.append(f"    {p['name']:24s} {_gib(p['arguments'])} / {_gib(p['temporaries'])} / "
+                 f"{_gib(max(0, p['outputs'] - p['aliased']))}")
+  if fits:
+    lines.append(f"fits: peak {peak / 2**30:.2f} GiB <= {headroom:.0%} of {memory / 2**30:.2f} GiB")
+  else:
+    biggest = max(report["per_device"], key=report["per_device"].get)
+    lines.append(f"does not fit: peak {peak / 2**30:.2f} GiB > {headroom:.0%} of "
+                 f"{memory / 2**30:.2f} GiB; biggest consumer {biggest} "
+                 f"({report['per_device'][biggest] / 2**30:.2f} GiB/device): {ADVICE[biggest]}")
+  return lines, fits
+
+
+def summary(report: dict, fits: bool) -> dict:
+  return {"topology": report["topology"], "devices": report["devices"],
+          "device_memory_bytes": report["device_memory_bytes"], "fits": fits,
+          "peak_bytes_per_device": report["peak_bytes_per_device"],
+          "per_device": report["per_device"], "programs": len(report["programs"]),
+          "mesh": report["mesh"], "estimate": report["estimate"]}
+
+
+def with_stand_in_checkpoint(config, directory: str):
+  """The config, with ``model.path`` pointing at a config.json of its preset's shapes when it
+  names no checkpoint: a preflight needs the shapes, not the weights (and a run of a real-size
+  preset must name one, so validation asks for it)."""
+  if config.model.path or config.model.preset.startswith("tiny"):
+    return config
+  from jaxes.models import qwen2
+  cfg = qwen2.Qwen2Config.preset(config.model.preset, param_dtype=config.model.param_dtype,
+                                 dtype=config.model.dtype)
+  with open(os.path.join(directory, "config.json"), "w") as f:
+    json.dump(cfg.to_hf_dict(), f)
+  config = config.copy_and_resolve_references()
+  config.model.path = directory
+  return config
+
+
+def main(argv):
+  from absl import flags
+  from jaxes.train.config import ConfigError, validate
+  FLAGS = flags.FLAGS
+  if len(argv) > 1:
+    raise SystemExit(f"preflight: unexpected arguments {argv[1:]}")
+  with tempfile.TemporaryDirectory() as stand_in:
+    config = with_stand_in_checkpoint(FLAGS.config, stand_in)
+    try:
+      validate(config)
+    except ConfigError as e:
+      print(f"invalid config: {e}", file=sys.stderr)
+      sys.exit(2)
+    topology = FLAGS.topology or config.mesh.get("target", "")
+    if not topology:
+      raise SystemExit("preflight: say --topology=... (the config names no mesh.target)")
+    target = resolve_topology(topology, FLAGS.device_memory_gib)
+    log = (lambda *_: None) if FLAGS.json else (lambda m: print(m, file=sys.stderr, flush=True))
+    report = plan(config, target, log=log)
+  lines, fits = render(report, FLAGS.headroom)
+  if FLAGS.json:
+    print(json.dumps(report))
+  else:
+    print("\n".join(lines))
+  print(json.dumps(summary(report, fits)))
+  sys.exit(0 if fits else 1)
+
+
+def _define_flags():
+  from absl import flags
+  from ml_collections import config_flags
+  config_flags.DEFINE_config_file("config", None, "An ml-collections config file (configs/*.py[:ARG]).")
+  flags.DEFINE_string("topology", None, "cpu:N, 8xH100, 8xH200, or a TPU slice (v5p-64, v5e-8, "
+                      "...); default: the config's mesh.target.")
+  flags.DEFINE_float("headroom", 0.9, "Fraction of device memory the peak may use.")
+  flags.DEFINE_float("device_memory_gib", None, "Override the memory per device (GiB).")
+  flags.DEFINE_bool("json", False, "Print the full report as JSON instead of the table.")
+  flags.mark_flags_as_required(["config"])
+
+
+if __name__ == "__main__":
+  from absl import app
+  _define_flags()
+  app.run(main)

@@ -1,0 +1,131 @@
+"""Preflight: the per-device numbers are the real arrays' sizes, a config that cannot fit fails
+with a line naming its biggest consumer, and the TPU compiler sizes a slice from a CPU machine."""
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxes import preflight, sharding
+from jaxes.models import partition
+from jaxes.rollout.engine import Engine
+from jaxes.train import builders
+needs_8_devices = pytest.mark.skipif(
+  jax.device_count() < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+TINY_CONFIG = '''
+from jaxes.train.defaults import base_config
+
+
+def get_config(arg=""):
+  c = base_config()
+  c.model.preset = "tiny-gqa"
+  c.model.vocab_size = 512
+  c.tokenizer.vocab_size = 512
+  c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 4, 1, 2
+  c.es.population = 8
+  c.rollout.num_slots = 8
+  c.rollout.max_len = 64
+  c.rollout.prefill_chunk = 8
+  c.rollout.max_new_tokens = 16
+  return c
+'''
+
+
+def tiny_config():
+  namespace = {}
+  exec(TINY_CONFIG, namespace)
+  return namespace["get_config"]()
+
+
+def _device0_bytes(tree) -> int:
+  """Bytes device 0 actually holds of a pytree of arrays."""
+  device = jax.devices()[0]
+  return sum(s.data.nbytes for leaf in jax.tree.leaves(tree) for s in leaf.addressable_shards
+             if s.device == device)
+
+
+@needs_8_devices
+def test_report_matches_the_real_arrays_on_8_cpu_devices():
+  config = tiny_config()
+  report = preflight.plan(config, preflight.resolve_topology("cpu:8"), log=lambda *_: None)
+  per_device = report["per_device"]
+
+  # The same run, allocated for real on the same mesh.
+  cfg = builders.model_config(config, config.model.vocab_size)
+  mesh = sharding.make_mesh(4, 1, 2)
+  graphdef, params = partition.init_params(cfg, mesh)
+  strategy = builders.build_strategy(config)
+  state = strategy.init(params, jax.random.key(0))
+  noiser = jax.jit(strategy.member_noiser)(params, np.zeros(8, np.int32), np.arange(8, dtype=np.int32),
+                                           np.arange(8, dtype=np.int32), run_key=state.run_key)
+  engine = Engine(graphdef, cfg, num_slots=8, max_len=64, prefill_chunk=8, max_new_tokens=16,
+                  stop_ids=[], im_end_id=0, mesh=mesh)
+  assert per_device["parameters"] == _device0_bytes(nnx.to_pure_dict(params))
+  assert per_device["old_versions"] == per_device["parameters"]  # async, staleness <= 1
+  assert per_device["kv_cache"] == _device0_bytes(engine.cache)
+  # Per-row noise state sharded over data=4 like the engine's: a quarter of the rows' bytes.
+  rows = sum(x.nbytes for x in jax.tree.leaves(noiser) if x.shape[0] == 8)
+  rest = sum(x.nbytes for x in jax.tree.leaves(noiser) if x.shape[0] != 8)
+  assert per_device["noiser_state"] == 2 * (rows // 4 + rest)
+  assert per_device["optimizer_state"] == _device0_bytes(state.opt_state)
+  assert per_device["temporaries"] > 0
+  names = [p["name"] for p in report["programs"]]
+  assert len(names) == len(engine.widths) * len(engine.spans) + 3
+  assert {"reset", "noiser", "es_update"} <= set(names)
+  assert report["peak_bytes_per_device"] == sum(per_device.values())
+
+
+def _run(tmp_path, *flags):
+  path = tmp_path / "tiny.py"
+  path.write_text(TINY_CONFIG)
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+  return subprocess.run([sys.executable, "-m", "jaxes.preflight", f"--config={path}", *flags],
+                        capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+
+
+def test_a_config_that_cannot_fit_fails_naming_its_biggest_consumer(tmp_path):
+  out = _run(tmp_path, "--topology=cpu:8", "--device_memory_gib=0.0001",
+             "--config.rollout.max_len=512", "--config.rollout.prefill_chunk=2")
+  assert out.returncode == 1, out.stderr[-2000:]
+  lines = out.stdout.strip().splitlines()
+  verdict = next(line for line in lines if line.startswith("does not fit"))
+  assert "biggest consumer kv_cache" in verdict and "rollout.num_slots" in verdict
+  summary = json.loads(lines[-1])
+  assert summary["fits"] is False and summary["devices"] == 8
+  assert summary["peak_bytes_per_device"] > summary["device_memory_bytes"]
+  assert set(summary["per_device"]) == {"parameters", "old_versions", "kv_cache", "noiser_state",
+                                        "optimizer_state", "temporaries"}
+
+
+def test_unknown_topology_is_one_line(tmp_path):
+  out = _run(tmp_path, "--topology=v9z-8")
+  assert out.returncode != 0 and "unknown topology 'v9z-8'" in out.stderr
+
+
+def _libtpu():
+  try:
+    import libtpu  # noqa: F401
+    return True
+  except ImportError:
+    return False
+
+
+@pytest.mark.skipif(not _libtpu(), reason="libtpu is not installed (pip install -e '.[tpu]')")
+def test_tpu_compiler_sizes_a_v5e_slice_from_a_cpu_machine():
+  config = tiny_config()
+  target = preflight.resolve_topology("v5e-8")
+  assert target.compiler == "tpu" and len(target.devices) == 8
+  report = preflight.plan(config, target, log=lambda *_: None)
+  cfg = builders.model_config(config, config.model.vocab_size)
+  # [L, B/data, S, KVH/tensor, hd] float32 keys and values, plus index and valid per row.
+  local = cfg.num_layers * 2 * 64 * (cfg.num_kv_heads // 2) * cfg.head_size * 4
+  assert report["per_device"]["kv_cache"] == 2 * local + 2 * 4 + 2 * 64
+  assert report["device_kind"].startswith("TPU v5")
+  assert all(p["required"] == 0 for p in report["programs"])  # everything compiled
+  assert report["per_device"]["temporaries"] > 0

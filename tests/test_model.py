@@ -193,3 +193,28 @@ def test_presets_have_published_shapes():
   assert resized.head_size == 8  # derived again, not carried over from the preset
   with pytest.raises(ValueError, match="num_heads=6 is not a multiple of num_kv_heads=4"):
     qwen2.Qwen2Config.preset("tiny", num_heads=6, num_kv_heads=4, head_dim=16)
+
+
+def test_blockwise_attention_equals_dense_softmax_float32():
+  """The cached path's online softmax over key blocks gives the one-softmax logits (float32)."""
+  from jaxes.models import attention
+  rng = np.random.RandomState(7)
+  L, B, T, S, K, G, hd = 2, 3, 5, 24, 2, 3, 8
+  q = jnp.asarray(rng.randn(B, T, K, G, hd), jnp.float32)
+  cache_k = jnp.asarray(rng.randn(L, B, S, K, hd), jnp.float32)
+  cache_v = jnp.asarray(rng.randn(L, B, S, K, hd), jnp.float32)
+  index = np.array([0, 7, 15])
+  valid = jnp.asarray(np.arange(S)[None] < (index + T)[:, None])
+  slots = jnp.asarray(index[:, None] + np.arange(T)[None])
+  slots = slots.at[2, 3:].set(S)  # row 2's last queries are padding: they see every valid key
+  layer = jnp.int32(1)
+  for span, block in ((24, 4), (24, 7), (16, 8), (24, 512)):  # 7 -> blocks of 6 (a divisor)
+    out = attention.cached(q, cache_k, cache_v, layer, valid, slots, span, block=block)
+    mask = valid[:, None, :span] & (jnp.arange(span)[None, None] <= slots[:, :, None])
+    ref = attention.dense(q, cache_k[1, :, :span], cache_v[1, :, :span], mask)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-6, rtol=0)
+  # A query that sees no key at all (all masked) averages the values, as the dense floor does.
+  none = jnp.zeros((B, S), bool)
+  out = attention.cached(q, cache_k, cache_v, layer, none, slots, S, block=4)
+  ref = attention.dense(q, cache_k[1], cache_v[1], jnp.zeros((B, T, S), bool))
+  np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-6, rtol=0)

@@ -38,8 +38,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
-from jax.experimental import multihost_utils
+from etils import epath
 from orbax.checkpoint.checkpoint_managers import preservation_policy
+
+from jaxes import distributed
 
 FORMAT = 1
 _META = "meta"   # the JSON item; array items are stored as "arr_<name>" so they never collide with it
@@ -309,8 +311,7 @@ class Checkpointer:
         os.makedirs(self.superseded_directory, exist_ok=True)
         shutil.move(os.path.join(self.directory, str(s)), dest)
         moved.append(dest)
-    if jax.process_count() > 1:
-      multihost_utils.sync_global_devices(f"jaxes-checkpoint-supersede-{step}")
+    distributed.barrier(f"jaxes-checkpoint-supersede-{step}")   # the others wait for the move
     self._manager.reload()
     warnings.warn(f"saving checkpoint step {step} supersedes steps {later} of {self.directory}; "
                   f"moved them to {moved or self.superseded_directory}", RuntimeWarning, stacklevel=3)
@@ -326,6 +327,7 @@ class Checkpointer:
     or ``jax.ShapeDtypeStruct`` with shardings); only those items (or ``items`` of them) are read.
     ``partial``: a target may hold a subset of an item's stored leaves (e.g. ``{"params": ...}`` of
     an ES state); only those are read."""
+    self._manager.wait_until_finished()   # a step still being written is not yet a step
     steps = self.steps()
     if not steps:
       return None
@@ -350,6 +352,7 @@ class Checkpointer:
 
   def restore_host(self, step: int) -> dict:
     """The host dict of ``step`` (no arrays read)."""
+    self._manager.wait_until_finished()
     return self._meta(step)["host"]
 
   def _meta(self, step: int) -> dict:
@@ -361,17 +364,33 @@ class Checkpointer:
             f"(leaves stored by position) that this version cannot read; rerun with --restart (old "
             f"steps are moved to {self.superseded_directory}, never deleted) or use a new workdir")
       raise CorruptCheckpoint(self.directory, step, "its meta item is missing")
+    body, reason = None, None
     try:
-      args = ocp.args.Composite(**{_META: ocp.args.JsonRestore()})
-      stored = self._manager.restore(step, args=args)[_META]
+      stored = self._read(step, _META, ocp.JsonCheckpointHandler(), ocp.args.JsonRestore())
       body = stored["body"]
-      ok = stored["crc32"] == _json_crc(body) and body["format"] == FORMAT
+      if stored["crc32"] != _json_crc(body) or body["format"] != FORMAT:
+        reason = "meta checksum mismatch"
     except Exception as e:   # unreadable or not our layout: the step cannot be trusted
-      raise CorruptCheckpoint(self.directory, step,
-                              f"meta unreadable ({type(e).__name__}: {str(e)[:200]})") from None
-    if not ok:
-      raise CorruptCheckpoint(self.directory, step, "meta checksum mismatch")
+      reason = f"meta unreadable ({type(e).__name__}: {str(e)[:200]})"
+    self._agree(step, reason)
     return body
+
+  def _read(self, step: int, item: str, handler, args):
+    """One item through its orbax handler. Not through ``CheckpointManager.restore``: its closing
+    barrier would be skipped by a process whose read failed, and the others would wait in it."""
+    try:
+      return handler.restore(epath.Path(self.directory) / str(step) / item, args=args)
+    finally:
+      handler.close()
+
+  def _agree(self, step: int, reason: str | None) -> None:
+    """Raise CorruptCheckpoint if this process, or (multi-process) any process, failed to read the
+    step: each process reads its own shards, and all of them must fall back together."""
+    if jax.process_count() > 1:
+      reasons = distributed.allgather_host(reason)
+      reason = next((f"on process {i}: {r}" for i, r in enumerate(reasons) if r), None)
+    if reason:
+      raise CorruptCheckpoint(self.directory, step, reason)
 
   def _plan(self, step: int, name: str, stored: dict | None, target, partial: bool):
     """[(leaf name, stored record, target leaf)] or CheckpointMismatch at the first difference."""
@@ -405,18 +424,19 @@ class Checkpointer:
     for k, d in dirs.items():
       if d is not None and not os.path.isdir(os.path.join(self.directory, str(step), d)):
         raise CorruptCheckpoint(self.directory, step, f"item {k!r} is missing (directory {d})")
-    args = {dirs[k]: ocp.args.PyTreeRestore(
-        item={r["key"]: 0 for _, r, _ in plan},
-        restore_args={r["key"]: _restore_args(r, ref) for _, r, ref in plan}, partial_restore=True)
-        for k, plan in plans.items() if plan}
-    try:
-      read = self._manager.restore(step, args=ocp.args.Composite(**args)) if args else {}
-    except Exception as e:   # tensorstore/orbax failed to read the bytes back
-      raise CorruptCheckpoint(self.directory, step,
-                              f"arrays unreadable ({type(e).__name__}: {str(e)[:200]})") from None
+    read, reason = {}, None
+    for k, plan in plans.items():
+      args = ocp.args.PyTreeRestore(item={r["key"]: 0 for _, r, _ in plan}, partial_restore=True,
+                                    restore_args={r["key"]: _restore_args(r, ref) for _, r, ref in plan})
+      try:
+        read[k] = self._read(step, dirs[k], ocp.PyTreeCheckpointHandler(), args) if plan else {}
+      except Exception as e:   # tensorstore/orbax failed to read the bytes back
+        reason = f"arrays unreadable in item {k!r} ({type(e).__name__}: {str(e)[:200]})"
+        break
+    self._agree(step, reason)
     trees = {}
     for k, plan in plans.items():
-      values = [read[dirs[k]][r["key"]] for _, r, _ in plan]
+      values = [read[k][r["key"]] for _, r, _ in plan]
       for (n, r, _), s in zip(plan, _checksums(values)):
         if s != r["sum"]:
           raise CorruptCheckpoint(self.directory, step, f"checksum mismatch in item {k!r} leaf {n!r}")

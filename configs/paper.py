@@ -67,6 +67,9 @@ def get_config(arg: str = "async1"):
 
   c.train.num_updates = 200
   c.train.eval_every = 20
+  # A full checkpoint (15-30 GB at 7B) every 10 updates; every update in between is a few-KB
+  # update-log record that a resume replays.
+  c.train.checkpoint_every = 10
   c.eval.num_tasks = 100
   c.eval.seeds = 3
 

@@ -181,6 +181,10 @@ def _checksums(values: list) -> list[str]:
   return out
 
 
+def _one_line(e: Exception) -> str:
+  return f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+
+
 def _json_crc(body: dict) -> int:
   return zlib.crc32(json.dumps(body, sort_keys=True).encode())
 
@@ -371,7 +375,7 @@ class Checkpointer:
       if stored["crc32"] != _json_crc(body) or body["format"] != FORMAT:
         reason = "meta checksum mismatch"
     except Exception as e:   # unreadable or not our layout: the step cannot be trusted
-      reason = f"meta unreadable ({type(e).__name__}: {str(e)[:200]})"
+      reason = f"meta unreadable ({_one_line(e)})"
     self._agree(step, reason)
     return body
 
@@ -431,7 +435,7 @@ class Checkpointer:
       try:
         read[k] = self._read(step, dirs[k], ocp.PyTreeCheckpointHandler(), args) if plan else {}
       except Exception as e:   # tensorstore/orbax failed to read the bytes back
-        reason = f"arrays unreadable in item {k!r} ({type(e).__name__}: {str(e)[:200]})"
+        reason = f"arrays unreadable in item {k!r} ({_one_line(e)})"
         break
     self._agree(step, reason)
     trees = {}

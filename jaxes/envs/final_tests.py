@@ -29,8 +29,7 @@ NO_PYTEST = "no-pytest"          # a verifier status besides "ok": an infrastruc
 
 # Runs inside the sandbox. Whatever goes wrong, its result line is the last thing it prints.
 VERIFIER = r"""
-import contextlib, ctypes, hashlib, hmac, io, json, linecache, os, resource, shutil, sys
-import tempfile, types
+import contextlib, ctypes, hashlib, hmac, io, json, linecache, os, resource, sys, types
 if len(sys.argv) > 1:                       # root-only payload file (docker): read, delete
   with open(sys.argv[1], encoding="utf-8") as f:
     job = json.load(f)
@@ -92,6 +91,7 @@ if job["runner"] == "light":
   print("\n".join(lines))
   report(passed, failed, tests is not None)
 
+import shutil, tempfile   # the light runner does without them (start-up time)
 try:
   import pytest
 except ImportError:

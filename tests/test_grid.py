@@ -232,3 +232,57 @@ def test_killed_grid_rerun_skips_finished_runs(tiny_grid_config, tmp_path):
   assert [t["returncode"] for t in tries] == [None, 0]   # the killed attempt, then the finished one
   table = json.load(open(w / "table.json"))
   assert [r["status"] for r in table["runs"]] == ["finished", "finished"]
+
+
+# -- heavy-tailed latency -------------------------------------------------------------------------
+class _Recorder:
+  """A stand-in backend that records what reaches it (the wrapper is under test)."""
+
+  def __init__(self):
+    self.calls = []
+
+  def start(self, task):
+    self.calls.append(("start", task.name))
+    outer = self
+
+    class Handle:
+      def exec(self, command, timeout_s):
+        outer.calls.append(("exec", command))
+        return command
+
+      def run_tests(self):
+        outer.calls.append(("tests",))
+        return "report"
+
+      def close(self):
+        outer.calls.append(("close",))
+    return Handle()
+
+  def shutdown(self):
+    self.calls.append(("shutdown",))
+
+  def leftovers(self):
+    return {}
+
+
+def test_latency_sandbox_draws_lognormal_deterministically_and_passes_work_through():
+  from types import SimpleNamespace
+  from jaxes.experiments.latency import LatencyModel, LatencySandbox
+  a, b = LatencyModel(2.0, 1.0, seed=3), LatencyModel(2.0, 1.0, seed=3)
+  draws = [a.draw(f"t{i % 50}") for i in range(4000)]
+  assert draws == [b.draw(f"t{i % 50}") for i in range(4000)]     # seeded by (task, count)
+  assert np.median(draws) == pytest.approx(2.0, rel=0.1)
+  assert np.std(np.log(draws)) == pytest.approx(1.0, rel=0.1)
+  assert LatencyModel(2.0, 1.0, seed=4).draw("t0") != draws[0]
+  inner = _Recorder()
+  box = LatencySandbox(inner, median_s=1e-4, sigma=0.5, per="command")
+  with box.start(SimpleNamespace(name="task")) as h:
+    assert h.exec("ls", 5) == "ls" and h.run_tests() == "report"
+  box.shutdown()
+  assert inner.calls == [("start", "task"), ("exec", "ls"), ("tests",), ("close",), ("shutdown",)]
+  assert box.model.draws == 2    # one per command and one for the tests
+  episode = LatencySandbox(_Recorder(), median_s=1e-4, sigma=0.5, per="episode")
+  episode.start(SimpleNamespace(name="task")).exec("ls", 5)
+  assert episode.model.draws == 1
+  with pytest.raises(ValueError, match="per must be one of"):
+    LatencySandbox(_Recorder(), 1.0, 1.0, per="turn")

@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxes import sharding
@@ -146,7 +147,8 @@ class Engine:
                   else init_cache())
     self.base_key = (jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype,
                                           sharding=replicated)
-                     if abstract else jax.device_put(jax.random.key(seed), replicated))
+                     if abstract else jax.random.wrap_key_data(  # host data: placeable on a multi-process mesh
+                         jax.device_put(np.asarray(jax.random.key_data(jax.random.key(seed))), replicated)))
 
     if make_noiser is None:
       self._make_noiser, self.noiser_shardings, self.abstract_noiser = None, None, None
@@ -244,14 +246,23 @@ class Engine:
       self._noisers.clear()
 
   # -- device steps -----------------------------------------------------------------------------
+  def _placed(self, *arrays: np.ndarray) -> tuple:
+    """Per-slot host arrays as arguments of the jitted programs: as they are on one process; on
+    a multi-process mesh (where jit refuses sharded numpy inputs) global arrays, each process
+    filling its own shards from its copy (identical on every process: the host state is)."""
+    if self.rows.is_fully_addressable:
+      return arrays
+    return tuple(jax.make_array_from_callback(x.shape, self.rows, lambda index, x=x.copy(): x[index])
+                 for x in arrays)
+
   def _noiser(self, version: int, params):
     if self._make_noiser is None:
       return None
     if version not in self._noisers:
       versions = np.array([s.version for s in self.slots], np.int32)
       members = np.array([s.member if s.state != FREE else -1 for s in self.slots], np.int32)
-      self._noisers[version] = self._make_noiser(params, versions, members,
-                                                 np.arange(self.num_slots, dtype=np.int32))
+      self._noisers[version] = self._make_noiser(
+          params, *self._placed(versions, members, np.arange(self.num_slots, dtype=np.int32)))
     return self._noisers[version]
 
   def _call(self, params, version, rows, tokens, positions, valid):
@@ -263,11 +274,15 @@ class Engine:
     counters = np.array([s.sampled for s in slots], np.int32)
     temperature = np.array([s.temperature for s in slots], np.float32)
     top_p = np.array([s.top_p for s in slots], np.float32)
+    tokens, positions, valid, streams, counters, temperature, top_p = self._placed(
+        tokens, positions, valid, streams, counters, temperature, top_p)
     next_tokens, self.cache = self._step(span, params, self._noiser(version, params), self.cache,
                                          tokens, positions, valid, self.base_key, streams,
                                          counters, temperature, top_p)
     self.stats.rows_busy += len(rows)
     self.stats.rows_total += self.num_slots
+    if not next_tokens.is_fully_addressable:   # multi-process: every process reads every row
+      return multihost_utils.process_allgather(next_tokens, tiled=True)
     return np.asarray(next_tokens)
 
   def _sampled(self, slot: Slot, token: int, finished: list) -> None:
@@ -290,7 +305,7 @@ class Engine:
     if self.abstract:
       raise RuntimeError("an abstract engine has no arrays to run; lower its programs() instead")
     if self._to_reset.any():
-      self.cache = self._reset(self.cache, self._to_reset)
+      self.cache = self._reset(self.cache, *self._placed(self._to_reset))
       self._to_reset[:] = False
     finished: list[Turn] = []
     B = self.num_slots

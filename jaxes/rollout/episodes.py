@@ -15,6 +15,14 @@ after it was handed out (waiting for it if it is late), which makes the schedule
 whole run, a deterministic function of its inputs and of what the sandboxes return (which can
 vary by itself: the stages of a failing pipeline write to stderr in either order).
 
+Multi-process (``owned`` and ``exchange``): every process runs the same runner over the same
+engine, so its host bookkeeping (slots, the schedule, what each step computes) is replicated, but
+a process runs the sandboxes of its ``owned`` slots only. The deterministic schedule is required:
+at each engine step every process knows which sandbox results are due; each waits for its own,
+the processes ``exchange`` them (an all-gather of small picklable values: prompt and observation
+token ids, done flags, outcomes, error texts) and all apply every due result in hand-out order,
+so they stay identical without reading the clock.
+
 Every sandbox handle the runner opened is closed by ``close()``, also after an exception.
 """
 from __future__ import annotations
@@ -22,7 +30,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import dataclasses
 import time
-from typing import Any
+from typing import Any, Callable, Sequence
 
 from jaxes.rollout import chat
 from jaxes.rollout.engine import Engine
@@ -63,20 +71,35 @@ class _Live:
   env_s: float = 0.0
 
 
+class _Remote:
+  """Stands in for the future of sandbox work another process runs (its result comes from the
+  exchange)."""
+
+
 class EpisodeRunner:
   def __init__(self, engine: Engine, tokenizer, sandbox, *, make_episode, workers: int,
-               sandbox_steps: int = 0):
+               sandbox_steps: int = 0, owned: Sequence[int] | None = None,
+               exchange: Callable[[Any], list] | None = None):
     """``make_episode(task, handle) -> protocol.Episode``. ``sandbox_steps``: see the module
-    docstring (0 = as ready)."""
+    docstring (0 = as ready). ``owned``: the slots whose sandboxes this process runs (None:
+    all); ``exchange(obj)``: every process's ``obj`` in process order
+    (``jaxes.distributed.allgather_host``), required with ``owned``."""
     if sandbox_steps < 0:
       raise ValueError(f"sandbox_steps must be >= 0, got {sandbox_steps}")
+    if (owned is None) != (exchange is None):
+      raise ValueError("owned and exchange go together (a multi-process runner needs both)")
+    if exchange is not None and not sandbox_steps:
+      raise ValueError("a multi-process runner needs the deterministic schedule (sandbox_steps > 0): "
+                       "processes must agree on when each sandbox result is taken")
     self.engine, self.tok, self.sandbox = engine, tokenizer, sandbox
     self._make_episode = make_episode
     self.sandbox_steps = sandbox_steps
+    self._owned = None if owned is None else frozenset(owned)
+    self._exchange = exchange
     self.steps = 0               # engine steps run by poll (the deterministic schedule's clock)
     self._pool = cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sandbox")
-    # future -> (kind, live, the step at which its result is taken when sandbox_steps > 0)
-    self._futures: dict[cf.Future, tuple[str, _Live, int]] = {}
+    # future (or _Remote) -> (kind, live, the step at which its result is taken when sandbox_steps > 0)
+    self._futures: dict[cf.Future | _Remote, tuple[str, _Live, int]] = {}
     self._reserved: set[int] = set()
     self._handles: set = set()
     self.wait_s = 0.0            # main-thread time spent waiting for sandbox workers
@@ -111,8 +134,12 @@ class EpisodeRunner:
       live.handle.close()
       self._handles.discard(live.handle)
 
+  def _owns(self, live: _Live) -> bool:
+    return self._owned is None or live.slot in self._owned
+
   def _spawn(self, kind: str, fn, live: _Live, *args) -> None:
-    self._futures[self._pool.submit(fn, live, *args)] = (kind, live, self.steps + self.sandbox_steps)
+    work = self._pool.submit(fn, live, *args) if self._owns(live) else _Remote()
+    self._futures[work] = (kind, live, self.steps + self.sandbox_steps)
 
   # -- host API ---------------------------------------------------------------------------------
   def free_slots(self) -> list[int]:
@@ -165,9 +192,41 @@ class EpisodeRunner:
       self.steps = max(self.steps, min(due for _, _, due in self._futures.values()))
     due = [f for f, (_, _, step) in self._futures.items() if step <= self.steps]
     t = time.perf_counter()
-    cf.wait(due)
+    cf.wait([f for f in due if isinstance(f, cf.Future)])
     self.wait_s += time.perf_counter() - t
     return due
+
+  def _payload(self, kind: str, live: _Live, fut: cf.Future) -> tuple:
+    """What a finished piece of sandbox work means to the engine, as small picklable values:
+    ``(error text or None, value, env_s)``; value: the prompt ids (start), ``(done, observation
+    ids)`` (act) or the outcome (finish)."""
+    error = fut.exception()
+    if error is not None:
+      return f"{SANDBOX_ERROR}: {type(error).__name__}: {error}", None, live.env_s
+    if kind == "start":
+      value = chat.prompt_ids(self.tok, live.episode.messages)
+    elif kind == "act":
+      done = fut.result()
+      value = (True, None) if done else (
+          False, chat.observation_ids(self.tok, live.episode.messages[-1]["content"]))
+    else:
+      value = fut.result()
+    return None, value, live.env_s
+
+  def _payloads(self, due: list) -> list[tuple]:
+    """The payload of every due piece of work, in ``due``'s order: computed here for this
+    process's own, taken from the exchange for the others'."""
+    mine = {i: self._payload(*self._futures[f][:2], f) for i, f in enumerate(due)
+            if isinstance(f, cf.Future)}
+    if self._exchange is None:
+      return [mine[i] for i in range(len(due))]
+    merged = {}
+    for part in self._exchange(mine):   # process order; each due index comes from its owner
+      merged.update(part)
+    if len(merged) != len(due):
+      raise RuntimeError(f"sandbox exchange: {len(merged)} results for {len(due)} due pieces of "
+                         f"work (the processes' schedules diverged)")
+    return [merged[i] for i in range(len(due))]
 
   def poll(self, params_by_version: dict, block: bool = False, timeout: float = 1.0) -> list[EpisodeResult]:
     """Advance every episode once: take finished sandbox work, run one engine step. With
@@ -175,17 +234,18 @@ class EpisodeRunner:
     ``sandbox_steps > 0`` the results due at this step are always waited for (the sandbox's own
     timeouts bound the wait) and ``block``/``timeout`` do not apply."""
     results = []
-    for fut in self._ready(block, timeout):
+    due = self._ready(block, timeout)
+    payloads = self._payloads(due) if due else []
+    for fut, (error, value, env_s) in zip(due, payloads):
       kind, live, _ = self._futures.pop(fut)
-      error = fut.exception()
+      live.env_s = env_s
       if kind == "start":
         self._reserved.discard(live.slot)
         if error is not None:
           self._close(live)
-          results.append(self._result(live, error=f"{SANDBOX_ERROR}: {type(error).__name__}: {error}"))
+          results.append(self._result(live, error=error))
           continue
-        ok = self.engine.start(live.slot, chat.prompt_ids(self.tok, live.episode.messages),
-                               version=live.spec.version, member=live.spec.member,
+        ok = self.engine.start(live.slot, value, version=live.spec.version, member=live.spec.member,
                                stream=live.spec.stream, temperature=live.spec.temperature,
                                top_p=live.spec.top_p, tag=live)
         if not ok:  # the prompt alone overflows the cache row
@@ -195,15 +255,16 @@ class EpisodeRunner:
         if error is not None:
           self.engine.release(live.slot)
           self._close(live)
-          results.append(self._result(live, error=f"{SANDBOX_ERROR}: {type(error).__name__}: {error}"))
-        elif fut.result():
+          results.append(self._result(live, error=error))
+          continue
+        done, observation = value
+        if done:
           self._end(live)
-        elif not self.engine.continue_turn(
-            live.slot, chat.observation_ids(self.tok, live.episode.messages[-1]["content"])):
+        elif not self.engine.continue_turn(live.slot, observation):
           self._end(live, truncated=True)
       else:  # finish
-        results.append(self._result(live, error=f"{SANDBOX_ERROR}: {type(error).__name__}: {error}")
-                       if error is not None else self._result(live, fut.result()))
+        results.append(self._result(live, error=error) if error is not None
+                       else self._result(live, value))
     if self.engine.busy():
       t, prefills = time.perf_counter(), self.engine.stats.prefill_calls
       turns = self.engine.step(params_by_version)
@@ -214,6 +275,9 @@ class EpisodeRunner:
         self.prefill_step_s += dt
       for turn in turns:
         live = turn.tag
+        if not self._owns(live):
+          self._spawn("act", self._act, live, None)   # its owner decodes and runs it
+          continue
         ids = turn.tokens[:-1] if turn.stopped else turn.tokens
         text = self.tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
         self._spawn("act", self._act, live, text)
@@ -222,7 +286,8 @@ class EpisodeRunner:
   def close(self) -> None:
     """Stop all work and close every sandbox handle this runner opened (idempotent)."""
     for fut in self._futures:
-      fut.cancel()
+      if isinstance(fut, cf.Future):
+        fut.cancel()
     self._pool.shutdown(wait=True, cancel_futures=True)
     for handle in list(self._handles):
       handle.close()

@@ -24,8 +24,8 @@ _RESTART = flags.DEFINE_bool("restart", False, "Set the directory's previous run
 flags.mark_flags_as_required(["config", "workdir"])
 
 # What a run directory holds; --restart moves these aside.
-RUN_FILES = ("checkpoints", "checkpoints_superseded", "metrics.jsonl", "tensorboard", "summary.json",
-             "progress.png", "tokenizer", "config.json")
+RUN_FILES = ("checkpoints", "checkpoints_superseded", "update_log", "metrics.jsonl", "tensorboard",
+             "summary.json", "progress.png", "tokenizer", "config.json")
 
 
 def _fail(message: str) -> None:
@@ -55,7 +55,7 @@ def _parse_flags(argv):
 
 def restart(workdir: str) -> str | None:
   """Moves the previous run's files into ``workdir/restarted-<UTC time>/``; returns that path."""
-  present = [n for n in RUN_FILES if os.path.exists(os.path.join(workdir, n))]
+  present = [n for n in os.listdir(workdir) if n in RUN_FILES or n.startswith("update_log.")]
   if not present:
     return None
   aside = os.path.join(workdir, time.strftime("restarted-%Y%m%dT%H%M%SZ", time.gmtime()))
@@ -70,6 +70,8 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
   # jaxes (and so JAX) is imported only after the flags parsed: a bad command line fails at once.
+  from jaxes import distributed
+  distributed.initialize()   # a multi-process launch joins here; a single process: nothing
   from jaxes.train.errors import ConfigError
   from jaxes.train.config import validate
   config = _CONFIG.value
@@ -87,6 +89,8 @@ def main(argv):
     summary = Trainer(config, _WORKDIR.value).run()
   except (RunStateError, PolicyLoadError, ConfigError) as e:
     _fail(str(e))
+  if not distributed.is_primary():
+    return
   # Per-task outcomes stay in summary.json and metrics.jsonl; the terminal gets the totals.
   brief = {k: ({kk: vv for kk, vv in v.items() if kk != "per_task"} if isinstance(v, dict) else v)
            for k, v in summary.items() if k != "params"}

@@ -238,8 +238,10 @@ def controller_config(config) -> ControllerConfig:
 
 
 # -- rollout --------------------------------------------------------------------------------------
-def build_engine(config, model: Model, tokenizer, strategy: es.Strategy, run_key: jax.Array) -> Engine:
-  """The rollout engine; each slot's policy is its member's perturbation under ``run_key``."""
+def build_engine(config, model: Model, tokenizer, strategy: es.Strategy, run_key: jax.Array,
+                 mesh=None) -> Engine:
+  """The rollout engine; each slot's policy is its member's perturbation under ``run_key``.
+  ``mesh``: where its arrays live (None: one device)."""
   def make_noiser(params, versions, members, row_group):
     return strategy.member_noiser(params, versions, members, row_group, run_key=run_key)
 
@@ -247,12 +249,14 @@ def build_engine(config, model: Model, tokenizer, strategy: es.Strategy, run_key
   r = config.rollout
   return Engine(model.graphdef, model.config, num_slots=r.num_slots, max_len=r.max_len,
                 prefill_chunk=r.prefill_chunk, max_new_tokens=r.max_new_tokens, stop_ids=stop,
-                im_end_id=im_end, make_noiser=make_noiser, seed=config.seed)
+                im_end_id=im_end, make_noiser=make_noiser, seed=config.seed, mesh=mesh)
 
 
-def build_runner(config, engine: Engine, tokenizer, sandbox) -> EpisodeRunner:
+def build_runner(config, engine: Engine, tokenizer, sandbox, owned=None, exchange=None) -> EpisodeRunner:
+  """``owned``/``exchange``: a multi-process run's sandbox split (``EpisodeRunner``)."""
   return EpisodeRunner(engine, tokenizer, sandbox, make_episode=episode_factory(config),
-                       workers=config.env.sandbox_workers, sandbox_steps=config.rollout.sandbox_steps)
+                       workers=config.env.sandbox_workers, sandbox_steps=config.rollout.sandbox_steps,
+                       owned=owned, exchange=exchange)
 
 
 def config_dict_of(config: config_dict.ConfigDict) -> dict:

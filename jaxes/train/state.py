@@ -9,6 +9,12 @@ controller, the evaluation history and timings. A checkpoint stores exactly that
   host   ``controller``, ``evals``, ``timings``, ``old_versions`` and ``config`` (the run's config,
          so a rerun with a changed config is told which key differs)
 
+Full checkpoints are written every ``train.checkpoint_every`` updates; every update in between
+appends a few-KB record to the update log (``update_log.py``): the cohort it consumed, the
+controller's state after it and its metrics line. The ES state after an update is a function of
+the state before it and its cohort, so a resume restores the newest checkpoint and replays the
+logged updates after it, bit for bit.
+
 ``initial_state`` restores the newest checkpoint when the run directory has one. A checkpoint
 that does not match the config stops the run before any compute, naming the leaf and the config
 key that differs; one that is corrupt is skipped with a warning; if none can be restored the run
@@ -25,8 +31,9 @@ import jax
 
 from jaxes import es
 from jaxes.controller import Controller
-from jaxes.train import builders, checkpoint, warmstart
+from jaxes.train import builders, checkpoint, multihost, warmstart
 from jaxes.train.policy import load_policy
+from jaxes.train.update_log import UpdateLog
 
 
 class RunStateError(RuntimeError):
@@ -41,6 +48,7 @@ class RunState:
   evals: list[dict]
   timings: dict[str, float]
   restored_from: int | None = None    # the checkpoint step this run resumed from
+  replayed: list[dict] = dataclasses.field(default_factory=list)  # metrics of updates replayed from the log
 
   @property
   def version(self) -> int:
@@ -73,17 +81,46 @@ def save(ckpt: checkpoint.Checkpointer, state: RunState, config) -> None:
   ckpt.save(state.version, items, host)
 
 
+UPDATE_LOG = "update_log"
+
+
+def log_record(state: RunState, results, metrics_record: dict) -> dict:
+  """The update-log record of the update that produced ``state``'s version."""
+  return {"version": state.version, "results": [list(r) for r in results],
+          "controller": state.controller.state_dict(), "metrics": metrics_record}
+
+
+def replay(state: RunState, records: list[dict], strategy: es.Strategy) -> list[dict]:
+  """Applies logged updates to a restored state (the same jitted update on the same inputs as
+  the run that logged them); returns their metrics lines."""
+  for record in records:
+    new_es, _ = strategy.update(state.es, [tuple(r) for r in record["results"]])
+    if int(new_es.version) != record["version"]:
+      raise RunStateError(f"update log: replaying the update to version {record['version']} gave "
+                          f"version {int(new_es.version)}")
+    state.controller = Controller.from_state_dict(record["controller"])
+    state.advance(new_es, keep=set(state.controller.live_versions()))
+    if "eval" in record["metrics"]:
+      state.evals.append(record["metrics"]["eval"])
+  return [r["metrics"] for r in records]
+
+
 def config_values(config) -> dict:
   return json.loads(config.to_json_best_effort())
 
 
-def abstract_es_state(parts: Parts) -> es.ESState:
-  """The ES state's shapes and dtypes (nothing allocated): the target of a restore."""
-  return jax.eval_shape(lambda p: parts.strategy.init(p, jax.random.key(0)), parts.model.abstract_params)
+def abstract_es_state(parts: Parts, sharding=None) -> es.ESState:
+  """The ES state's shapes and dtypes (nothing allocated), each array leaf placed in ``sharding``
+  if one is given: the target of a restore."""
+  shapes = jax.eval_shape(lambda p: parts.strategy.init(p, jax.random.key(0)), parts.model.abstract_params)
+  if sharding is None:
+    return shapes
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+                      if isinstance(x, jax.ShapeDtypeStruct) else x, shapes)
 
 
-def _restore(ckpt: checkpoint.Checkpointer, parts: Parts, config) -> RunState:
-  abstract = abstract_es_state(parts)
+def _restore(ckpt: checkpoint.Checkpointer, parts: Parts, config, sharding=None) -> RunState:
+  abstract = abstract_es_state(parts, sharding)
 
   def target(host):
     return {"es": abstract, **{f"old/{v}": abstract.params for v in host["old_versions"]}}
@@ -118,13 +155,19 @@ def config_difference(stored: dict, current: dict) -> str:
 
 # -- the initial state ----------------------------------------------------------------------------
 def initial_state(config, workdir: str, parts: Parts, ckpt: checkpoint.Checkpointer,
-                  transcripts: list[list[dict]], log=print) -> RunState:
+                  update_log: UpdateLog, transcripts: list[list[dict]], log=print,
+                  place=None) -> RunState:
   """The newest checkpoint's state, or a fresh one: version-0 parameters from the warm start on
-  ``transcripts``, from ``warmstart.init_from``'s version 0, from ``model.path`` or random."""
+  ``transcripts``, from ``warmstart.init_from``'s version 0, from ``model.path`` or random.
+  ``place``: a sharding for every array of the ES state (a multi-process run replicates it over
+  the global mesh); None leaves arrays where they are made."""
   if ckpt.steps():
-    state = _restore(ckpt, parts, config)
-    log(f"resumed from checkpoint at version {state.restored_from}")
+    state = _restore(ckpt, parts, config, place)
+    state.replayed = replay(state, update_log.replay_after(state.restored_from), parts.strategy)
+    log(f"resumed from checkpoint at version {state.restored_from}"
+        + (f" and {len(state.replayed)} logged updates" if state.replayed else ""))
     return state
+  update_log.truncate_to(0)   # a fresh start: records of an earlier run are set aside
   timings = {}
   if config.warmstart.init_from:
     params = load_policy(config.warmstart.init_from, version=0).params
@@ -140,6 +183,8 @@ def initial_state(config, workdir: str, parts: Parts, ckpt: checkpoint.Checkpoin
                                   seed=config.seed, log=log)
       timings["warmstart_s"] = time.perf_counter() - t
   es_state = parts.strategy.init(params, jax.random.key(config.seed))
+  if place is not None:
+    es_state = multihost.replicate(es_state, place)
   controller = Controller(builders.controller_config(config), num_tasks=len(parts.train_tasks))
   return RunState(es_state, {0: es_state.params}, controller, [], timings)
 

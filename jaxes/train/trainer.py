@@ -4,7 +4,8 @@ One loop on the host: hand free slots the controller's jobs, advance every episo
 step (sandbox work runs on worker threads meanwhile), report finished episodes, and apply every
 update the controller declares due (its cohort of ``(version, member, fitness)`` results, stale
 ones included). After each update the hooks run: held-out evaluation every ``eval_every``, the
-metrics line, a checkpoint every ``checkpoint_every``, the progress bar, the caller's callback.
+update-log record, the metrics line, a checkpoint every ``checkpoint_every``, the progress bar,
+the caller's callback.
 
 Resume: rerun the same command with the same ``--workdir`` (``state.initial_state``). Token
 sampling is keyed by job (by antithetic pair with common random numbers), and the controller
@@ -20,16 +21,17 @@ import time
 import zlib
 from typing import Callable
 
-import jax
 from ml_collections import config_dict
 
 from jaxes.controller import Job
 from jaxes.es import keys
 from jaxes.rollout.episodes import EpisodeSpec
-from jaxes.train import builders, checkpoint, evaluation, metrics, warmstart
+from jaxes.train import builders, checkpoint, evaluation, metrics, multihost, warmstart
 from jaxes.train.config import validate
 from jaxes.train.hooks import Hook, UpdateInfo, run_hooks
-from jaxes.train.state import RunState, build_parts, initial_state, needs_transcripts, save
+from jaxes.train.state import (UPDATE_LOG, RunState, build_parts, initial_state, log_record,
+                               needs_transcripts, save)
+from jaxes.train.update_log import UpdateLog
 
 PAIR_STREAM_BASE = 1 << 31     # sampling streams shared by antithetic partners
 
@@ -67,33 +69,47 @@ class Trainer:
   # -- set-up ---------------------------------------------------------------------------------
   def run(self) -> dict:
     c = self.config
-    builders.mesh_shape(c, len(jax.devices()))
+    self.host = host = multihost.host(c)   # the mesh; in a multi-process run, this process's part
     os.makedirs(self.workdir, exist_ok=True)
-    with open(os.path.join(self.workdir, "config.json"), "w") as f:
-      f.write(c.to_json_best_effort(indent=2))
+    if host.primary:
+      with open(os.path.join(self.workdir, "config.json"), "w") as f:
+        f.write(c.to_json_best_effort(indent=2))
     with contextlib.ExitStack() as stack:
       sandbox = self._sandbox or builders.build_sandbox(c)
       stack.callback(sandbox.shutdown)
       ckpt = checkpoint.Checkpointer(os.path.join(self.workdir, "checkpoints"), keep=c.train.keep_checkpoints)
       stack.callback(ckpt.close)
-      transcripts = self._transcripts(sandbox, resuming=bool(ckpt.steps()))
-      self.parts = build_parts(c, self.workdir, transcripts, self.log)
-      self.state: RunState = initial_state(c, self.workdir, self.parts, ckpt, transcripts, self.log)
+      transcripts = multihost.shared(host, lambda: self._transcripts(sandbox, resuming=bool(ckpt.steps())))
+      self.parts = multihost.primary_first(host, "tokenizer",
+                                           lambda: build_parts(c, self.workdir, transcripts, self.log))
+      update_log = UpdateLog(os.path.join(self.workdir, UPDATE_LOG))
+      stack.callback(update_log.close)
+      self.state: RunState = initial_state(c, self.workdir, self.parts, ckpt, update_log, transcripts,
+                                           self.log, place=host.replicated if host.multi_process else None)
       engine = builders.build_engine(c, self.parts.model, self.parts.tokenizer, self.parts.strategy,
-                                     self.state.es.run_key)
-      self.runner = builders.build_runner(c, engine, self.parts.tokenizer, sandbox)
+                                     self.state.es.run_key, mesh=host.mesh)
+      self.runner = builders.build_runner(c, engine, self.parts.tokenizer, sandbox, owned=host.owned,
+                                          exchange=host.exchange)
       stack.callback(self.runner.close)
-      writer = metrics.MetricsWriter(self.workdir, resume_version=self.state.version)
+      writer = (metrics.MetricsWriter(self.workdir, resume_version=self.state.version) if host.primary
+                else multihost.NullWriter())
       stack.callback(writer.close)
+      if host.primary:
+        writer.backfill(self.state.replayed)   # lines a kill cut off after their update was logged
       progress = self._progress_bar()
       stack.callback(progress.close)
       evaluates = bool(c.eval.num_tasks)
       hooks = [Hook(self._eval_hook, every=c.train.eval_every if evaluates else 0, at_final=evaluates),
+               Hook(lambda info: self._log_update(update_log, info)),
                Hook(lambda info: writer.write(info.record)),
                Hook(lambda info: save(ckpt, self.state, c), every=c.train.checkpoint_every, at_final=True),
                Hook(lambda info: progress.update(info.record)),
                *self._extra_hooks]
       return self._train(ckpt, writer, hooks)
+
+  def _log_update(self, update_log: UpdateLog, info: UpdateInfo) -> None:
+    if self.host.primary:   # host state is identical on every process; one of them writes it
+      update_log.append(log_record(self.state, info.results, info.record))
 
   def _transcripts(self, sandbox, resuming: bool) -> list[list[dict]]:
     c = self.config
@@ -106,7 +122,7 @@ class Trainer:
 
   def _progress_bar(self):
     return metrics.ProgressBar(self.config.train.num_updates, self.state.version,
-                               enabled=self.config.train.progress_bar)
+                               enabled=self.config.train.progress_bar and self.host.primary)
 
   # -- the loop -------------------------------------------------------------------------------
   def _train(self, ckpt, writer, hooks: list[Hook]) -> dict:
@@ -123,8 +139,8 @@ class Trainer:
         self._report(r)
       while (state.controller.version < c.train.num_updates
              and (update := state.controller.pop_update()) is not None):
-        record = self._apply(update)
-        run_hooks(hooks, UpdateInfo(state.version, record, state.version == c.train.num_updates))
+        record, results = self._apply(update)
+        run_hooks(hooks, UpdateInfo(state.version, record, state.version == c.train.num_updates, results))
         self._window = metrics.UpdateWindow(self.runner.stats())
     train_s = time.perf_counter() - t0
     if c.eval.num_tasks and state.evals[-1]["version"] != state.version:
@@ -148,7 +164,7 @@ class Trainer:
     self.state.controller.report(result.spec.key.job.job_id, reward=result.reward, failure=result.failure)
     self._window.add(result)
 
-  def _apply(self, update) -> dict:
+  def _apply(self, update) -> tuple[dict, list]:
     state, t = self.state, time.perf_counter()
     results = sorted(update.results)  # a deterministic order: float sums do not depend on arrival
     new_es, es_metrics = self.parts.strategy.update(state.es, results)
@@ -156,7 +172,7 @@ class Trainer:
       raise RuntimeError(f"ES version {int(new_es.version)} != controller version {state.controller.version}")
     state.advance(new_es, keep=set(state.controller.live_versions()) | self.runner.live_versions())
     self._window.update_s += time.perf_counter() - t
-    return self._window.record(update, results, es_metrics, self.runner.stats(), self.config.es.antithetic)
+    return self._window.record(update, results, es_metrics, self.runner.stats(), self.config.es.antithetic), results
 
   # -- evaluation -----------------------------------------------------------------------------
   def evaluate(self) -> dict:
@@ -181,6 +197,8 @@ class Trainer:
                "train_s_this_run": train_s, "updates_this_run": updates,
                "updates_per_hour": 3600.0 * updates / train_s if train_s > 0 else 0.0,
                **state.timings}
+    if not self.host.primary:
+      return {**summary, "params": state.es.params}
     records = metrics.read_metrics(os.path.join(self.workdir, "metrics.jsonl"))
     if c.train.plot and records:
       metrics.plot(records, os.path.join(self.workdir, "progress.png"),

@@ -1,0 +1,108 @@
+"""What a training run does differently when it spans several processes (``jaxes.distributed``).
+
+Every process runs the same trainer: the same host-side controller and engine bookkeeping, fed
+the same sandbox results in the same order (``EpisodeRunner``'s ``owned``/``exchange``), and the
+same device programs over one global mesh. What differs per process:
+
+- sandboxes: a process runs those of the slots whose rows live on its devices
+  (``distributed.owned_rows``); the results are all-gathered once per engine tick;
+- files: only the primary process writes metrics.jsonl, TensorBoard, summary.json, the plot,
+  the progress bar and config.json (checkpoints are written by every process through orbax);
+- arrays: the ES state is replicated over the global mesh (each process holds its addressable
+  copies), so the ES update is one SPMD program and orbax saves and restores it from every
+  process.
+
+A single-process run gets a ``Host`` with no exchange and its mesh from the config
+(``builders.build_mesh``), as before.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxes import distributed
+from jaxes.train import builders
+from jaxes.train.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class Host:
+  """This process's part in the run."""
+  mesh: Mesh
+  primary: bool                               # writes metrics, summaries, plots, config.json
+  owned: range | None                         # slots whose sandboxes run here (None: all)
+  exchange: Callable[[Any], list] | None      # allgather_host in a multi-process run
+
+  @property
+  def multi_process(self) -> bool:
+    return self.exchange is not None
+
+  @property
+  def replicated(self) -> NamedSharding:
+    return NamedSharding(self.mesh, PartitionSpec())
+
+
+def host(config) -> Host:
+  """The mesh, ownership and exchange of this process (after ``distributed.initialize``)."""
+  if jax.process_count() == 1:
+    return Host(builders.build_mesh(config), True, None, None)
+  shape = builders.mesh_shape(config, jax.device_count())
+  if math.prod(shape) != jax.device_count():
+    raise ConfigError(f"config.mesh: a multi-process run uses every device, but data x fsdp x tensor "
+                      f"= {math.prod(shape)} of {jax.device_count()} (e.g. --config.mesh.data=-1)")
+  if config.rollout.sandbox_steps <= 0:
+    raise ConfigError("config.rollout.sandbox_steps: a multi-process run needs the deterministic "
+                      "schedule (sandbox_steps > 0) so that every process takes each sandbox "
+                      "result at the same engine step")
+  mesh = distributed.global_mesh(*shape)
+  return Host(mesh, distributed.is_primary(), distributed.owned_rows(mesh, config.rollout.num_slots),
+              distributed.allgather_host)
+
+
+def replicate(tree, sharding: NamedSharding):
+  """``tree``'s arrays as global arrays replicated over ``sharding``'s mesh, built on each
+  process from its own (identical) host values; non-array leaves are kept."""
+  def put(x):
+    if not isinstance(x, (jax.Array, np.ndarray)):
+      return x
+    if isinstance(x, jax.Array) and x.sharding == sharding:
+      return x
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+      return jax.random.wrap_key_data(put(jax.random.key_data(x)), impl=jax.random.key_impl(x))
+    value = np.asarray(x)
+    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+  return jax.tree.map(put, tree)
+
+
+def shared(host_: Host, make: Callable[[], Any]) -> Any:
+  """``make()`` run on the primary process only, its (small, picklable) value sent to all: for
+  work whose result must be identical everywhere but need not be computed everywhere (oracle
+  transcripts from sandboxes, whose output can vary)."""
+  if not host_.multi_process:
+    return make()
+  return host_.exchange(make() if host_.primary else None)[0]
+
+
+def primary_first(host_: Host, name: str, make: Callable[[], Any]) -> Any:
+  """``make()`` on the primary, then on the others once it is done (for a step that writes
+  into the shared run directory, e.g. building the tokenizer, which the others then load)."""
+  if not host_.multi_process:
+    return make()
+  value = make() if host_.primary else None
+  distributed.barrier(name)
+  return value if host_.primary else make()
+
+
+class NullWriter:
+  """The metrics writer of a process that writes no metrics."""
+
+  def write(self, record: dict) -> None:
+    pass
+
+  def close(self) -> None:
+    pass

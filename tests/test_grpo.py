@@ -305,7 +305,7 @@ def test_a_few_steps_reduce_the_loss_on_a_fixed_batch(model):
   episodes = with_behaviour(episodes, logprobs_of(graphdef, params, episodes), [0.0] * 8)
   batch = build_batch(episodes, [1.0, 0.0, 0.0, 1.0, 0.3, 0.6, 1.0, 0.0], [0, 0, 0, 0, 1, 1, 1, 1],
                       seq_len=SEQ, num_rows=10)
-  learner = GRPOLearner(graphdef, GRPOConfig(learning_rate=3e-3, micro_batches=2, remat=True))
+  learner = GRPOLearner(graphdef, GRPOConfig(learning_rate=3e-3, micro_batches=2))
   state = learner.init(params)
   first = float(learner.loss_and_grads(params, None, batch)[0])
   losses = []
@@ -343,7 +343,7 @@ def test_config_validation():
          (dict(aggregation="batch"), "aggregation"), (dict(advantage="rank"), "advantage"),
          (dict(micro_batches=0), "micro_batches"), (dict(micro_batches=2.0), "micro_batches"),
          (dict(temperature=0.0), "temperature"), (dict(top_p=1.5), "top_p"),
-         (dict(kl_coef=-1.0), "kl_coef"), (dict(remat="yes"), "remat"),
+         (dict(kl_coef=-1.0), "kl_coef"), (dict(master_weights="yes"), "master_weights"),
          (dict(learning_rate="1e-5"), "learning_rate"), (dict(adam_b2=1.0), "adam_b2")]
   for kwargs, key in bad:
     with pytest.raises(ValueError, match=rf"^GRPOConfig\.{key}: "):

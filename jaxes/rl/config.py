@@ -40,7 +40,6 @@ class GRPOConfig:
   advantage_eps: float = 1e-6
   aggregation: str = "token"       # "token" or "sequence" mean over the sampled tokens
   micro_batches: int = 1           # the batch's rows are split into this many, grads summed
-  remat: bool = False              # jax.checkpoint around each micro-batch's forward
   master_weights: bool = True      # float32 master copy (and moments) when params are not f32
   temperature: float = 1.0         # of the sampling distribution the log-probs are under
   top_p: float = 1.0
@@ -81,9 +80,8 @@ class GRPOConfig:
       fail("advantage", f"must be one of {ADVANTAGES}")
     if self.aggregation not in AGGREGATIONS:
       fail("aggregation", f"must be one of {AGGREGATIONS}")
-    for key in ("remat", "master_weights"):
-      if not isinstance(getattr(self, key), bool):
-        fail(key, "must be a bool")
+    if not isinstance(self.master_weights, bool):
+      fail("master_weights", "must be a bool")
 
   @classmethod
   def from_dict(cls, d: Mapping[str, Any]) -> "GRPOConfig":

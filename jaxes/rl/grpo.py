@@ -21,6 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxes.rl import objective
 from jaxes.rl.batch import Batch
@@ -52,7 +53,7 @@ class GRPOLearner:
     adamw = optax.adamw(schedule, b1=c.adam_b1, b2=c.adam_b2, eps=c.adam_eps,
                         weight_decay=c.weight_decay)
     self.tx = optax.chain(optax.clip_by_global_norm(c.max_grad_norm), adamw) if c.max_grad_norm else adamw
-    self._step = jax.jit(self._step_impl, donate_argnums=0)
+    self._steps: dict = {}  # jitted step per layout of the state (see _jitted_step)
     self.loss_and_grads = jax.jit(self._loss_and_grads)
 
   def init(self, params, ref_params=None) -> LearnerState:
@@ -67,15 +68,23 @@ class GRPOLearner:
     else:
       ref_params = None
     opt_state = self.tx.init(params if master is None else master)
-    return LearnerState(params, master, opt_state, ref_params, jnp.zeros((), jnp.int32))
+    state = LearnerState(params, master, opt_state, ref_params, jnp.zeros((), jnp.int32))
+    meshes = {x.sharding.mesh for x in jax.tree.leaves(params) if isinstance(x.sharding, NamedSharding)}
+    if len(meshes) == 1:  # counters made on the default device join the params' mesh, replicated
+      replicated = NamedSharding(meshes.pop(), PartitionSpec())
+      state = jax.tree.map(lambda x: x if isinstance(x.sharding, NamedSharding)
+                           else jax.device_put(x, replicated), state)
+    return state
 
   # -- the jitted computation ------------------------------------------------------------------
   def _micro_loss(self, params, ref_params, mb):
     c = self.config
     logprobs = functools.partial(objective.sequence_logprobs, self.graphdef,
                                  temperature=c.temperature, top_p=c.top_p)
-    forward = jax.checkpoint(logprobs) if c.remat else logprobs
-    logp = forward(params, mb["tokens"], mb["valid"])
+    # Activation memory is bounded by the micro-batch size. jax.checkpoint around this whole
+    # forward saves nothing (benchmarks/grpo_memory.py measured it): the backward of the layer
+    # scan still keeps every layer's residuals; remat per layer belongs inside qwen2's scan.
+    logp = logprobs(params, mb["tokens"], mb["valid"])
     ref_logp = None
     if ref_params is not None:
       ref_logp = jax.lax.stop_gradient(logprobs(ref_params, mb["tokens"], mb["valid"]))
@@ -124,8 +133,24 @@ class GRPOLearner:
                    episodes=(batch.group_ids >= 0).sum(dtype=jnp.int32), **sums)
     return LearnerState(params, master, opt_state, state.ref_params, state.step + 1), metrics
 
+  def _jitted_step(self, state: LearnerState):
+    """The step jitted so the new state keeps the given state's shardings (left to itself, XLA's
+    propagation may move sharded parameters elsewhere); one compile per distinct layout."""
+    leaves, treedef = jax.tree.flatten(state)
+    shardings = tuple(getattr(x, "sharding", None) for x in leaves)
+    key = (treedef, shardings)
+    if key not in self._steps:
+      out = None if None in shardings else (jax.tree.unflatten(treedef, shardings), None)
+      self._steps[key] = jax.jit(self._step_impl, donate_argnums=0, out_shardings=out)
+    return self._steps[key]
+
+  def lower(self, state: LearnerState, batch: Batch) -> jax.stages.Lowered:
+    """The step lowered for these (possibly abstract, ``jax.ShapeDtypeStruct``) inputs: its
+    ``.compile().memory_analysis()`` gives the step's device memory without running it."""
+    return self._jitted_step(state).lower(state, batch)
+
   def step(self, state: LearnerState, batch: Batch) -> tuple[LearnerState, dict]:
     """One update on ``batch``. metrics: loss, pg_loss, kl (k3), clip_fraction and ratio (all
     under the loss's aggregation), grad_norm (before clipping), tokens (sampled tokens trained
-    on), episodes."""
-    return self._step(state, batch)
+    on), episodes. The new state has the shardings of ``state``."""
+    return self._jitted_step(state)(state, batch)

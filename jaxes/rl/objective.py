@@ -52,11 +52,18 @@ def token_weights(sampled: jax.Array, aggregation: str) -> jax.Array:
 def sequence_logprobs(graphdef, params, tokens: jax.Array, valid: jax.Array, temperature: float,
                       top_p: float) -> jax.Array:
   """float32 [N, S]: teacher-forced log-prob of ``tokens[:, t]`` given the tokens before it,
-  under the sampling distribution (``sampling.token_logprobs``); column 0 is 0."""
+  under the sampling distribution (``sampling.token_logprobs``); column 0 is 0. At top_p 1 the
+  nucleus is the whole vocabulary (up to tokens of probability below float rounding), so the
+  per-position sort over the vocabulary is skipped."""
   positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
   logits, _ = qwen2.forward(graphdef, params, tokens, positions, valid)
-  logp = sampling.token_logprobs(logits[:, :-1], tokens[:, 1:], jnp.float32(temperature),
-                                 jnp.float32(top_p))
+  logits, targets = logits[:, :-1], tokens[:, 1:]
+  if top_p >= 1.0:
+    scaled = logits / temperature
+    picked = jnp.take_along_axis(scaled, targets[..., None], axis=-1)[..., 0]
+    logp = picked - jax.nn.logsumexp(scaled, axis=-1)
+  else:
+    logp = sampling.token_logprobs(logits, targets, jnp.float32(temperature), jnp.float32(top_p))
   return jnp.pad(logp, ((0, 0), (1, 0)))
 
 

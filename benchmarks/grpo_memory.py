@@ -1,0 +1,120 @@
+"""Device memory of one GRPO learner step beside one ES update, for the same model, from XLA's
+compiled memory analysis (abstract shapes: nothing is allocated, so 0.5B-7B shapes compile on a
+laptop CPU).
+
+  JAX_PLATFORMS=cpu python benchmarks/grpo_memory.py [--preset qwen2.5-0.5b] [--param_dtype bfloat16]
+      [--rows 32] [--seq_len 1024] [--micro_batches 1,8,32] [--population 32]
+
+GRPO step: params (+ a float32 master copy when params are bf16) + AdamW moments + a batch of
+``rows`` episodes x ``seq_len`` tokens, gradients accumulated over micro-batches; the state is
+donated, so its input and output buffers alias. ES update (``jaxes.es.update.apply``, the jitted
+function ``Strategy.update`` runs): params + SGD state, the direction regenerated from keys
+(full-rank and low-rank). Both also need the rollout engine (params + KV cache), not counted.
+Also the gradient of one micro-batch's teacher-forced log-probs with and without the whole
+forward under ``jax.checkpoint``.
+
+Prints a table, then one JSON line with every number.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import platform
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from jaxes.es import noise, update
+from jaxes.models import qwen2
+from jaxes.rl import objective
+from jaxes.rl.batch import Batch
+from jaxes.rl.config import GRPOConfig
+from jaxes.rl.grpo import GRPOLearner
+
+
+def analysis(compiled) -> dict:
+  m = compiled.memory_analysis()
+  out = dict(arguments=m.argument_size_in_bytes, outputs=m.output_size_in_bytes,
+             aliased=m.alias_size_in_bytes, temp=m.temp_size_in_bytes)
+  out["peak"] = out["arguments"] + out["outputs"] - out["aliased"] + out["temp"]
+  return out
+
+
+def grpo_memory(graphdef, params, rows, seq_len, micro_batches) -> dict:
+  learner = GRPOLearner(graphdef, GRPOConfig(micro_batches=micro_batches))
+  state = jax.eval_shape(learner.init, params)
+  S = jax.ShapeDtypeStruct
+  batch = Batch(S((rows, seq_len), jnp.int32), S((rows, seq_len), bool), S((rows, seq_len), bool),
+                S((rows, seq_len), jnp.float32), S((rows,), jnp.float32), S((rows,), jnp.int32))
+  return analysis(learner.lower(state, batch).compile())
+
+
+def logprob_grad_memory(graphdef, params, rows, seq_len, remat) -> dict:
+  """Gradient of the teacher-forced log-probs of one micro-batch, with the whole forward under
+  ``jax.checkpoint`` or not: what remat can do from outside the model's layer scan."""
+  def total(p, tokens, valid):
+    return objective.sequence_logprobs(graphdef, p, tokens, valid, 1.0, 1.0).sum()
+  fn = jax.jit(jax.grad(jax.checkpoint(total) if remat else total))
+  S = jax.ShapeDtypeStruct
+  return analysis(fn.lower(params, S((rows, seq_len), jnp.int32), S((rows, seq_len), bool)).compile())
+
+
+def es_memory(params, population, mode) -> dict:
+  cfg = noise.NoiseConfig(mode=mode, rank=1)
+  tx = optax.chain(optax.add_decayed_weights(0.0), optax.sgd(1e-3))
+  opt_state = jax.eval_shape(tx.init, jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32), params))
+  n = population // 2  # antithetic pairs share one key
+  fn = jax.jit(functools.partial(update.apply, cfg=cfg, tx=tx))
+  key = jax.eval_shape(lambda: jax.random.key(0))
+  lowered = fn.lower(params, opt_state, key, jax.ShapeDtypeStruct((n,), jnp.int32),
+                     jax.ShapeDtypeStruct((n,), jnp.int32), jax.ShapeDtypeStruct((n,), jnp.float32),
+                     jax.ShapeDtypeStruct((), jnp.int32))
+  return analysis(lowered.compile())
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--preset", default="qwen2.5-0.5b")
+  parser.add_argument("--param_dtype", default="bfloat16")
+  parser.add_argument("--rows", type=int, default=32)
+  parser.add_argument("--seq_len", type=int, default=1024)
+  parser.add_argument("--micro_batches", default="1,8,32")
+  parser.add_argument("--population", type=int, default=32)
+  args = parser.parse_args()
+  cfg = qwen2.Qwen2Config.preset(args.preset, param_dtype=args.param_dtype, dtype=args.param_dtype)
+  graphdef, params = nnx.split(nnx.eval_shape(lambda: qwen2.Qwen2ForCausalLM(cfg, rngs=nnx.Rngs(0))),
+                               nnx.Param)
+  param_bytes = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(params))
+  rows = {}
+  for mode in ("full", "lowrank"):
+    t = time.perf_counter()
+    rows[f"es_update_{mode}"] = es_memory(params, args.population, mode)
+    rows[f"es_update_{mode}"]["compile_s"] = time.perf_counter() - t
+  for k in (int(x) for x in args.micro_batches.split(",")):
+    t = time.perf_counter()
+    rows[f"grpo_step_mb{k}"] = grpo_memory(graphdef, params, args.rows, args.seq_len, k)
+    rows[f"grpo_step_mb{k}"]["compile_s"] = time.perf_counter() - t
+  micro_rows = args.rows // max(int(x) for x in args.micro_batches.split(","))
+  for remat in (False, True):
+    rows[f"logprob_grad_{micro_rows}rows{'_remat' if remat else ''}"] = logprob_grad_memory(
+      graphdef, params, micro_rows, args.seq_len, remat)
+  gib = 2 ** 30
+  print(f"{args.preset} {args.param_dtype}: params {param_bytes / gib:.3f} GiB; GRPO batch {args.rows} x "
+        f"{args.seq_len} tokens; ES population {args.population}")
+  print(f"{'program':28s} {'arguments':>10s} {'outputs':>10s} {'aliased':>10s} {'temp':>10s} {'peak GiB':>10s} {'x params':>9s}")
+  for name, r in rows.items():
+    print(f"{name:28s} {r['arguments'] / gib:10.3f} {r['outputs'] / gib:10.3f} {r['aliased'] / gib:10.3f} "
+          f"{r['temp'] / gib:10.3f} {r['peak'] / gib:10.3f} {r['peak'] / param_bytes:9.2f}")
+  print(json.dumps(dict(preset=args.preset, param_dtype=args.param_dtype, rows_per_batch=args.rows,
+                        seq_len=args.seq_len, population=args.population, param_bytes=param_bytes,
+                        machine=platform.machine(), backend=jax.default_backend(),
+                        date=time.strftime("%Y-%m-%d"), programs=rows)))
+
+
+if __name__ == "__main__":
+  main()

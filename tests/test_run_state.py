@@ -19,6 +19,7 @@ from jaxes.train import export, metrics
 from jaxes.train.policy import PolicyLoadError, load_policy
 from jaxes.train.state import RunStateError
 from jaxes.train.trainer import Trainer
+from jaxes.train.update_log import UpdateLog, encode
 
 QUIET = dict(log=lambda s: None)
 BASE = {"controller.mode": "sync", "controller.max_staleness": 0, "eval.num_tasks": 0,
@@ -106,9 +107,12 @@ def test_corrupt_newest_checkpoint_warns_falls_back_and_resumes_exactly(finished
   files = _array_files(workdir / "checkpoints" / "2")
   for f in files:
     _flip(f)
+  said = []
   with pytest.warns(RuntimeWarning, match="checkpoint step 2 .* corrupt"):
-    resumed = Trainer(config, str(workdir), **QUIET).run()
-  assert resumed["version"] == 2 and resumed["updates_this_run"] == 1
+    resumed = Trainer(config, str(workdir), log=said.append).run()
+  # Step 1 restores, and update 2 is replayed from the update log: the same state as before.
+  assert "resumed from checkpoint at version 1 and 1 logged updates" in said
+  assert resumed["version"] == 2 and resumed["updates_this_run"] == 0
   _params_equal(resumed["params"], whole["params"])
   versions = [r["version"] for r in metrics.read_metrics(str(workdir / "metrics.jsonl")) if "train" in r]
   assert versions == [1, 2]
@@ -168,3 +172,31 @@ def test_export_loads_in_transformers_with_the_same_logits(finished_run, tmp_pat
                          cwd=ROOT, capture_output=True, text=True, timeout=300,
                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
   assert check.returncode == 0, check.stdout[-2000:] + check.stderr[-2000:]
+
+
+def test_update_log_replay_equals_uninterrupted(tokenizer_dir, tmp_path):
+  """Full checkpoints every 3 updates, an update-log record every update: a crash after update 2
+  (its metrics line lost, a torn record after it) resumes from version 0 plus two replayed
+  updates and ends with the parameters of a run never interrupted."""
+  config = tiny_config(tokenizer_dir, **{**BASE, "train.num_updates": 4, "train.checkpoint_every": 3})
+  whole = Trainer(config, str(tmp_path / "a"), **QUIET).run()
+
+  def crash(record):
+    if record["version"] == 2:
+      raise RuntimeError("killed after update 2")
+
+  workdir = tmp_path / "b"
+  with pytest.raises(RuntimeError, match="killed after update 2"):
+    Trainer(config, str(workdir), on_update=crash, **QUIET).run()
+  assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()) == [0]
+  lines = (workdir / "metrics.jsonl").read_text().splitlines()
+  (workdir / "metrics.jsonl").write_text("\n".join(lines[:-1]) + "\n")   # update 2's line lost
+  with open(workdir / "update_log", "ab") as f:
+    f.write(encode({"version": 3, "results": []})[:20])                  # a torn record
+  with pytest.warns(RuntimeWarning, match="torn"):
+    resumed = Trainer(config, str(workdir), **QUIET).run()
+  assert resumed["updates_this_run"] == 2
+  _params_equal(resumed["params"], whole["params"])
+  versions = [r["version"] for r in metrics.read_metrics(str(workdir / "metrics.jsonl")) if "train" in r]
+  assert versions == [1, 2, 3, 4]
+  assert [r["version"] for r in UpdateLog(str(workdir / "update_log")).records()] == [1, 2, 3, 4]

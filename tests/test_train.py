@@ -98,7 +98,8 @@ def test_sigkill_at_random_moments_then_rerun_equals_uninterrupted(tokenizer_dir
   base = {"controller.mode": "sync", "controller.max_staleness": 0, "warmstart.steps": 40,
           "warmstart.learning_rate": 1e-2, "env.partial_credit": True, "eval.num_tasks": 0,
           "rollout.temperature": 0.4, "rollout.common_random_numbers": False,
-          "train.num_updates": 8, "train.plot": False}
+          "train.num_updates": 8, "train.plot": False,
+          "train.checkpoint_every": 3}   # kills between full checkpoints resume through the update log
   config = tiny_config(tokenizer_dir, **base)
   whole = Trainer(config, str(tmp_path / "a"), log=lambda s: None).run()
   config_file = write_config_file(config, tmp_path / "sigkill_config.py")

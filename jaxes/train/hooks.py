@@ -14,6 +14,7 @@ class UpdateInfo:
   version: int          # the version the update produced
   record: dict          # its metrics line (written by the metrics hook)
   final: bool           # the run's last update
+  results: list = dataclasses.field(default_factory=list)   # the cohort: (version, member, fitness)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -48,6 +48,7 @@ class MetricsWriter:
     with open(self.path + ".tmp", "w") as f:  # replaced atomically: a kill here loses nothing
       f.writelines(json.dumps(r) + "\n" for r in kept)
     os.replace(self.path + ".tmp", self.path)
+    self._versions = {r.get("version") for r in kept if "train" in r}
     self._file = open(self.path, "a")
     self._tb = None
     if tensorboard:
@@ -55,6 +56,8 @@ class MetricsWriter:
       self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"), purge_step=resume_version + 1)
 
   def write(self, record: dict) -> None:
+    if "train" in record:
+      self._versions.add(record.get("version"))
     self._file.write(json.dumps(record) + "\n")
     self._file.flush()
     if self._tb is not None:
@@ -63,6 +66,13 @@ class MetricsWriter:
         if k != "version":
           self._tb.add_scalar(k, v, step)
       self._tb.flush()
+
+  def backfill(self, records: list[dict]) -> None:
+    """Writes the update lines among ``records`` that the file lacks (a run killed between
+    logging an update and writing its line; the update-log replay supplies them)."""
+    for r in records:
+      if r.get("version") not in self._versions:
+        self.write(r)
 
   def close(self) -> None:
     self._file.close()

@@ -4,6 +4,7 @@ laptop CPU).
 
   JAX_PLATFORMS=cpu python benchmarks/grpo_memory.py [--preset qwen2.5-0.5b] [--param_dtype bfloat16]
       [--rows 32] [--seq_len 1024] [--micro_batches 1,8,32] [--population 32]
+  JAX_PLATFORMS=cpu python benchmarks/grpo_memory.py --demo   # the CPU demo's shapes
 
 GRPO step: params (+ a float32 master copy when params are bf16) + AdamW moments + a batch of
 ``rows`` episodes x ``seq_len`` tokens, gradients accumulated over micro-batches; the state is
@@ -85,8 +86,21 @@ def main():
   parser.add_argument("--seq_len", type=int, default=1024)
   parser.add_argument("--micro_batches", default="1,8,32")
   parser.add_argument("--population", type=int, default=32)
+  parser.add_argument("--demo", action="store_true",
+                      help="the CPU demo's model and batch shapes (configs/demo_grpo.py, configs/demo.py)")
   args = parser.parse_args()
-  cfg = qwen2.Qwen2Config.preset(args.preset, param_dtype=args.param_dtype, dtype=args.param_dtype)
+  overrides = {}
+  if args.demo:
+    import os
+    from jaxes.train.config import load_config_file
+    c = load_config_file(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "demo_grpo.py"))
+    overrides = {k: c.model[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                                         "num_heads", "num_kv_heads") if c.model[k]}
+    args.preset, args.param_dtype = c.model.preset, c.model.param_dtype
+    args.rows, args.seq_len = c.grpo.group_size * c.grpo.tasks_per_update, c.rollout.max_len
+    args.micro_batches, args.population = f"1,{c.grpo.micro_batches},{args.rows}", c.es.population
+  cfg = qwen2.Qwen2Config.preset(args.preset, param_dtype=args.param_dtype, dtype=args.param_dtype,
+                                 **overrides)
   graphdef, params = nnx.split(nnx.eval_shape(lambda: qwen2.Qwen2ForCausalLM(cfg, rngs=nnx.Rngs(0))),
                                nnx.Param)
   param_bytes = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(params))
@@ -104,13 +118,13 @@ def main():
     rows[f"logprob_grad_{micro_rows}rows{'_remat' if remat else ''}"] = logprob_grad_memory(
       graphdef, params, micro_rows, args.seq_len, remat)
   gib = 2 ** 30
-  print(f"{args.preset} {args.param_dtype}: params {param_bytes / gib:.3f} GiB; GRPO batch {args.rows} x "
+  print(f"{args.preset}{' (demo)' if args.demo else ''} {args.param_dtype}: params {param_bytes / gib:.3f} GiB; GRPO batch {args.rows} x "
         f"{args.seq_len} tokens; ES population {args.population}")
   print(f"{'program':28s} {'arguments':>10s} {'outputs':>10s} {'aliased':>10s} {'temp':>10s} {'peak GiB':>10s} {'x params':>9s}")
   for name, r in rows.items():
     print(f"{name:28s} {r['arguments'] / gib:10.3f} {r['outputs'] / gib:10.3f} {r['aliased'] / gib:10.3f} "
           f"{r['temp'] / gib:10.3f} {r['peak'] / gib:10.3f} {r['peak'] / param_bytes:9.2f}")
-  print(json.dumps(dict(preset=args.preset, param_dtype=args.param_dtype, rows_per_batch=args.rows,
+  print(json.dumps(dict(preset=args.preset, demo=args.demo, param_dtype=args.param_dtype, rows_per_batch=args.rows,
                         seq_len=args.seq_len, population=args.population, param_bytes=param_bytes,
                         machine=platform.machine(), backend=jax.default_backend(),
                         date=time.strftime("%Y-%m-%d"), programs=rows)))

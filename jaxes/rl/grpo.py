@@ -69,7 +69,8 @@ class GRPOLearner:
       ref_params = None
     opt_state = self.tx.init(params if master is None else master)
     state = LearnerState(params, master, opt_state, ref_params, jnp.zeros((), jnp.int32))
-    meshes = {x.sharding.mesh for x in jax.tree.leaves(params) if isinstance(x.sharding, NamedSharding)}
+    meshes = {x.sharding.mesh for x in jax.tree.leaves(params)
+              if isinstance(getattr(x, "sharding", None), NamedSharding)}  # (tracers have none)
     if len(meshes) == 1:  # counters made on the default device join the params' mesh, replicated
       replicated = NamedSharding(meshes.pop(), PartitionSpec())
       state = jax.tree.map(lambda x: x if isinstance(x.sharding, NamedSharding)

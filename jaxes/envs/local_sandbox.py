@@ -200,14 +200,15 @@ def _warn_weak_limits(have_cgroups: bool, have_mounts: bool) -> None:
 
 
 def _default_parent() -> str | None:
-  """/dev/shm when usable: episode directories are small and memory-backed directory
-  operations are ~100x faster than on disk (closing an episode costs ~0.1 ms, not ~15 ms)."""
+  """/dev/shm where each episode directory can be a size-capped tmpfs of its own (mount points
+  there are made and removed ~100x faster than on disk); None (the system temp directory, on
+  disk) where it cannot, so that uncapped episode files never fill RAM."""
   shm = "/dev/shm"
   # World-searchable too: as root, commands run as an unprivileged uid that must reach its
   # episode directory (some VMs mount /dev/shm 0700).
   usable = (os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK)
             and os.stat(shm).st_mode & 0o001)
-  return shm if usable else None
+  return shm if usable and _can_mount(shm) else None
 
 
 _MS_NOSUID, _MS_NODEV, _MNT_DETACH = 2, 4, 2
@@ -312,7 +313,8 @@ def _rmtree(path: str) -> None:
 
 class LocalSandbox(Sandbox):
   """Starts local episodes. ``root_dir`` holds one directory per live episode (default: a new
-  directory in /dev/shm, else in the system temp directory; removed by ``shutdown``).
+  directory in /dev/shm where episodes can be tmpfs mounts, else in the system temp directory;
+  removed by ``shutdown``).
 
   isolation: "auto" or "bwrap" (bubblewrap; an error where it does not work), or, only with
     ``allow_weak_isolation=True`` and a warning, "unshare" / "none" (see ``resolve_isolation``).
@@ -340,10 +342,7 @@ class LocalSandbox(Sandbox):
     self.python = python
     self._own_root = root_dir is None
     if root_dir is None:
-      # Episode directories are capped tmpfs mounts where we may mount (their mount points
-      # may then live in RAM), else plain directories that belong on disk, not in /dev/shm.
-      shm = _default_parent()
-      parent = shm if shm and _can_mount(shm) else tempfile.gettempdir()
+      parent = _default_parent() or tempfile.gettempdir()
       remove_orphans(parent)
       root_dir = tempfile.mkdtemp(prefix=f"{_ROOT_PREFIX}{os.getpid()}-", dir=parent)
     self.root_dir = root_dir

@@ -80,3 +80,38 @@ def test_disk_filling_fails_inside_the_episode_and_the_host_keeps_its_space(sand
   after = _free_bytes()
   for path, free in before.items():   # other processes share the disk: allow 32 MB of drift
     assert abs(after[path] - free) < 32 << 20, (path, free, after[path])
+
+
+CRASHING_RUN = """
+import os, sys
+sys.path.insert(0, sys.argv[1])
+from jaxes.envs import make_sandbox
+from jaxes.envs.task import Task
+sb = make_sandbox("local")
+h = sb.start(Task(name="t", instruction="x"))
+h.exec("echo data > /home/user/f", 10)
+print(sb.root_dir, h.ep_dir, " ".join(h.cgroup.dirs if h.cgroup else []), flush=True)
+os._exit(0)   # no close, no shutdown: like a SIGKILLed trainer
+"""
+
+
+def test_mounts_and_cgroups_of_a_killed_run_are_removed_by_the_next():
+  import subprocess
+  import sys
+  probe = make_sandbox("local")
+  probe.shutdown()
+  if not (probe.mounts or probe.cgroups):
+    pytest.skip("no episode mounts or cgroups on this machine (not root)")
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  out = subprocess.run([sys.executable, "-c", CRASHING_RUN, repo], capture_output=True,
+                       text=True, timeout=120, check=True).stdout.split()
+  root, ep_dir, cgroup_dirs = out[0], out[1], out[2:]
+  with open("/proc/self/mountinfo") as f:
+    assert (ep_dir in f.read()) == probe.mounts
+  assert all(os.path.isdir(d) for d in cgroup_dirs)
+  sb = make_sandbox("local")   # sweeps what dead runs left
+  sb.shutdown()
+  with open("/proc/self/mountinfo") as f:
+    assert ep_dir not in f.read()
+  assert not os.path.exists(root)
+  assert not any(os.path.exists(d) for d in cgroup_dirs)

@@ -9,8 +9,8 @@ BACKENDS = ("local", "docker")
 
 
 def make_sandbox(backend: str = "local", **kwargs) -> Sandbox:
-  """A sandbox backend: "local" (LocalSandbox: root_dir, isolation, run_as_uid, use_pytest) or
-  "docker" (DockerSandbox: image, run_label, pool_size, ...)."""
+  """A sandbox backend: "local" (LocalSandbox: root_dir, isolation, run_as_uid, use_pytest, cpus,
+  allow_weak_isolation, python) or "docker" (DockerSandbox: image, run_label, pool_size, ...)."""
   if backend == "local":
     from jaxes.envs.local_sandbox import LocalSandbox
     return LocalSandbox(**kwargs)

@@ -17,7 +17,6 @@ import concurrent.futures
 import io
 import os
 import queue
-import re
 import socket
 import tarfile
 import threading

@@ -215,8 +215,9 @@ def live_versions(config) -> int:
   return 1 + int(config.controller.max_staleness)
 
 
-def plan(config, target: Target, log=print) -> dict:
-  """Build the run abstractly on ``target``, compile its programs; the report as a dict."""
+def plan(config, target: Target, log=print, only: str | None = None) -> dict:
+  """Build the run abstractly on ``target``, compile its programs (those whose name matches the
+  regex ``only``, default all); the report as a dict."""
   from jaxes import sharding
   from jaxes.models import qwen2
   from jaxes.rollout.engine import Engine
@@ -243,6 +244,7 @@ def plan(config, target: Target, log=print) -> dict:
   programs = []
   update_lowered, opt_state = _es_update_program(strategy, params, config.es.population)
   lowered = {**engine.programs(), "es_update": update_lowered}
+  lowered = {k: v for k, v in lowered.items() if only is None or re.search(only, k)}
   for name, program in lowered.items():
     programs.append(_compile(name, program, replaces=noiser_bytes if name == "noiser" else 0))
     p = programs[-1]
@@ -268,7 +270,7 @@ def plan(config, target: Target, log=print) -> dict:
     "compiler": target.compiler, "estimate": target.estimate,
     "mesh": dict(mesh.shape), "device_memory_bytes": int(target.device_memory),
     "peak_bytes_per_device": int(peak), "per_device": per_device,
-    "peak_program": worst.name, "live_versions": versions,
+    "peak_program": worst.name, "live_versions": versions, "only": only,
     "programs": [dataclasses.asdict(p) | {"extra": p.extra} for p in programs],
   }
 
@@ -302,7 +304,8 @@ def render(report: dict, headroom: float) -> tuple[list[str], bool]:
     lines.append(f"  {key:16s} {_gib(value)}{note}")
   lines.append(f"  {'peak':16s} {_gib(peak)}  = {peak / memory:.1%} of device memory "
                f"(headroom {headroom:.0%})")
-  lines.append("  programs (per device: arguments / temporaries / outputs not donated):")
+  subset = f", only those matching {report['only']!r}" if report.get("only") else ""
+  lines.append(f"  programs{subset} (per device: arguments / temporaries / outputs not donated):")
   for p in report["programs"]:
     if p["required"]:
       lines.append(f"    {p['name']:24s} refused by the compiler: needs {_gib(p['required'])}")
@@ -361,7 +364,7 @@ def main(argv):
       raise SystemExit("preflight: say --topology=... (the config names no mesh.target)")
     target = resolve_topology(topology, FLAGS.device_memory_gib)
     log = (lambda *_: None) if FLAGS.json else (lambda m: print(m, file=sys.stderr, flush=True))
-    report = plan(config, target, log=log)
+    report = plan(config, target, log=log, only=FLAGS.only)
   lines, fits = render(report, FLAGS.headroom)
   if FLAGS.json:
     print(json.dumps(report))
@@ -379,6 +382,8 @@ def _define_flags():
                       "...); default: the config's mesh.target.")
   flags.DEFINE_float("headroom", 0.9, "Fraction of device memory the peak may use.")
   flags.DEFINE_float("device_memory_gib", None, "Override the memory per device (GiB).")
+  flags.DEFINE_string("only", None, "Compile only the programs whose name matches this regex "
+                      "(e.g. 'span=16384|reset|noiser|es_update'); the report says so.")
   flags.DEFINE_bool("json", False, "Print the full report as JSON instead of the table.")
   flags.mark_flags_as_required(["config"])
 

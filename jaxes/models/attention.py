@@ -92,19 +92,30 @@ def _cudnn(q, k, v, mask):
   return out.reshape(B, T, K, G, hd)
 
 
+def as_bits(x: jax.Array) -> jax.Array:
+  """``x``'s raw bits as unsigned ints of its width (a free bitcast)."""
+  return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
+
+
 def cached(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, layer: jax.Array,
-           cache_valid: jax.Array, q_slots: jax.Array, span: int,
+           cache_valid: jax.Array, q_slots: jax.Array, span: int, dtype=None,
            block: int | None = None) -> jax.Array:
   """Attention of ``q`` to the first ``span`` slots of layer ``layer`` of a ``[L, B, S, K, hd]``
-  cache; query t of row b sees slot s iff ``cache_valid[b, s]`` and ``s <= q_slots[b, t]``."""
+  cache; query t of row b sees slot s iff ``cache_valid[b, s]`` and ``s <= q_slots[b, t]``.
+  ``dtype``: the cache holds raw bits (``as_bits``) of this dtype; None: plain values. Blocks
+  are read as bits and converted one at a time, so no compiler can hoist a dtype conversion of
+  the whole cache out of the block loop (the CPU backend, which computes bfloat16 dots in
+  float32, did: a float32 copy of the cache)."""
   B = q.shape[0]
   K, hd = cache_k.shape[-2:]
 
   def read(start, n):
     at = (layer, 0, start, 0, 0)
     size = (1, B, n, K, hd)
-    return (jax.lax.dynamic_slice(cache_k, at, size)[0],
-            jax.lax.dynamic_slice(cache_v, at, size)[0])
+    k, v = (jax.lax.dynamic_slice(c, at, size)[0] for c in (cache_k, cache_v))
+    if dtype is not None:
+      k, v = (jax.lax.bitcast_convert_type(c, dtype) for c in (k, v))
+    return k, v
 
   def visible(start, n):
     keys = start + jnp.arange(n)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -76,7 +77,8 @@ def cache_specs(cfg: Qwen2Config, mesh: Mesh | Mapping[str, int],
   keep_heads = cfg.num_kv_heads % sharding.shards(heads_axis, sizes) != 0
   table = tuple((name, None if keep_heads and name == "kv_heads" else axis)
                 for name, axis in rules)
-  return KVCache(**{k: sharding.logical_to_spec(v, table) for k, v in KVCache.LOGICAL_AXES.items()})
+  return KVCache(**{k: sharding.logical_to_spec(v, table) for k, v in KVCache.LOGICAL_AXES.items()},
+                 dtype=jnp.dtype(cfg.dtype).name)  # the cache's own (static) dtype: same pytree
 
 
 def cache_shardings(cfg: Qwen2Config, mesh: Mesh,

@@ -15,6 +15,7 @@ inference. Every parameter carries ``logical_axes`` metadata (MaxText-style name
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -110,19 +111,23 @@ class Qwen2Config:
     return hf_config.hf_dict_from_config(self)
 
 
-@jax.tree_util.register_dataclass
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["k", "v", "index", "valid"],
+                   meta_fields=["dtype"])
 @dataclasses.dataclass
 class KVCache:
   """Per-row key/value cache. Rows fill independently, so they may sit at different positions.
 
-  k, v: [L, B, S, KVH, hd] keys (after RoPE) and values; index: [B] int32, the next free slot of
-  each row; valid: [B, S] bool, which slots hold a token. Writes beyond S are dropped: the caller
-  sizes S for the longest row.
+  k, v: [L, B, S, KVH, hd] keys (after RoPE) and values, stored as the raw bits of ``dtype``
+  (unsigned ints of its width; ``keys()`` / ``values()`` read them as ``dtype``): a backend
+  without native bfloat16 (the CPU) would otherwise scatter into and read from float32 copies
+  of the whole cache. index: [B] int32, the next free slot of each row; valid: [B, S] bool,
+  which slots hold a token. Writes beyond S are dropped: the caller sizes S for the longest row.
   """
   k: jax.Array
   v: jax.Array
   index: jax.Array
   valid: jax.Array
+  dtype: str = "float32"
 
   LOGICAL_AXES = dict(k=("layers", "cache_batch", "cache_seq", "kv_heads", "head_dim"),
                       v=("layers", "cache_batch", "cache_seq", "kv_heads", "head_dim"),
@@ -132,9 +137,16 @@ class KVCache:
   def init(cls, cfg: Qwen2Config, batch_size: int, max_len: int, dtype: str | None = None):
     shape = (cfg.num_layers, batch_size, max_len, cfg.num_kv_heads, cfg.head_size)
     dtype = jnp.dtype(dtype or cfg.dtype)
-    return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+    bits = jnp.dtype(f"uint{8 * dtype.itemsize}")  # zero bits are 0.0
+    return cls(k=jnp.zeros(shape, bits), v=jnp.zeros(shape, bits),
                index=jnp.zeros((batch_size,), jnp.int32),
-               valid=jnp.zeros((batch_size, max_len), bool))
+               valid=jnp.zeros((batch_size, max_len), bool), dtype=dtype.name)
+
+  def keys(self) -> jax.Array:
+    return jax.lax.bitcast_convert_type(self.k, jnp.dtype(self.dtype))
+
+  def values(self) -> jax.Array:
+    return jax.lax.bitcast_convert_type(self.v, jnp.dtype(self.dtype))
 
 
 def _stack(layers: int, shape: tuple, axes: tuple) -> tuple[tuple, tuple]:
@@ -240,13 +252,13 @@ class Attention(nnx.Module):
     if cached is None:
       out, kv = attention.dense(q, k, v, mask), None
     else:
-      cache_k, cache_v, valid, slots, write_slots, span = cached
+      cache_k, cache_v, valid, slots, write_slots, span, dtype = cached
       rows = jnp.arange(B)[:, None]
-      # Written into the whole cache (the layer scan's carry) in place; invalid tokens carry an
-      # out-of-range slot, so mode="drop" skips them.
-      cache_k = cache_k.at[layer, rows, write_slots].set(k.astype(cache_k.dtype), mode="drop")
-      cache_v = cache_v.at[layer, rows, write_slots].set(v.astype(cache_v.dtype), mode="drop")
-      out = attention.cached(q, cache_k, cache_v, layer, valid, slots, span)
+      # Written into the whole cache (the layer scan's carry, as raw bits) in place; invalid
+      # tokens carry an out-of-range slot, so mode="drop" skips them.
+      cache_k = cache_k.at[layer, rows, write_slots].set(attention.as_bits(k.astype(dtype)), mode="drop")
+      cache_v = cache_v.at[layer, rows, write_slots].set(attention.as_bits(v.astype(dtype)), mode="drop")
+      out = attention.cached(q, cache_k, cache_v, layer, valid, slots, span, dtype)
       kv = (cache_k, cache_v)
     return self.o_proj(out.reshape(B, T, -1), noiser, layer), kv
 
@@ -335,11 +347,14 @@ class Qwen2ForCausalLM(nnx.Module):
 
       # The cache rides in the scan's carry and each layer writes its new keys into it: a cache
       # passed as scanned input/output would be rebuilt as a second full copy.
+      dtype = jnp.dtype(cache.dtype)
+
       def one_layer(carry, scanned):
         x, k, v = carry
         state, layer = scanned
         x, (k, v) = nnx.merge(layers_def, state)(
-            x, positions, noiser, layer, cached=(k, v, cache_valid, slots, write_slots, span))
+            x, positions, noiser, layer,
+            cached=(k, v, cache_valid, slots, write_slots, span, dtype))
         return (x, k, v), None
 
       (x, cache_k, cache_v), _ = jax.lax.scan(one_layer, (x, cache.k, cache.v),
@@ -354,7 +369,7 @@ class Qwen2ForCausalLM(nnx.Module):
 
     if cache is not None:
       cache = KVCache(k=cache_k, v=cache_v, index=cache.index + valid.sum(axis=1, dtype=jnp.int32),
-                      valid=cache_valid)
+                      valid=cache_valid, dtype=cache.dtype)
     return logits.astype(jnp.float32), cache
 
 

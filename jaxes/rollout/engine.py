@@ -171,6 +171,7 @@ class Engine:
                           in_shardings=(self.cache_shardings, rows),
                           out_shardings=self.cache_shardings)
     self._noisers: dict[int, Any] = {}
+    self._in_place: dict[int, tuple] = {}  # version -> (params as given, params in place)
     self._to_reset = np.zeros(num_slots, bool)
 
   def _noiser_leaf_sharding(self, leaf) -> NamedSharding:
@@ -255,6 +256,15 @@ class Engine:
     return tuple(jax.make_array_from_callback(x.shape, self.rows, lambda index, x=x.copy(): x[index])
                  for x in arrays)
 
+  def _place(self, version: int, params):
+    """``params`` in the rule table's shardings, moved once per version (a new object is placed
+    again): a no-op when they already are there, e.g. loaded by ``hf.load(mesh=...)``."""
+    held = self._in_place.get(version)
+    if held is None or held[0] is not params:
+      self._in_place = {v: p for v, p in self._in_place.items() if v in self.live_versions()}
+      self._in_place[version] = held = (params, jax.device_put(params, self.param_shardings))
+    return held[1]
+
   def _noiser(self, version: int, params):
     if self._make_noiser is None:
       return None
@@ -267,7 +277,7 @@ class Engine:
 
   def _call(self, params, version, rows, tokens, positions, valid):
     slots = self.slots
-    params = jax.device_put(params, self.param_shardings)  # no-op when already in place
+    params = self._place(version, params)
     need = max(s.length for s in rows) + tokens.shape[1]
     span = next((a for a in self.spans if a >= need), self.max_len)
     streams = np.array([s.stream for s in slots], np.uint32)

@@ -16,12 +16,12 @@ available.
 Sizing, by measurement (benchmarks/RESULTS.md, "Experiment grid"; CPU seconds measured on a
 loaded 2-core VM, extrapolated, since the grid itself could not run there): the demo's ES
 settings (population 8, sigma 0.015, lr 0.02, centered ranks, partial credit) with 2 episodes
-per member instead of 4 (8.3 vs 16.3 CPU s per update) so that 48 updates fit -- a delay of 8
+per member instead of 4 (8.5 vs 15.3 CPU s per update) so that 48 updates fit -- a delay of 8
 is then 1/6 of the run (the paper's is 8 of 200) at about the demo's episode budget (768
-training episodes vs 640); held-out evaluation on 64 tasks at 0, 16, 32, 48 (~33 CPU s each);
+training episodes vs 640); held-out evaluation on 64 tasks at 0, 16, 32, 48 (~34 CPU s each);
 the warm start (~176 CPU s) made once per seed and shared by that seed's variants (the grid's
 shared init, on by default), as every variant of the paper starts from one Instruct
-checkpoint. Estimate: ~570 CPU s per run, ~9,000 CPU s for the grid, 80-90 minutes with
+checkpoint. Estimate: ~600 CPU s per run, ~9,500 CPU s for the grid, 80-95 minutes with
 --parallel=2 on 2 dedicated cores. Population 8 keeps one member (round(0.8)) per cohort for the
 10% delays; 2 episodes per member is not what the demo measured to learn (4), so whether 48
 updates of it learn as much is for the grid's run to show.

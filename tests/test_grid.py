@@ -286,3 +286,39 @@ def test_latency_sandbox_draws_lognormal_deterministically_and_passes_work_throu
   assert episode.model.draws == 1
   with pytest.raises(ValueError, match="per must be one of"):
     LatencySandbox(_Recorder(), 1.0, 1.0, per="turn")
+
+
+def _fake_trainer(workdir, num_updates, exit_code=0, pause=0.3):
+  """A real process standing in for a trainer: writes what a finished run leaves (the runner is
+  under test), records when it ran."""
+  code = (f"import json, os, time\nw = {str(workdir)!r}\nt0 = time.time()\ntime.sleep({pause})\n"
+          f"json.dump({{'train': {{'num_updates': {num_updates}}}}}, open(os.path.join(w, 'config.json'), 'w'))\n"
+          f"if {exit_code}:\n  print('error: boom'); raise SystemExit({exit_code})\n"
+          f"json.dump({{'version': {num_updates}}}, open(os.path.join(w, 'summary.json'), 'w'))\n"
+          "json.dump([t0, time.time()], open(os.path.join(w, 'when.json'), 'w'))\n")
+  return ["python", "-c", code]
+
+
+def test_runner_starts_runs_after_their_warm_start_and_reports_a_failed_one(tmp_path):
+  def runs(init_exit):
+    init = grid.Run("init-s0", str(tmp_path / f"{init_exit}" / "init-s0"), None, 0, "init", 0)
+    init.command = _fake_trainer(init.workdir, 0, init_exit)
+    out = [init]
+    for name in ("sync", "async1"):
+      r = grid.Run(f"{name}-s0", str(tmp_path / f"{init_exit}" / f"{name}-s0"), None, 2, name, 0, needs="init-s0")
+      r.command = _fake_trainer(r.workdir, 2)
+      out.append(r)
+    return out
+
+  ok = runs(0)
+  grid.LocalRunner(parallel=3, log=lambda s: None).run_all(ok)
+  init_end = json.load(open(os.path.join(ok[0].workdir, "when.json")))[1]
+  for r in ok[1:]:
+    assert rundirs.is_finished(r.workdir) and json.load(open(os.path.join(r.workdir, "when.json")))[0] >= init_end
+  bad = runs(3)
+  grid.LocalRunner(parallel=3, log=lambda s: None).run_all(bad)
+  init = rundirs.read_run(bad[0].workdir, "init", 0)
+  assert init.status == "failed" and "exit status 3: error: boom" in init.reason
+  for r in bad[1:]:
+    rec = rundirs.read_run(r.workdir, r.variant, 0, 2)
+    assert rec.status == "failed" and "not started: init-s0 failed" in rec.reason

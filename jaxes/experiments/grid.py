@@ -150,6 +150,15 @@ class LocalRunner:
     self.running.append(run)
     self.log(f"grid: started {run.name} (pid {run.proc.pid})")
 
+  def _not_started(self, run: Run, why: str) -> None:
+    """Recorded as a failed attempt, so the table says why the run is absent."""
+    os.makedirs(run.workdir, exist_ok=True)
+    with open(os.path.join(run.workdir, rundirs.GRID_LOG), "a") as out:
+      out.write(why + "\n")
+    rundirs.start_attempt(run.workdir, run.command, time.time())
+    rundirs.finish_attempt(run.workdir, 1, 0.0, 0.0)
+    self.log(f"grid: {run.name} {why[len('error: '):]}")
+
   def _reap(self) -> list[Run]:
     done = []
     for run in list(self.running):
@@ -202,7 +211,7 @@ class LocalRunner:
         if need is not None and need.name in failed:
           todo.remove(run)
           failed.add(run.name)
-          self.log(f"grid: {run.name} not started: {need.name} failed")
+          self._not_started(run, f"error: not started: {need.name} failed (see {need.workdir}/{rundirs.GRID_LOG})")
         elif need is None or need.finished:
           todo.remove(run)
           self._start(run)

@@ -18,6 +18,7 @@ unfinished runs and unavailable variants are rows saying so. ``--aggregate-only`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import json
 import os
@@ -179,14 +180,14 @@ class LocalRunner:
   def stop(self) -> None:
     """SIGTERM every running run's process group, SIGKILL after 10 s; they resume on a rerun."""
     for run in self.running:
-      with _suppress():
+      with contextlib.suppress(ProcessLookupError):
         os.killpg(run.proc.pid, signal.SIGTERM)
     deadline = time.time() + 10
     while self.running and time.time() < deadline:
       self._reap()
       time.sleep(0.2)
     for run in self.running:
-      with _suppress():
+      with contextlib.suppress(ProcessLookupError):
         os.killpg(run.proc.pid, signal.SIGKILL)
     while self.running:
       self._reap()
@@ -224,12 +225,9 @@ class LocalRunner:
       time.sleep(0.5)
 
 
-class _suppress:
-  def __enter__(self):
-    return self
-
-  def __exit__(self, kind, *_):
-    return kind is not None and issubclass(kind, ProcessLookupError)
+def _interrupt(signum, frame):
+  """SIGTERM stops the grid as Ctrl-C does."""
+  raise KeyboardInterrupt
 
 
 # -- the command line -----------------------------------------------------------------------------
@@ -324,8 +322,7 @@ def main(argv: list[str] | None = None) -> int:
                "runs": {r.name: r.command for r in inits + runs}}, f, indent=2)
   if not args.aggregate_only:
     runner = LocalRunner(args.parallel)
-    stop = lambda signum, _frame: (_ for _ in ()).throw(KeyboardInterrupt())
-    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
       runner.run_all(inits + runs)
     except KeyboardInterrupt:

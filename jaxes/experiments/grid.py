@@ -1,4 +1,4 @@
-"""``python -m jaxes.experiments.grid``: the paper's experiment grid as one command.
+r"""``python -m jaxes.experiments.grid``: the paper's experiment grid as one command.
 
   python -m jaxes.experiments.grid --config=configs/demo_grid.py \
       --variants=sync,async1,delay4,delay8,allstale,grpo --seeds=0,1,2 --workdir=runs/grid \

@@ -1,4 +1,4 @@
-"""Updates/hour of sync and Async-1 ES in the real trainer on heavy-tailed episode durations,
+r"""Updates/hour of sync and Async-1 ES in the real trainer on heavy-tailed episode durations,
 beside the simulator's prediction for the same duration distribution.
 
   python -m jaxes.experiments.heavy_tail --config=configs/demo_grid.py --workdir=runs/heavy \

@@ -1,0 +1,235 @@
+"""Multi-host training for real: `python -m jaxes.train` as 2 JAX processes x 4 CPU devices
+(launch/local.sh: gloo collectives, loopback coordinator) against 1 process x 8 devices.
+
+The same tiny run (warm start, async ES with staleness, sampled training episodes, greedy
+held-out evaluation) must take the same decisions, decode the same tokens and end with the same
+parameters either way, write its metrics once, stop when one process is SIGKILLed, and resume
+from the same launch command to the parameters of the uninterrupted run.
+"""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from helpers_train import ROOT, build_tiny_tokenizer, tiny_config, write_config_file
+from jaxes.train import checkpoint, metrics
+from jaxes.train.policy import load_policy
+
+LOCAL_SH = ROOT / "launch" / "local.sh"
+HEARTBEAT_S = 10
+UPDATES = 3
+# Records the engine's finished turns (slot, token ids) of every step, per process: the tokens
+# each process decoded, to compare across launches. Observes the engine; changes nothing.
+DRIVER = r'''
+import json, os
+from absl import app
+from jaxes.rollout import engine
+from jaxes.train import __main__ as cli
+
+turns = []
+step = engine.Engine.step
+def logged_step(self, params_by_version):
+  out = step(self, params_by_version)
+  turns.extend([t.slot, [int(x) for x in t.tokens]] for t in out)
+  return out
+engine.Engine.step = logged_step
+
+def main(argv):
+  cli.main(argv)
+  import jax
+  with open(os.path.join(os.environ["TURNS_DIR"], f"turns-{jax.process_index()}.json"), "w") as f:
+    json.dump(turns, f)
+
+app.run(main)
+'''
+# Timings and rates differ between runs; everything else in a metrics line must not.
+TIMING_KEYS = ("time", "episodes_per_s", "tokens_per_s", "seconds")
+
+
+def _env(tmp, **extra):
+  env = {k: v for k, v in os.environ.items()
+         if not k.startswith(("JAX_", "SLURM_", "JAXES_", "XLA_FLAGS"))}
+  env.update(JAX_PLATFORMS="cpu", JAXES_HEARTBEAT_TIMEOUT_S=str(HEARTBEAT_S),
+             JAX_COMPILATION_CACHE_DIR=str(tmp / "jax-cache"),   # later launches reuse programs
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", PYTHONUNBUFFERED="1", **extra)
+  return env
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+  tmp = tmp_path_factory.mktemp("multihost")
+  tokenizer = build_tiny_tokenizer(str(tmp / "tok"))
+  config = tiny_config(tokenizer, **{
+      "rollout.num_slots": 8, "mesh.data": -1, "rollout.sandbox_steps": 2,
+      "controller.mode": "async", "controller.max_staleness": 1,
+      "warmstart.steps": 60, "warmstart.learning_rate": 1e-2, "env.partial_credit": True,
+      "rollout.temperature": 0.4, "rollout.common_random_numbers": False,
+      "train.num_updates": UPDATES, "train.plot": False})
+  (tmp / "driver.py").write_text(DRIVER)
+  return tmp, write_config_file(config, tmp / "config.py")
+
+
+def _command(tmp, config_file, workdir):
+  return [sys.executable, str(tmp / "driver.py"), f"--config={config_file}", f"--workdir={workdir}"]
+
+
+def _launch_two(tmp, config_file, workdir, timeout=1500):
+  turns = workdir.parent / f"{workdir.name}-turns"
+  turns.mkdir(exist_ok=True)
+  return subprocess.run(["bash", str(LOCAL_SH), "2", "--", *_command(tmp, config_file, workdir)],
+                        cwd=ROOT, env=_env(tmp, TURNS_DIR=str(turns)), capture_output=True,
+                        text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def runs(setup):
+  tmp, config_file = setup
+  two = _launch_two(tmp, config_file, tmp / "two")
+  assert two.returncode == 0, two.stderr[-4000:] + two.stdout[-4000:]
+  (tmp / "one-turns").mkdir()
+  one = subprocess.run(_command(tmp, config_file, tmp / "one"), cwd=ROOT, capture_output=True,
+                       text=True, timeout=1500,
+                       env=_env(tmp, TURNS_DIR=str(tmp / "one-turns"),
+                                XLA_FLAGS="--xla_force_host_platform_device_count=8"))
+  assert one.returncode == 0, one.stderr[-4000:]
+  return tmp, two, one
+
+
+def _strip(record):
+  if isinstance(record, dict):
+    return {k: _strip(v) for k, v in record.items() if k not in TIMING_KEYS}
+  return record
+
+
+def _params(workdir):
+  return load_policy(str(workdir)).params
+
+
+def _assert_params_equal(a, b, scaled_tolerance=0.0):
+  """Equal leaves, or within ``scaled_tolerance`` x the leaf's largest magnitude."""
+  leaves_a, leaves_b = jax.tree.leaves(a), jax.tree.leaves(b)
+  assert len(leaves_a) == len(leaves_b)
+  for x, y in zip(leaves_a, leaves_b):
+    x, y = np.asarray(x), np.asarray(y)
+    if scaled_tolerance:
+      np.testing.assert_allclose(x, y, rtol=0, atol=scaled_tolerance * float(np.abs(y).max()))
+    else:
+      np.testing.assert_array_equal(x, y)
+
+
+def _final_controller(workdir):
+  ckpt = checkpoint.Checkpointer(str(workdir / "checkpoints"), keep=10)
+  try:
+    return ckpt.restore_host(max(ckpt.steps()))["controller"]
+  finally:
+    ckpt.close()
+
+
+def test_two_processes_match_one_process_of_eight_devices(runs):
+  tmp, _, _ = runs
+  two, one = tmp / "two", tmp / "one"
+  # The same decisions: every metrics line (cohort sizes, staleness tags, fitness, pair ties,
+  # drops, evaluation outcomes) and the controller's final state.
+  lines_two = [_strip(r) for r in metrics.read_metrics(str(two / "metrics.jsonl"))]
+  lines_one = [_strip(r) for r in metrics.read_metrics(str(one / "metrics.jsonl"))]
+  # update_norm is a float of the parameters (see below), compared to 1e-6 relative.
+  norms_two, norms_one = ([r.pop("update_norm") for r in lines if "train" in r]
+                          for lines in (lines_two, lines_one))
+  np.testing.assert_allclose(norms_two, norms_one, rtol=1e-6)
+  assert lines_two == lines_one
+  assert any(sum(r["staleness_hist"][1:]) for r in lines_two if "train" in r), \
+      "no stale result was used: the staleness comparison is vacuous"
+  assert _final_controller(two) == _final_controller(one)
+  # The same tokens, decoded by both processes of the 2-process run and by the 1-process run.
+  turns = [json.loads((tmp / d / f).read_text())
+           for d, f in [("two-turns", "turns-0.json"), ("two-turns", "turns-1.json"),
+                        ("one-turns", "turns-0.json")]]
+  assert turns[0] and turns[0] == turns[1] == turns[2]
+  # The same parameters within 1e-6 of each leaf's scale, and they moved (not an untouched
+  # initialisation). Not bit for bit: the warm start runs on one CPU device of each process, and
+  # XLA:CPU's matmuls round differently with 4 than with 8 devices in the process (measured:
+  # warm-start results differ in the last bits; update norms then by ~1e-7 relative, while every
+  # decision and token stays identical).
+  _assert_params_equal(_params(two), _params(one), scaled_tolerance=1e-6)
+  assert len(norms_two) == UPDATES and max(norms_two) > 0, norms_two
+
+
+def test_metrics_and_run_files_are_written_once(runs):
+  tmp, two, _ = runs
+  records = metrics.read_metrics(str(tmp / "two" / "metrics.jsonl"))
+  assert [r["version"] for r in records if "train" in r] == list(range(1, UPDATES + 1))
+  assert [r["version"] for r in records if "train" not in r] == [0]      # the initial evaluation
+  summary = json.loads((tmp / "two" / "summary.json").read_text())
+  assert summary["version"] == UPDATES
+  # Only process 0 printed the run's summary and the evaluation lines.
+  out = two.stdout.splitlines()
+  assert any(line.startswith("[p0] {") for line in out) and not any(line.startswith("[p1] {") for line in out)
+  assert not any(line.startswith("[p1] held-out eval") for line in out)
+  assert sum(line.startswith("[p0] held-out eval") for line in out) == 2
+
+
+def _train_lines(workdir) -> int:
+  return sum("train" in r for r in metrics.read_metrics(str(workdir / "metrics.jsonl")))
+
+
+def test_sigkill_one_process_stops_the_other_then_rerun_resumes(runs, setup):
+  tmp, config_file = setup
+  workdir = tmp / "killed"
+  # Started as local.sh starts them, but by hand: local.sh would stop the survivor itself; here
+  # the survivor must notice on its own (the coordination service's heartbeat).
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  (tmp / "killed-turns").mkdir()
+  logs = [open(tmp / f"killed-{i}.log", "w") for i in range(2)]   # files: a full pipe would block
+  procs = [subprocess.Popen(_command(tmp, config_file, workdir), cwd=ROOT, stdout=logs[i],
+                            stderr=subprocess.STDOUT,
+                            env=_env(tmp, TURNS_DIR=str(tmp / "killed-turns"),
+                                     JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                                     JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i),
+                                     XLA_FLAGS="--xla_force_host_platform_device_count=4"))
+           for i in range(2)]
+  try:
+    deadline = time.monotonic() + 1200
+    while _train_lines(workdir) < 1 and all(p.poll() is None for p in procs) and time.monotonic() < deadline:
+      time.sleep(0.05)
+    assert all(p.poll() is None for p in procs), "a process ended before the kill:\n" + \
+        "".join((tmp / f"killed-{i}.log").read_text()[-2000:] for i in range(2))
+    assert _train_lines(workdir) < UPDATES
+    procs[1].send_signal(signal.SIGKILL)
+    killed_at = time.monotonic()
+    procs[0].wait(timeout=HEARTBEAT_S * 6)
+    survivor_s = time.monotonic() - killed_at
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+      p.wait()
+    for f in logs:
+      f.close()
+  assert procs[0].returncode != 0
+  assert survivor_s < HEARTBEAT_S * 6
+  assert not (workdir / "summary.json").exists()   # it was stopped mid-run
+  # The same launch command again: resumes and ends where the uninterrupted run ended.
+  again = _launch_two(tmp, config_file, workdir)
+  assert again.returncode == 0, again.stderr[-4000:] + again.stdout[-4000:]
+  assert "resumed from checkpoint" in again.stdout
+  _assert_params_equal(_params(workdir), _params(tmp / "two"))
+  versions = [r["version"] for r in metrics.read_metrics(str(workdir / "metrics.jsonl")) if "train" in r]
+  assert versions == list(range(1, UPDATES + 1))
+
+
+def test_runner_split_needs_an_exchange_and_the_deterministic_schedule():
+  from jaxes.rollout.episodes import EpisodeRunner
+  kwargs = dict(make_episode=None, workers=1)
+  with pytest.raises(ValueError, match="owned and exchange go together"):
+    EpisodeRunner(None, None, None, sandbox_steps=2, owned=range(4), **kwargs)
+  with pytest.raises(ValueError, match="sandbox_steps > 0"):
+    EpisodeRunner(None, None, None, sandbox_steps=0, owned=range(4), exchange=lambda x: [x], **kwargs)

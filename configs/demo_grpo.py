@@ -22,6 +22,7 @@ from jaxes.train.config import load_config_file
 
 def get_config():
   c = load_config_file(os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo.py"))
+  c.train.algorithm = "grpo"
   c.controller.mode = "sync"
   c.controller.max_staleness = 0
   c.rollout.temperature = 1.0

@@ -12,6 +12,7 @@ from ml_collections import config_dict
 
 from jaxes.envs import generator
 from jaxes.models import qwen2
+from jaxes.rl import config as rl_config
 from jaxes.train import builders, defaults
 from jaxes.train.errors import ConfigError
 
@@ -74,6 +75,7 @@ def validate(config: config_dict.ConfigDict) -> None:
   _built("controller", lambda: builders.controller_config(config))
   if not config.model.path:
     _built("model", lambda: builders.model_config(config, config.model.vocab_size or config.tokenizer.vocab_size))
+  checks.algorithm()
   checks.env()
   checks.rollout()
   checks.schedule()
@@ -127,6 +129,16 @@ class _Checks:
                  "must be a positive int or -1 (all remaining devices)")
     self.check("mesh.data", [m.data, m.fsdp, m.tensor].count(-1) <= 1,
                "at most one of config.mesh.{data,fsdp,tensor} may be -1")
+
+  def algorithm(self):
+    self.one_of("train.algorithm", ("es", "grpo"))
+    if self.c.train.algorithm == "grpo":
+      try:
+        rl_config.from_run_config(self.c)
+      except ValueError as err:   # its messages already name the key (config.grpo.*)
+        raise ConfigError(str(err)) from err
+      self.check("train.algorithm", False, "the GRPO learner is built (jaxes.rl) but the trainer "
+                 "loop does not drive it yet")
 
   def env(self):
     c = self.c

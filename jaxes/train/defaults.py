@@ -3,6 +3,8 @@
 rejects any key not defined here."""
 from ml_collections import config_dict
 
+from jaxes.rl import config as rl_config
+
 
 def base_config() -> config_dict.ConfigDict:
   c = config_dict.ConfigDict()
@@ -98,6 +100,7 @@ def base_config() -> config_dict.ConfigDict:
   c.rollout.sandbox_steps = 0
 
   c.train = config_dict.ConfigDict()
+  c.train.algorithm = "es"       # "es"; "grpo" (the baseline's learner is jaxes.rl, its loop is not built yet)
   c.train.num_updates = 100
   c.train.checkpoint_every = 1
   c.train.keep_checkpoints = 3
@@ -106,6 +109,9 @@ def base_config() -> config_dict.ConfigDict:
   c.train.plot = True
 
   # Held-out evaluation of the unperturbed policy.
+  # The GRPO baseline (train.algorithm = "grpo"): jaxes.rl.config documents every key.
+  c.grpo = rl_config.default_config()
+
   c.eval = config_dict.ConfigDict()
   c.eval.num_tasks = 100
   c.eval.seeds = 3

@@ -59,6 +59,7 @@ def _host_devices_wanted(argv) -> int | None:
 if __name__ == "__main__":
   _n = _host_devices_wanted(sys.argv) or 8  # no --topology: the config's target, up to 8 GPUs
   os.environ.setdefault("JAX_PLATFORMS", "cpu")  # TPU topologies compile from the CPU client too
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compiling only: no TPU to share
   if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                f" --xla_force_host_platform_device_count={_n}").strip()

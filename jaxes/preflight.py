@@ -314,12 +314,12 @@ def render(report: dict, headroom: float) -> tuple[list[str], bool]:
     lines.append(f"    {p['name']:24s} {_gib(p['arguments'])} / {_gib(p['temporaries'])} / "
                  f"{_gib(max(0, p['outputs'] - p['aliased']))}")
   if fits:
-    lines.append(f"fits: peak {peak / 2**30:.2f} GiB <= {headroom:.0%} of {memory / 2**30:.2f} GiB")
+    lines.append(f"fits: peak {_gib(peak).strip()} <= {headroom:.0%} of {_gib(memory).strip()}")
   else:
     biggest = max(report["per_device"], key=report["per_device"].get)
-    lines.append(f"does not fit: peak {peak / 2**30:.2f} GiB > {headroom:.0%} of "
-                 f"{memory / 2**30:.2f} GiB; biggest consumer {biggest} "
-                 f"({report['per_device'][biggest] / 2**30:.2f} GiB/device): {ADVICE[biggest]}")
+    lines.append(f"does not fit: peak {_gib(peak).strip()} > {headroom:.0%} of "
+                 f"{_gib(memory).strip()}; biggest consumer {biggest} "
+                 f"({_gib(report['per_device'][biggest]).strip()}/device): {ADVICE[biggest]}")
   return lines, fits
 
 

@@ -10,7 +10,8 @@ same device programs over one global mesh. What differs per process:
   the progress bar and config.json (checkpoints are written by every process through orbax);
 - arrays: the ES state is replicated over the global mesh (each process holds its addressable
   copies), so the ES update is one SPMD program and orbax saves and restores it from every
-  process.
+  process. A single process with a multi-device mesh does the same, so it runs the very same
+  programs as the multi-process run it is compared with.
 
 A single-process run gets a ``Host`` with no exchange and its mesh from the config
 (``builders.build_mesh``), as before.

@@ -85,7 +85,7 @@ class Trainer:
       update_log = UpdateLog(os.path.join(self.workdir, UPDATE_LOG))
       stack.callback(update_log.close)
       self.state: RunState = initial_state(c, self.workdir, self.parts, ckpt, update_log, transcripts,
-                                           self.log, place=host.replicated if host.multi_process else None)
+                                           self.log, place=host.replicated if host.mesh.size > 1 else None)
       engine = builders.build_engine(c, self.parts.model, self.parts.tokenizer, self.parts.strategy,
                                      self.state.es.run_key, mesh=host.mesh)
       self.runner = builders.build_runner(c, engine, self.parts.tokenizer, sandbox, owned=host.owned,

@@ -28,6 +28,7 @@ updates of it learn as much is for the grid's run to show.
 """
 import os
 
+from jaxes.experiments.variants import apply_es_variant
 from jaxes.train.config import load_config_file
 
 VARIANTS = ("sync", "async1", "delay4", "delay8", "allstale")
@@ -48,17 +49,4 @@ def get_config(variant: str = "async1"):
   c.controller.episodes_per_member = EPISODES_PER_MEMBER
   c.train.progress_bar = False
 
-  c.controller.mode = "async"
-  c.controller.max_staleness = 1
-  if variant == "sync":
-    c.controller.mode = "sync"
-    c.controller.max_staleness = 0
-  elif variant == "delay4":
-    c.controller.delay_fraction = 0.1
-    c.controller.delay_updates = 4
-  elif variant == "delay8":
-    c.controller.delay_fraction = 0.1
-    c.controller.delay_updates = 8
-  elif variant == "allstale":
-    c.controller.stress_all_stale = 4
-  return c
+  return apply_es_variant(c, variant)

@@ -18,6 +18,7 @@ Every variant names the devices it is sized for: `configs/paper.py:async1,v5p-64
 over `data` (the KV cache, 240 x 16384 tokens = 210 GiB in bf16, dominates), the model over
 `tensor` (Qwen2.5-7B has 4 KV heads, so at most tensor=4 also splits the cache).
 """
+from jaxes.experiments.variants import apply_es_variant
 from jaxes.train.defaults import base_config
 
 VARIANTS = ("sync", "async1", "delay4", "delay8", "allstale")
@@ -73,17 +74,4 @@ def get_config(arg: str = "async1"):
   c.eval.num_tasks = 100
   c.eval.seeds = 3
 
-  c.controller.max_staleness = 1
-  c.controller.mode = "async"
-  if variant == "sync":
-    c.controller.mode = "sync"
-    c.controller.max_staleness = 0
-  elif variant == "delay4":
-    c.controller.delay_fraction = 0.1
-    c.controller.delay_updates = 4
-  elif variant == "delay8":
-    c.controller.delay_fraction = 0.1
-    c.controller.delay_updates = 8
-  elif variant == "allstale":
-    c.controller.stress_all_stale = 4
-  return c
+  return apply_es_variant(c, variant)

@@ -267,7 +267,8 @@ class RunCgroups:
       _rmdir(d)
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+  """Whether a process with this id exists (it may belong to another user)."""
   try:
     os.kill(pid, 0)
   except ProcessLookupError:
@@ -283,7 +284,7 @@ def remove_orphans(lay: Layout) -> int:
   for base in lay.bases:
     for name in os.listdir(base):
       m = re.fullmatch(re.escape(_PREFIX) + r"(\d+)-\w+", name)
-      if m and not _pid_alive(int(m.group(1))):
+      if m and not pid_alive(int(m.group(1))):
         _rmdir(os.path.join(base, name))
         removed += 1
   return removed

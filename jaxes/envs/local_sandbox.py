@@ -259,22 +259,12 @@ def remove_orphans(parent: str) -> int:
   removed = 0
   for name in os.listdir(parent):
     m = re.fullmatch(re.escape(_ROOT_PREFIX) + r"(\d+)-\w+", name)
-    if not m or _pid_alive(int(m.group(1))):
+    if not m or cgroups.pid_alive(int(m.group(1))):
       continue
     _unmount_under(os.path.join(parent, name))
     _rmtree(os.path.join(parent, name))
     removed += 1
   return removed
-
-
-def _pid_alive(pid: int) -> bool:
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  except PermissionError:
-    return True
-  return True
 
 
 def _check_searchable(root_dir: str, uid: int) -> None:

@@ -27,6 +27,17 @@ ES_OVERRIDES = {
     "delay8": {**_ASYNC1, "controller.delay_fraction": 0.1, "controller.delay_updates": 8},
     "allstale": {**_ASYNC1, "controller.stress_all_stale": 4},
 }
+
+
+def apply_es_variant(config, name: str):
+  """Sets ``config``'s controller keys to the paper's ES variant ``name`` (the one definition of
+  the variants; configs/paper.py and configs/demo_grid.py use it too); returns ``config``."""
+  for key, value in ES_OVERRIDES[name].items():
+    section, field = key.split(".")
+    config[section][field] = value
+  return config
+
+
 # What each variant means, for tables.
 DESCRIPTIONS = {
     "sync": "synchronous ES",

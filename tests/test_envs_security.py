@@ -12,6 +12,7 @@ import textwrap
 
 import pytest
 
+from helpers_sandboxes import sandbox  # noqa: F401  (the fixture: both backends)
 from jaxes.envs import check, generator, make_sandbox
 from jaxes.envs.task import Task
 
@@ -134,23 +135,6 @@ ATTACKS = {"answer_key": (ANSWER_KEY, "no key"), "forged_verdict": (FORGER, "for
            "ptrace": (PTRACER, "traced")}
 
 
-def _docker_or_skip():
-  docker = pytest.importorskip("docker")
-  try:
-    client = docker.from_env()
-    client.ping()
-    client.images.get("jaxes-sandbox:latest")
-  except Exception as err:
-    pytest.skip(f"no docker engine or image ({err}); run `bash launch/docker/setup.sh`")
-
-
-@pytest.fixture(scope="module", params=["local", "docker"])
-def sandbox(request):
-  if request.param == "docker":
-    _docker_or_skip()
-  sb = make_sandbox(request.param)
-  yield sb
-  sb.shutdown()
 
 
 def shell_script_tasks():

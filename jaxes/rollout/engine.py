@@ -17,6 +17,9 @@ invalid, which leaves their cache rows untouched. A slot's policy is its member'
 of that version's parameters, applied in-graph by the noiser (``make_noiser``), which is
 rebuilt only when slot assignments change.
 
+Every sampled token comes with its log-prob under the distribution it was drawn from
+(``Turn.logprobs``): the behaviour log-probs a policy-gradient learner's importance ratio needs.
+
 On a mesh (``mesh=``; default: one device) every device array is created where it lives: the
 cache by a jitted init with ``out_shardings`` from the logical-axis rules (slots over ``data``,
 KV heads over ``tensor`` where they divide), the noiser with its rows (over ``data``), and the
@@ -56,6 +59,7 @@ class Slot:
   length: int = 0                # tokens in this slot's cache row
   pending: list = dataclasses.field(default_factory=list)    # tokens waiting for prefill
   generated: list = dataclasses.field(default_factory=list)  # this turn's sampled tokens
+  logprobs: list = dataclasses.field(default_factory=list)   # ... and each one's log-prob
   max_new: int = 0
   sampled: int = 0               # tokens sampled in this episode (the sampling counter)
   tag: Any = None                # the caller's handle for this episode
@@ -65,6 +69,8 @@ class Slot:
 class Turn:
   slot: int
   tokens: list                   # sampled ids, stop id included when one ended the turn
+  logprobs: list                 # each sampled id's log-prob under the distribution it was drawn
+                                 # from (``sampling.token_logprobs``; 0 when greedy)
   stopped: bool                  # True: a stop id ended it; False: the token budget did
   tag: Any
 
@@ -89,7 +95,7 @@ def _step(graphdef, attend_len, params, noiser, cache, tokens, positions, valid,
   last_logits, cache = qwen2.forward(graphdef, params, tokens, positions, valid, cache=cache,
                                      noiser=noiser, logits_at=last, attend_len=attend_len)
   keys = sampling.row_keys(base_key, streams, counters)
-  return sampling.sample(last_logits, keys, temperature, top_p), cache
+  return sampling.sample_with_logprob(last_logits, keys, temperature, top_p), cache
 
 
 def _reset_rows(cache: qwen2.KVCache, rows: jax.Array) -> qwen2.KVCache:
@@ -166,7 +172,7 @@ class Engine:
                          in_shardings=(self.param_shardings, self.noiser_shardings,
                                        self.cache_shardings, rows, rows, rows, replicated, rows,
                                        rows, rows, rows),
-                         out_shardings=(rows, self.cache_shardings))
+                         out_shardings=((rows, rows), self.cache_shardings))
     self._reset = jax.jit(_reset_rows, donate_argnames=("cache",),
                           in_shardings=(self.cache_shardings, rows),
                           out_shardings=self.cache_shardings)
@@ -238,7 +244,7 @@ class Engine:
     tokens = closing + list(observation)
     if slot.length + len(tokens) + 1 > self.max_len:
       return False
-    slot.pending, slot.generated, slot.state = tokens, [], PREFILL
+    slot.pending, slot.generated, slot.logprobs, slot.state = tokens, [], [], PREFILL
     return True
 
   def release(self, index: int) -> None:
@@ -286,22 +292,23 @@ class Engine:
     top_p = np.array([s.top_p for s in slots], np.float32)
     tokens, positions, valid, streams, counters, temperature, top_p = self._placed(
         tokens, positions, valid, streams, counters, temperature, top_p)
-    next_tokens, self.cache = self._step(span, params, self._noiser(version, params), self.cache,
+    (next_tokens, logprobs), self.cache = self._step(span, params, self._noiser(version, params), self.cache,
                                          tokens, positions, valid, self.base_key, streams,
                                          counters, temperature, top_p)
     self.stats.rows_busy += len(rows)
     self.stats.rows_total += self.num_slots
     if not next_tokens.is_fully_addressable:   # multi-process: every process reads every row
-      return multihost_utils.process_allgather(next_tokens, tiled=True)
-    return np.asarray(next_tokens)
+      return tuple(multihost_utils.process_allgather((next_tokens, logprobs), tiled=True))
+    return np.asarray(next_tokens), np.asarray(logprobs)
 
-  def _sampled(self, slot: Slot, token: int, finished: list) -> None:
+  def _sampled(self, slot: Slot, token: int, logprob: float, finished: list) -> None:
     slot.generated.append(int(token))
+    slot.logprobs.append(float(logprob))
     slot.sampled += 1
     stopped = int(token) in self.stop_ids
     if stopped or len(slot.generated) >= slot.max_new:
       slot.state = PARKED
-      finished.append(Turn(slot.index, list(slot.generated), stopped, slot.tag))
+      finished.append(Turn(slot.index, list(slot.generated), list(slot.logprobs), stopped, slot.tag))
 
   def _width(self, rows: list[Slot]) -> int:
     """The narrowest compiled width that takes every row's next chunk (1 when all decode)."""
@@ -331,7 +338,7 @@ class Engine:
         tokens[s.index, :len(chunk)] = chunk
         valid[s.index, :len(chunk)] = True
         positions[s.index] = s.length + np.arange(width)
-      out = self._call(params_by_version[version], version, rows, tokens, positions, valid)
+      out, logprobs = self._call(params_by_version[version], version, rows, tokens, positions, valid)
       if any(s.state == PREFILL for s in rows):
         self.stats.prefill_calls += 1
       else:
@@ -340,14 +347,14 @@ class Engine:
         if s.state == DECODE:
           s.length += 1
           self.stats.tokens_decoded += 1
-          self._sampled(s, out[s.index], finished)
+          self._sampled(s, out[s.index], logprobs[s.index], finished)
           continue
         n = min(width, len(s.pending))
         s.pending, s.length = s.pending[n:], s.length + n
         self.stats.tokens_prefilled += n
         if not s.pending:  # prompt done: its last logits gave the turn's first token
           s.state, s.max_new = DECODE, min(self.max_new_tokens, self.max_len - s.length)
-          self._sampled(s, out[s.index], finished)
+          self._sampled(s, out[s.index], logprobs[s.index], finished)
     return finished
 
   def compilations(self) -> int:

@@ -59,6 +59,19 @@ class EpisodeResult:
   failure: str | None
   truncated: bool                # ended because the cache row was full
   env_s: float                   # worker seconds spent in the sandbox for this episode
+  tokens: EpisodeStream | None = None  # what the engine fed and sampled (None: never started)
+
+
+@dataclasses.dataclass(frozen=True)
+class EpisodeStream:
+  """An episode's token ids as the engine saw them: the prompt, then per assistant turn the
+  sampled ids (with their behaviour log-probs) and, between turns, the observation that followed
+  (``chat.observation_ids``). Known on every process of a multi-process run (prompt and
+  observation ids travel in the exchange, sampled ids come from the replicated engine)."""
+  prompt: tuple[int, ...]
+  turns: tuple[tuple[int, ...], ...]
+  logprobs: tuple[tuple[float, ...], ...]
+  observations: tuple[tuple[int, ...], ...]   # one fewer than turns
 
 
 @dataclasses.dataclass
@@ -69,6 +82,16 @@ class _Live:
   handle: Any = None
   truncated: bool = False
   env_s: float = 0.0
+  prompt: tuple = ()
+  turns: list = dataclasses.field(default_factory=list)
+  logprobs: list = dataclasses.field(default_factory=list)
+  observations: list = dataclasses.field(default_factory=list)
+
+  def stream(self) -> EpisodeStream | None:
+    if not self.prompt:
+      return None
+    return EpisodeStream(self.prompt, tuple(self.turns), tuple(self.logprobs),
+                         tuple(self.observations))
 
 
 class _Remote:
@@ -169,10 +192,10 @@ class EpisodeRunner:
   def _result(self, live, outcome=None, error: str | None = None) -> EpisodeResult:
     if outcome is None or outcome.failure == SANDBOX_ERROR:
       return EpisodeResult(live.spec, None, False, getattr(outcome, "turns", 0), error or SANDBOX_ERROR,
-                           live.truncated, live.env_s)
+                           live.truncated, live.env_s, live.stream())
     failure = outcome.failure or (CONTEXT_FULL if live.truncated else None)
     return EpisodeResult(live.spec, float(outcome.reward), bool(outcome.passed), int(outcome.turns),
-                         failure, live.truncated, live.env_s)
+                         failure, live.truncated, live.env_s, live.stream())
 
   def _end(self, live: _Live, truncated: bool = False):
     self.engine.release(live.slot)
@@ -245,6 +268,7 @@ class EpisodeRunner:
           self._close(live)
           results.append(self._result(live, error=error))
           continue
+        live.prompt = tuple(value)
         ok = self.engine.start(live.slot, value, version=live.spec.version, member=live.spec.member,
                                stream=live.spec.stream, temperature=live.spec.temperature,
                                top_p=live.spec.top_p, tag=live)
@@ -262,6 +286,8 @@ class EpisodeRunner:
           self._end(live)
         elif not self.engine.continue_turn(live.slot, observation):
           self._end(live, truncated=True)
+        else:
+          live.observations.append(tuple(observation))
       else:  # finish
         results.append(self._result(live, error=error) if error is not None
                        else self._result(live, value))
@@ -275,6 +301,8 @@ class EpisodeRunner:
         self.prefill_step_s += dt
       for turn in turns:
         live = turn.tag
+        live.turns.append(tuple(turn.tokens))
+        live.logprobs.append(tuple(turn.logprobs))
         if not self._owns(live):
           self._spawn("act", self._act, live, None)   # its owner decodes and runs it
           continue

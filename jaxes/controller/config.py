@@ -25,6 +25,8 @@ class ControllerConfig:
   max_retries:       R; an infrastructure failure is retried up to R times, then counted.
   seed:              task sampling and the choice of delayed members.
   antithetic:        members 2j and 2j+1 get the same tasks (common random numbers).
+  episodes_share_task: all E episodes of a member run one task (GRPO: a member is a group of
+                     E episodes of one task, whose advantages are relative to each other).
   """
   mode: str = "async"
   population: int = 32
@@ -37,6 +39,7 @@ class ControllerConfig:
   max_retries: int = 3
   seed: int = 0
   antithetic: bool = True
+  episodes_share_task: bool = False
 
   def __post_init__(self):
     def bad(key, why):
@@ -83,11 +86,13 @@ class ControllerConfig:
 
   @classmethod
   def from_config(cls, controller: Mapping[str, Any], *, population: int, seed: int,
-                  antithetic: bool = True) -> "ControllerConfig":
-    """From an ml-collections ``config.controller`` block (plus ``es.population`` and the seed)."""
-    known = {f.name for f in dataclasses.fields(cls)} - {"population", "seed", "antithetic"}
+                  antithetic: bool = True, **overrides) -> "ControllerConfig":
+    """From an ml-collections ``config.controller`` block (plus ``es.population`` and the seed);
+    ``overrides`` replace the block's keys (the GRPO trainer sets a member's episodes)."""
+    given = {"population", "seed", "antithetic", "episodes_share_task"}
+    known = {f.name for f in dataclasses.fields(cls)} - given
     values = dict(controller)
     unknown = sorted(set(values) - known)
     if unknown:
       raise ValueError(f"config.controller: unknown key(s) {unknown}; known: {sorted(known)}")
-    return cls(population=population, seed=seed, antithetic=antithetic, **values)
+    return cls(population=population, seed=seed, antithetic=antithetic, **{**values, **overrides})

@@ -125,7 +125,7 @@ class Controller:
     self._event("admit", v, tuple(members))
     # Both members of a pair get the same task per episode index (common random numbers).
     for e in range(cfg.episodes_per_member):
-      task = self._tasks.task(v, group * cfg.episodes_per_member + e)
+      task = self._tasks.task(v, group if cfg.episodes_share_task else group * cfg.episodes_per_member + e)
       for m in members:
         self._pending.append(Job(self._next_job_id, v, m, task, e, 0))
         self._next_job_id += 1

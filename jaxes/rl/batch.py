@@ -7,7 +7,9 @@ of the next user message. Only sampled ids are trained on (``sampled``); the sys
 turns, observations and the appended ``<|im_end|>`` are context. Nothing after the last turn is
 kept: the engine never fed it, and causal attention makes it irrelevant to the loss.
 
-``episode_from_turns`` takes the engine's sampled ids and behaviour log-probs per turn (exact);
+``episode_from_stream`` takes the token stream the rollout runner records (exact, what the GRPO
+trainer uses); ``episode_from_turns`` the engine's sampled ids and behaviour log-probs per turn
+with the transcript's messages (exact);
 ``episode_from_messages`` re-encodes the assistant text of a transcript (``chat.transcript_ids``),
 which matches the sampled ids only where decode-then-encode is the identity (BPE need not be).
 """
@@ -77,6 +79,32 @@ def episode_from_turns(tok, messages: Sequence[dict], turns: Sequence[Sequence[i
     ids += context
     sampled += [False] * len(context)
     logp += [0.0] * len(context)
+  return EpisodeTokens(np.asarray(ids, np.int32), np.asarray(sampled, bool),
+                       np.asarray(logp, np.float32))
+
+
+def episode_from_stream(stream, im_end: int) -> EpisodeTokens:
+  """An ``episodes.EpisodeStream`` (what the engine fed and sampled: prompt ids, per turn the
+  sampled ids and their log-probs, the observation ids between turns) laid out as above. Exact
+  by construction, and known on every process of a multi-process run."""
+  if not stream.turns:
+    raise ValueError("episode has no sampled turn: nothing to train on")
+  if len(stream.observations) != len(stream.turns) - 1:
+    raise ValueError(f"episode has {len(stream.turns)} turns but {len(stream.observations)} "
+                     "observations between them (need one fewer)")
+  ids, sampled, logp = list(stream.prompt), [False] * len(stream.prompt), [0.0] * len(stream.prompt)
+  for k, (turn, turn_logp) in enumerate(zip(stream.turns, stream.logprobs)):
+    if len(turn) != len(turn_logp) or not turn:
+      raise ValueError(f"turn {k}: {len(turn)} sampled ids but {len(turn_logp)} log-probs "
+                       "(need one per id, at least one)")
+    ids += turn
+    sampled += [True] * len(turn)
+    logp += turn_logp
+    if k < len(stream.observations):
+      context = ([] if turn[-1] == im_end else [im_end]) + list(stream.observations[k])
+      ids += context
+      sampled += [False] * len(context)
+      logp += [0.0] * len(context)
   return EpisodeTokens(np.asarray(ids, np.int32), np.asarray(sampled, bool),
                        np.asarray(logp, np.float32))
 

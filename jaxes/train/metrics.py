@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import resource
 import time
 from collections import Counter
 
@@ -115,6 +116,11 @@ def plot(records: list[dict], path: str, title: str = "") -> None:
   plt.close(fig)
 
 
+def peak_rss_gib() -> float:
+  """This process's peak resident memory (Linux reports ru_maxrss in KiB)."""
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
 def mean_stderr(values) -> tuple[float, float]:
   v = np.asarray(values, dtype=np.float64)
   if v.size == 0:
@@ -162,24 +168,33 @@ class UpdateWindow:
 
   def record(self, update, results, es_metrics: dict, runner_stats: dict[str, float],
              antithetic: bool) -> dict:
-    """The update's metrics line."""
+    """An ES update's metrics line."""
+    return {
+        **self.common(es_metrics["version"], update, results, runner_stats),
+        "fitness": {k: _finite(es_metrics[f"fitness_{k}"]) for k in ("mean", "std", "min", "max")},
+        "pairs": pair_ties(results) if antithetic else None,
+        "sigma": es_metrics["sigma"], "update_norm": es_metrics["update_norm"],
+        "zero_step": es_metrics["zero_step"],
+    }
+
+  def common(self, version: int, update, results, runner_stats: dict[str, float]) -> dict:
+    """The part of a metrics line every algorithm shares: staleness of the consumed results
+    ``(version, member, ...)``, the controller's counts, the training episodes, engine and time
+    use."""
     wall = time.perf_counter() - self.t
     d = {k: runner_stats[k] - self.start_stats.get(k, 0) for k in runner_stats}
     n = max(self.episodes, 1)
+    staleness = np.array([version - 1 - r[0] for r in results], np.int64)
     return {
-        "version": es_metrics["version"],
-        "staleness_hist": es_metrics["staleness_hist"],
-        "staleness_mean": es_metrics["staleness_mean"],
-        "staleness_max": es_metrics["staleness_max"],
+        "version": version,
+        "staleness_hist": [int(c) for c in np.bincount(staleness, minlength=1)],
+        "staleness_mean": float(staleness.mean()) if len(staleness) else 0.0,
+        "staleness_max": int(staleness.max()) if len(staleness) else 0,
         "dropped": update.dropped, "excluded": update.excluded, "delayed": int(sum(update.delayed)),
         "num_results": len(results),
         "train": {"success": self.passed / n, "reward": self.reward / n, "episodes": self.episodes,
                   "turns_per_episode": self.turns / n, "truncated": self.truncated,
                   "failures": dict(self.failures)},
-        "fitness": {k: _finite(es_metrics[f"fitness_{k}"]) for k in ("mean", "std", "min", "max")},
-        "pairs": pair_ties(results) if antithetic else None,
-        "sigma": es_metrics["sigma"], "update_norm": es_metrics["update_norm"],
-        "zero_step": es_metrics["zero_step"],
         "episodes_per_s": self.episodes / wall if wall > 0 else 0.0,
         "slot_utilisation": d["rows_busy"] / d["rows_total"] if d.get("rows_total") else 0.0,
         "tokens_per_s": d["tokens_decoded"] / wall if wall > 0 else 0.0,
@@ -189,13 +204,13 @@ class UpdateWindow:
 
 
 class ProgressBar:
-  """A tqdm bar over ES updates showing training success, staleness and episodes/s (a no-op when
+  """A tqdm bar over updates showing training success, staleness and episodes/s (a no-op when
   disabled)."""
 
-  def __init__(self, total: int, initial: int, enabled: bool = True):
+  def __init__(self, total: int, initial: int, enabled: bool = True, desc: str = "ES updates"):
     self._bar = None
     if enabled:
-      self._bar = tqdm(total=total, initial=initial, desc="ES updates", unit="upd")
+      self._bar = tqdm(total=total, initial=initial, desc=desc, unit="upd")
 
   def update(self, record: dict) -> None:
     if self._bar is None:

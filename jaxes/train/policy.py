@@ -51,7 +51,8 @@ def load_policy(workdir: str, version: int | None = None) -> Policy:
       raise PolicyLoadError(f"{workdir}: the run's tokenizer is missing (expected {workdir}/tokenizer)")
     tokenizer = builders.load_tokenizer(tokenizer_path)
     model = builders.build_model(config, len(tokenizer))
-    params = ckpt.restore_item(step, "es", {"params": model.abstract_params}, partial=True)["params"]
+    item = "learner" if config.train.get("algorithm", "es") == "grpo" else "es"  # (grpo_trainer)
+    params = ckpt.restore_item(step, item, {"params": model.abstract_params}, partial=True)["params"]
   finally:
     ckpt.close()
   return Policy(config, tokenizer, model.config, model.graphdef, params, step)

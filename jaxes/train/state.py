@@ -168,25 +168,33 @@ def initial_state(config, workdir: str, parts: Parts, ckpt: checkpoint.Checkpoin
         + (f" and {len(state.replayed)} logged updates" if state.replayed else ""))
     return state
   update_log.truncate_to(0)   # a fresh start: records of an earlier run are set aside
-  timings = {}
-  if config.warmstart.init_from:
-    params = load_policy(config.warmstart.init_from, version=0).params
-    log(f"initial parameters from {config.warmstart.init_from} (version 0)")
-  else:
-    params = builders.initial_params(config, parts.model)
-    if config.warmstart.steps:
-      t = time.perf_counter()
-      tokens, mask = warmstart.encode(parts.tokenizer, transcripts, config.warmstart.seq_len)
-      w = config.warmstart
-      params, _ = warmstart.train(parts.model.graphdef, params, tokens, mask, steps=w.steps,
-                                  batch_size=w.batch_size, learning_rate=w.learning_rate,
-                                  seed=config.seed, log=log)
-      timings["warmstart_s"] = time.perf_counter() - t
+  params, timings = version_zero_params(config, parts, transcripts, log)
   es_state = parts.strategy.init(params, jax.random.key(config.seed))
   if place is not None:
     es_state = multihost.replicate(es_state, place)
   controller = Controller(builders.controller_config(config), num_tasks=len(parts.train_tasks))
   return RunState(es_state, {0: es_state.params}, controller, [], timings)
+
+
+def version_zero_params(config, parts: Parts, transcripts: list[list[dict]], log=print
+                        ) -> tuple[Any, dict[str, float]]:
+  """A fresh run's version-0 parameters (``warmstart.init_from``'s version 0, or ``model.path``
+  or a random initialisation, then the supervised warm start on ``transcripts`` if configured)
+  and the time the warm start took. Shared by every trainer, so ES and GRPO start alike."""
+  if config.warmstart.init_from:
+    params = load_policy(config.warmstart.init_from, version=0).params
+    log(f"initial parameters from {config.warmstart.init_from} (version 0)")
+    return params, {}
+  params, timings = builders.initial_params(config, parts.model), {}
+  if config.warmstart.steps:
+    t = time.perf_counter()
+    tokens, mask = warmstart.encode(parts.tokenizer, transcripts, config.warmstart.seq_len)
+    w = config.warmstart
+    params, _ = warmstart.train(parts.model.graphdef, params, tokens, mask, steps=w.steps,
+                                batch_size=w.batch_size, learning_rate=w.learning_rate,
+                                seed=config.seed, log=log)
+    timings["warmstart_s"] = time.perf_counter() - t
+  return params, timings
 
 
 def needs_transcripts(config, workdir: str, resuming: bool) -> bool:

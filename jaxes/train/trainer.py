@@ -84,10 +84,8 @@ class Trainer:
                                            lambda: build_parts(c, self.workdir, transcripts, self.log))
       update_log = UpdateLog(os.path.join(self.workdir, UPDATE_LOG))
       stack.callback(update_log.close)
-      self.state: RunState = initial_state(c, self.workdir, self.parts, ckpt, update_log, transcripts,
-                                           self.log, place=host.replicated if host.mesh.size > 1 else None)
-      engine = builders.build_engine(c, self.parts.model, self.parts.tokenizer, self.parts.strategy,
-                                     self.state.es.run_key, mesh=host.mesh)
+      self.state = self._initial_state(ckpt, update_log, transcripts)
+      engine = self._build_engine()
       self.runner = builders.build_runner(c, engine, self.parts.tokenizer, sandbox, owned=host.owned,
                                           exchange=host.exchange)
       stack.callback(self.runner.close)
@@ -102,10 +100,28 @@ class Trainer:
       hooks = [Hook(self._eval_hook, every=c.train.eval_every if evaluates else 0, at_final=evaluates),
                Hook(lambda info: self._log_update(update_log, info)),
                Hook(lambda info: writer.write(info.record)),
-               Hook(lambda info: save(ckpt, self.state, c), every=c.train.checkpoint_every, at_final=True),
+               Hook(lambda info: self._save(ckpt), every=c.train.checkpoint_every, at_final=True),
                Hook(lambda info: progress.update(info.record)),
                *self._extra_hooks]
       return self._train(ckpt, writer, hooks)
+
+  # What another algorithm's trainer (``grpo_trainer``) replaces: its state, engine, jobs and update.
+  name = "ES"
+
+  def _initial_state(self, ckpt, update_log: UpdateLog, transcripts) -> RunState:
+    host = self.host
+    return initial_state(self.config, self.workdir, self.parts, ckpt, update_log, transcripts,
+                         self.log, place=host.replicated if host.mesh.size > 1 else None)
+
+  def _build_engine(self):
+    return builders.build_engine(self.config, self.parts.model, self.parts.tokenizer,
+                                 self.parts.strategy, self.state.es.run_key, mesh=self.host.mesh)
+
+  def _save(self, ckpt) -> None:
+    save(ckpt, self.state, self.config)
+
+  def _current_params(self):
+    return self.state.es.params
 
   def _log_update(self, update_log: UpdateLog, info: UpdateInfo) -> None:
     if self.host.primary:   # host state is identical on every process; one of them writes it
@@ -122,7 +138,8 @@ class Trainer:
 
   def _progress_bar(self):
     return metrics.ProgressBar(self.config.train.num_updates, self.state.version,
-                               enabled=self.config.train.progress_bar and self.host.primary)
+                               enabled=self.config.train.progress_bar and self.host.primary,
+                               desc=f"{self.name} updates")
 
   # -- the loop -------------------------------------------------------------------------------
   def _train(self, ckpt, writer, hooks: list[Hook]) -> dict:
@@ -131,7 +148,7 @@ class Trainer:
     if not state.evals and c.eval.num_tasks:
       writer.write({"version": 0, "eval": self.evaluate()})
     if not ckpt.steps():
-      save(ckpt, state, c)   # version 0: warm-started params, initial evaluation
+      self._save(ckpt)   # version 0: warm-started params, initial evaluation
     self._window = metrics.UpdateWindow(self.runner.stats())
     while state.controller.version < c.train.num_updates:
       self._issue_jobs()
@@ -146,19 +163,22 @@ class Trainer:
     if c.eval.num_tasks and state.evals[-1]["version"] != state.version:
       # A finished run resumed with evaluation newly switched on: evaluate its last version.
       writer.write({"version": state.version, "eval": self.evaluate()})
-      save(ckpt, state, c)
+      self._save(ckpt)
     ckpt.wait()
     return self._summary(train_s, start_version)
 
   def _issue_jobs(self) -> None:
-    c = self.config
     free = self.runner.free_slots()
     if not free:
       return
     for job in self.state.controller.next_jobs(len(free)):
-      stream = training_stream(job, c.es.antithetic, c.rollout.common_random_numbers)
-      self.runner.submit(EpisodeSpec(TrainEpisode(job), self.parts.train_tasks[job.task], job.version,
-                                     job.member, stream, c.rollout.temperature, c.rollout.top_p))
+      self.runner.submit(self._spec(job))
+
+  def _spec(self, job: Job) -> EpisodeSpec:
+    c = self.config
+    stream = training_stream(job, c.es.antithetic, c.rollout.common_random_numbers)
+    return EpisodeSpec(TrainEpisode(job), self.parts.train_tasks[job.task], job.version,
+                       job.member, stream, c.rollout.temperature, c.rollout.top_p)
 
   def _report(self, result) -> None:
     self.state.controller.report(result.spec.key.job.job_id, reward=result.reward, failure=result.failure)
@@ -192,19 +212,23 @@ class Trainer:
     c, state = self.config, self.state
     before, after = (state.evals[0], state.evals[-1]) if state.evals else (None, None)
     updates = state.version - start_version
-    summary = {"version": state.version, "mode": c.controller.mode, "seed": c.seed,
+    summary = {"version": state.version, "algorithm": c.train.algorithm, "mode": c.controller.mode,
+               "seed": c.seed,
                "before": before, "after": after, "change": evaluation.paired_change(before, after),
                "train_s_this_run": train_s, "updates_this_run": updates,
                "updates_per_hour": 3600.0 * updates / train_s if train_s > 0 else 0.0,
-               **state.timings}
+               "peak_rss_gib": metrics.peak_rss_gib(), **state.timings}
     if not self.host.primary:
-      return {**summary, "params": state.es.params}
+      return {**summary, "params": self._current_params()}
     records = metrics.read_metrics(os.path.join(self.workdir, "metrics.jsonl"))
     if c.train.plot and records:
       metrics.plot(records, os.path.join(self.workdir, "progress.png"),
-                   title=f"ES ({c.controller.mode}, {c.es.mode}) — held-out success and staleness")
+                   title=f"{self._plot_label()} — held-out success and staleness")
     with open(os.path.join(self.workdir, "summary.json"), "w") as f:
       json.dump(summary, f, indent=2)
     if before is not None and after is not None:
       self.log(evaluation.format_table(before, after))
-    return {**summary, "params": state.es.params}
+    return {**summary, "params": self._current_params()}
+
+  def _plot_label(self) -> str:
+    return f"ES ({self.config.controller.mode}, {self.config.es.mode})"

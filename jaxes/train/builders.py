@@ -93,7 +93,8 @@ def oracle_transcripts(config, sandbox) -> list[list[dict]]:
   tasks = warmstart_tasks(config)
   if is_webshop(config):
     out = [webshop.transcript(g, sandbox, episode_factory(config), config.webshop.max_steps) for g in tasks]
-    return [m for m in out if m is not None]
+    return webshop.off_protocol([m for m in out if m is not None], config.webshop.off_protocol_fraction,
+                                config.seed)
   return warmstart.oracle_transcripts(tasks, sandbox, episode_factory(config), config.env.sandbox_workers)
 
 
@@ -233,15 +234,24 @@ def build_strategy(config) -> es.Strategy:
 
 
 def controller_config(config) -> ControllerConfig:
+  """ES: a member is a perturbation, its episodes run different tasks. GRPO: a member is a
+  group of ``grpo.group_size`` episodes of one task (``grpo.tasks_per_update`` per update);
+  the controller's staleness bound and delays apply to groups as they do to members."""
+  if config.train.algorithm == "grpo":
+    g = config.grpo
+    return ControllerConfig.from_config(config.controller, population=g.tasks_per_update,
+                                        seed=config.seed, antithetic=False,
+                                        episodes_per_member=g.group_size, episodes_share_task=True)
   return ControllerConfig.from_config(config.controller, population=config.es.population,
                                       seed=config.seed, antithetic=config.es.antithetic)
 
 
 # -- rollout --------------------------------------------------------------------------------------
-def build_engine(config, model: Model, tokenizer, strategy: es.Strategy, run_key: jax.Array,
-                 mesh=None) -> Engine:
-  """The rollout engine; each slot's policy is its member's perturbation under ``run_key``.
-  ``mesh``: where its arrays live (None: one device)."""
+def build_engine(config, model: Model, tokenizer, strategy: es.Strategy | None = None,
+                 run_key: jax.Array | None = None, mesh=None) -> Engine:
+  """The rollout engine; each slot's policy is its member's perturbation under ``run_key``
+  (``strategy`` None: every row runs the unperturbed policy, as GRPO's do). ``mesh``: where its
+  arrays live (None: one device)."""
   def make_noiser(params, versions, members, row_group):
     return strategy.member_noiser(params, versions, members, row_group, run_key=run_key)
 
@@ -249,7 +259,8 @@ def build_engine(config, model: Model, tokenizer, strategy: es.Strategy, run_key
   r = config.rollout
   return Engine(model.graphdef, model.config, num_slots=r.num_slots, max_len=r.max_len,
                 prefill_chunk=r.prefill_chunk, max_new_tokens=r.max_new_tokens, stop_ids=stop,
-                im_end_id=im_end, make_noiser=make_noiser, seed=config.seed, mesh=mesh)
+                im_end_id=im_end, make_noiser=None if strategy is None else make_noiser,
+                seed=config.seed, mesh=mesh)
 
 
 def build_runner(config, engine: Engine, tokenizer, sandbox, owned=None, exchange=None) -> EpisodeRunner:

@@ -137,8 +137,6 @@ class _Checks:
         rl_config.from_run_config(self.c)
       except ValueError as err:   # its messages already name the key (config.grpo.*)
         raise ConfigError(str(err)) from err
-      self.check("train.algorithm", False, "the GRPO learner is built (jaxes.rl) but the trainer "
-                 "loop does not drive it yet")
 
   def env(self):
     c = self.c
@@ -147,6 +145,11 @@ class _Checks:
     if c.env.kind == "webshop":
       self.at_least("webshop.max_steps", 1)
       self.at_least("webshop.num_products", 0)
+      self.check("webshop.off_protocol_fraction", 0.0 <= c.webshop.off_protocol_fraction <= 1.0,
+                 "must be in [0, 1]")
+      self.check("warmstart.off_protocol_fraction", c.warmstart.off_protocol_fraction == 0.0,
+                 "fences terminal commands and does nothing for WebShop; set "
+                 "config.webshop.off_protocol_fraction instead")
       if c.webshop.data_path:
         self.check("webshop.data_path", os.path.isdir(c.webshop.data_path), "must be a directory")
     for fam in filter(None, (f.strip() for f in c.env.families.split(","))):

@@ -82,6 +82,9 @@ def base_config() -> config_dict.ConfigDict:
   c.webshop.catalog_seed = 0     # generated catalog
   c.webshop.human_goals = True   # released data: human instructions (False: synthetic ones)
   c.webshop.max_steps = 15       # actions per episode (WebShop's evaluation limit)
+  # Fraction of warm-start transcripts whose replies are JSON tool calls the grammar rejects
+  # (webshop.off_protocol; warmstart.off_protocol_fraction fences terminal commands only).
+  c.webshop.off_protocol_fraction = 0.0
 
   c.rollout = config_dict.ConfigDict()
   c.rollout.num_slots = 64

@@ -29,6 +29,8 @@ The trainer needs four things, each the WebShop counterpart of a terminal-path p
   make_episode)`` plays them into a warm-start transcript (messages) as
   ``warmstart.oracle_messages(task, sandbox, make_episode)`` does for terminals. ``tokenizer_texts()`` are the strings every episode repeats (for building a BPE
   tokenizer, like the trainer's terminal list).
+* ``off_protocol(transcripts, fraction, seed)`` rewrites a seeded fraction of transcripts'
+  replies as JSON tool calls the grammar rejects (the demo's flaw for ES to fix; ``offprotocol``).
 
 ``python -m jaxes.envs.check --env webshop --generated N --agent oracle|noop|random|first|replay:FILE``
 checks goals at scale (see ``check``). docs/webshop.md has the details.
@@ -36,6 +38,7 @@ checks goals at scale (see ``check``). docs/webshop.md has the details.
 from __future__ import annotations
 
 from jaxes.envs.webshop import agents, env, generator, reward
+from jaxes.envs.webshop.offprotocol import off_protocol
 from jaxes.envs.webshop.agents import oracle_replies
 from jaxes.envs.webshop.catalog import Catalog, Goal, Product
 from jaxes.envs.webshop.episode import (MAX_STEPS, NOT_PURCHASED, SYSTEM_PROMPT, WebShopBackend,
@@ -86,4 +89,4 @@ def tokenizer_texts(max_steps: int = MAX_STEPS) -> list[str]:
 
 __all__ = ["Catalog", "Goal", "MAX_STEPS", "NOT_PURCHASED", "Product", "SYSTEM_PROMPT",
            "WebShopBackend", "WebShopEpisode", "agents", "env", "generator", "make_goals",
-           "oracle_replies", "play", "reward", "tokenizer_texts", "transcript"]
+           "off_protocol", "oracle_replies", "play", "reward", "tokenizer_texts", "transcript"]

@@ -97,22 +97,44 @@ def as_bits(x: jax.Array) -> jax.Array:
   return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
 
 
+def write_rows(cache: jax.Array, layer: jax.Array, rows: jax.Array, slots: jax.Array,
+               x: jax.Array) -> jax.Array:
+  """``cache [L, G, R, S, ...]`` with ``x [G * n, T, ...]`` written at layer ``layer``, cache row
+  ``rows[g, i]`` of group g (batch row ``g * n + i``), slots ``slots [G * n, T]``; slots >= S are
+  dropped. Vmapped over the groups, so on a mesh whose ``data`` axis shards the groups every
+  device scatters into its own rows (the row indices are group-local)."""
+  G, n = rows.shape
+  x = x.reshape(G, n, *x.shape[1:])
+  slots = slots.reshape(G, n, -1)
+  return jax.vmap(lambda c, r, s, v: c.at[layer, r[:, None], s].set(v, mode="drop"),
+                  in_axes=(1, 0, 0, 0), out_axes=1)(cache, rows, slots, x)
+
+
 def cached(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, layer: jax.Array,
            cache_valid: jax.Array, q_slots: jax.Array, span: int, dtype=None,
-           block: int | None = None) -> jax.Array:
+           block: int | None = None, rows: jax.Array | None = None) -> jax.Array:
   """Attention of ``q`` to the first ``span`` slots of layer ``layer`` of a ``[L, B, S, K, hd]``
-  cache; query t of row b sees slot s iff ``cache_valid[b, s]`` and ``s <= q_slots[b, t]``.
+  cache; query t of batch row b sees slot s iff ``cache_valid[b, s]`` and ``s <= q_slots[b, t]``.
+  ``rows`` [G, n] (None: batch row b reads cache row b): the cache is grouped
+  ``[L, G, R, S, K, hd]`` and batch row ``g * n + i`` reads its row ``rows[g, i]`` of group g,
+  so a batch of the few rows that work reads only theirs (``cache_valid`` is per batch row).
   ``dtype``: the cache holds raw bits (``as_bits``) of this dtype; None: plain values. Blocks
   are read as bits and converted one at a time, so no compiler can hoist a dtype conversion of
   the whole cache out of the block loop (the CPU backend, which computes bfloat16 dots in
   float32, did: a float32 copy of the cache)."""
-  B = q.shape[0]
+  if rows is None:
+    rows, cache_k, cache_v = jnp.arange(q.shape[0])[None], cache_k[:, None], cache_v[:, None]
+  G, n = rows.shape
   K, hd = cache_k.shape[-2:]
 
-  def read(start, n):
-    at = (layer, 0, start, 0, 0)
-    size = (1, B, n, K, hd)
-    k, v = (jax.lax.dynamic_slice(c, at, size)[0] for c in (cache_k, cache_v))
+  def read(start, size):
+    # One contiguous [size, K, hd] slab per batch row (a gather with the groups as a batch
+    # dimension): only the rows of the call are read.
+    def one_group(c, r):
+      return jax.vmap(lambda i: jax.lax.dynamic_slice(c, (layer, i, start, 0, 0),
+                                                      (1, 1, size, K, hd))[0, 0])(r)
+    k, v = (jax.vmap(one_group, in_axes=(1, 0))(c, rows).reshape(G * n, size, K, hd)
+            for c in (cache_k, cache_v))
     if dtype is not None:
       k, v = (jax.lax.bitcast_convert_type(c, dtype) for c in (k, v))
     return k, v

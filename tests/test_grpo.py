@@ -13,11 +13,13 @@ from helpers_models import tiny_model, tiny_tokenizer
 
 from jaxes.models import qwen2
 from jaxes.rl import objective
-from jaxes.rl.batch import EpisodeTokens, build_batch, episode_from_messages, episode_from_turns
+from jaxes.rl.batch import (EpisodeTokens, build_batch, episode_from_messages, episode_from_stream,
+                            episode_from_turns)
 from jaxes.rl.config import GRPOConfig
 from jaxes.rl.grpo import GRPOLearner
 from jaxes.rollout import chat, sampling
 from jaxes.rollout.engine import Engine
+from jaxes.rollout.episodes import EpisodeStream
 
 V = 64
 SEQ = 24
@@ -421,6 +423,43 @@ def test_engine_greedy_turns_match_the_teacher_forced_batch(tokenizer):
     targets = np.flatnonzero(batch.sampled[row])
     assert len(targets) == sum(len(x) for x in episodes[row][1])
     np.testing.assert_array_equal(predicted[row, targets - 1], batch.tokens[row, targets])
+
+
+@pytest.mark.parametrize("temperature,top_p", [(0.8, 1.0), (1.2, 0.9)])
+def test_engine_logprobs_equal_a_teacher_forced_forward(tokenizer, temperature, top_p):
+  """The behaviour log-probs the engine records while sampling multi-turn episodes (Turn.logprobs)
+  equal a teacher-forced forward over the stream the runner records (episode_from_stream), at
+  float32, under the same nucleus distribution."""
+  tok = tokenizer
+  cfg, graphdef, params = tiny_model("tiny-gqa", vocab_size=512, seed=2)
+  im_end = tok.convert_tokens_to_ids("<|im_end|>")
+  engine = Engine(graphdef, cfg, num_slots=3, max_len=256, prefill_chunk=16, max_new_tokens=6,
+                  stop_ids=[], im_end_id=im_end)
+  prompts = [chat.prompt_ids(tok, [{"role": "system", "content": "You are in a terminal."},
+                                   {"role": "user", "content": f"task {s}: list the files"}])
+             for s in range(3)]
+  turns, logprobs, observations = ([[] for _ in range(3)] for _ in range(3))
+  for s in range(3):
+    assert engine.start(s, prompts[s], version=0, member=-1, stream=7 + s, temperature=temperature,
+                        top_p=top_p)
+  for turn_index in range(3):
+    done = 0
+    while done < 3:
+      for t in engine.step({0: params}):
+        turns[t.slot].append(tuple(t.tokens))
+        logprobs[t.slot].append(tuple(t.logprobs))
+        if turn_index < 2:
+          obs = chat.observation_ids(tok, f"(exit_code={turn_index}) out {t.slot}")
+          assert engine.continue_turn(t.slot, obs)
+          observations[t.slot].append(tuple(obs))
+        done += 1
+  streams = [EpisodeStream(tuple(prompts[s]), tuple(turns[s]), tuple(logprobs[s]),
+                           tuple(observations[s])) for s in range(3)]
+  batch = build_batch([episode_from_stream(x, im_end) for x in streams], [0.0] * 3, [0] * 3, seq_len=256)
+  forced = np.asarray(objective.sequence_logprobs(graphdef, params, jnp.asarray(batch.tokens),
+                                                  jnp.asarray(batch.valid), temperature, top_p))
+  assert batch.sampled.sum() == 3 * 3 * 6 and np.all(batch.behaviour_logp[batch.sampled] < 0)
+  np.testing.assert_allclose(forced[batch.sampled], batch.behaviour_logp[batch.sampled], atol=2e-5)
 
 
 def test_build_batch_rejects_bad_input():

@@ -84,7 +84,10 @@ def main(argv):
     print(f"--restart: the previous run in {_WORKDIR.value} was moved to {aside}", file=sys.stderr)
   from jaxes.train.policy import PolicyLoadError
   from jaxes.train.state import RunStateError
-  from jaxes.train.trainer import Trainer
+  if config.train.algorithm == "grpo":
+    from jaxes.train.grpo_trainer import GRPOTrainer as Trainer
+  else:
+    from jaxes.train.trainer import Trainer
   try:
     summary = Trainer(config, _WORKDIR.value).run()
   except (RunStateError, PolicyLoadError, ConfigError) as e:

@@ -69,7 +69,7 @@ def paired_change(before: dict | None, after: dict | None) -> dict | None:
   return {"success": diff, "stderr": stderr, "tasks": len(after["per_task"])}
 
 
-def format_table(before: dict, after: dict) -> str:
+def format_table(before: dict, after: dict, name: str = "ES") -> str:
   rows = [("policy version", f"{before['version']}", f"{after['version']}"),
           ("held-out success", f"{before['success']:.3f} ± {before['stderr']:.3f}",
            f"{after['success']:.3f} ± {after['stderr']:.3f}"),
@@ -79,6 +79,6 @@ def format_table(before: dict, after: dict) -> str:
   if change is not None:
     rows.append(("change (paired s.e.)", "", f"{change['success']:+.3f} ± {change['stderr']:.3f}"))
   width = max(len(r[0]) for r in rows)
-  lines = [f"{'':{width}}  {'before ES':>16}  {'after ES':>16}"]
+  lines = [f"{'':{width}}  {'before ' + name:>16}  {'after ' + name:>16}"]
   lines += [f"{a:{width}}  {b:>16}  {c:>16}" for a, b, c in rows]
   return "\n".join(lines)

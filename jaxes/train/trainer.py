@@ -227,7 +227,7 @@ class Trainer:
     with open(os.path.join(self.workdir, "summary.json"), "w") as f:
       json.dump(summary, f, indent=2)
     if before is not None and after is not None:
-      self.log(evaluation.format_table(before, after))
+      self.log(evaluation.format_table(before, after, self.name))
     return {**summary, "params": self._current_params()}
 
   def _plot_label(self) -> str:

@@ -45,7 +45,7 @@ def test_paper_webshop_rejects_unknown_variant_and_target():
 def test_demo_webshop_is_valid():
   c = _load("demo_webshop")
   validate(c)
-  assert c.env.kind == "webshop" and c.warmstart.off_protocol_fraction == 0.0
+  assert c.env.kind == "webshop" and c.warmstart.off_protocol_fraction == 0.0 < c.webshop.off_protocol_fraction
 
 
 def test_off_protocol_replies_do_not_parse_and_are_seeded():

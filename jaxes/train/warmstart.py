@@ -76,14 +76,33 @@ def encode(tok, transcripts, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
   return tokens, mask
 
 
-def _loss(params, graphdef, tokens, mask):
+def _nll_sum(params, graphdef, tokens, mask):
+  """Summed next-token NLL over the masked positions of ``tokens [N, T]``."""
   positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
   valid = jnp.ones(tokens.shape, bool)
   logits, _ = qwen2.forward(graphdef, params, tokens, positions, valid)
   logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
   nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
-  m = mask[:, :-1].astype(jnp.float32)
-  return jnp.sum(nll * m) / jnp.maximum(m.sum(), 1.0)
+  return jnp.sum(nll * mask[:, :-1].astype(jnp.float32))
+
+
+def loss_and_grads(params, graphdef, tokens, mask):
+  """Mean masked NLL of the batch and its gradient, summed one sequence at a time in a fixed
+  order. Why not one batched gradient: its weight gradients contract over batch x sequence
+  positions, and XLA:CPU splits so long a contraction over its intra-op threads, whose number
+  follows the process's device count, so the bits would depend on how the run's devices are
+  split into processes (4 vs 8 per process: different warm starts). A contraction over one
+  sequence is not split, and the accumulation order is the scan's."""
+  grad_one = jax.value_and_grad(_nll_sum)
+
+  def add(total, example):
+    nll, grads = grad_one(params, graphdef, example[0][None], example[1][None])
+    return jax.tree.map(jnp.add, total, (nll, grads)), None
+
+  zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+  (nll, grads), _ = jax.lax.scan(add, zero, (tokens, mask))
+  count = jnp.maximum(mask[:, :-1].astype(jnp.float32).sum(), 1.0)
+  return nll / count, jax.tree.map(lambda g: g / count, grads)
 
 
 def train(graphdef, params, tokens: np.ndarray, mask: np.ndarray, *, steps: int, batch_size: int,
@@ -95,7 +114,7 @@ def train(graphdef, params, tokens: np.ndarray, mask: np.ndarray, *, steps: int,
 
   @jax.jit
   def step(params, opt_state, tokens, mask):
-    loss, grads = jax.value_and_grad(_loss)(params, graphdef, tokens, mask)
+    loss, grads = loss_and_grads(params, graphdef, tokens, mask)
     grads, _ = optax.clip_by_global_norm(1.0).update(grads, None)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss

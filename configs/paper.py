@@ -17,8 +17,14 @@ Every variant names the devices it is sized for: `configs/paper.py:async1,v5p-64
 (`--topology` defaults to the config's `mesh.target`; numbers in benchmarks/RESULTS.md). Slots go
 over `data` (the KV cache, 240 x 16384 tokens = 210 GiB in bf16, dominates), the model over
 `tensor` (Qwen2.5-7B has 4 KV heads, so at most tensor=4 also splits the cache).
+
+`configs/paper.py:grpo[,TARGET]` is the paper's GRPO row: the same model, tasks, engine and
+evaluation, trained by `jaxes.rl` (GRPO) instead of ES; its preflight reports GRPO's per-device
+memory beside ES's on the same mesh. It is not in `VARIANTS` (the grid's list) until the trainer
+loop drives GRPO; `get_config("grpo")` builds it already.
 """
 from jaxes.experiments.variants import apply_es_variant
+from jaxes.rl.config import default_config as grpo_defaults
 from jaxes.train.defaults import base_config
 
 VARIANTS = ("sync", "async1", "delay4", "delay8", "allstale")
@@ -34,8 +40,8 @@ TARGETS = {
 def get_config(arg: str = "async1"):
   variant, _, target = arg.partition(",")
   target = target or "8xH100"
-  if variant not in VARIANTS:
-    raise ValueError(f"configs/paper.py: unknown variant {variant!r}; choose one of {VARIANTS}")
+  if variant not in VARIANTS + ("grpo",):
+    raise ValueError(f"configs/paper.py: unknown variant {variant!r}; choose one of {VARIANTS + ('grpo',)}")
   if target not in TARGETS:
     raise ValueError(f"configs/paper.py: unknown target {target!r}; choose one of {sorted(TARGETS)}")
   c = base_config()
@@ -74,4 +80,43 @@ def get_config(arg: str = "async1"):
   c.eval.num_tasks = 100
   c.eval.seeds = 3
 
+  if variant == "grpo":
+    return grpo(c)
   return apply_es_variant(c, variant)
+
+
+def grpo(c):
+  """The paper config as the GRPO baseline. Where Endless Terminals published a setting for
+  Qwen2.5-7B-Instruct it is used: its SkyRL PPO config train/confs/base_qwen.yaml (upstream
+  kanishkg/endless-terminals lists it in its README; read here from the copy in the public fork
+  SachinKonan/endless-terminals, commit b08132a), cited below as "ET". That run is PPO with a
+  critic (GAE); the GRPO-specific choices are marked as ours."""
+  c.train.algorithm = "grpo"
+  c.controller.mode = "sync"         # on-policy, as ET (an async GRPO row: controller.max_staleness)
+  c.controller.max_staleness = 0
+  c.rollout.temperature = 0.6        # ET sampling_params.temperature
+  c.rollout.top_p = 1.0              # ET sampling_params.top_p
+  # rollout.max_len 16384 = ET max_input_length; max_new_tokens stays the ES rows' 1024 (ET: 2048)
+  # so both rows decode under the same per-turn budget; eval is the ES rows' (greedy, 100 x 3).
+  g = grpo_defaults()
+  g.group_size = 16                  # ET n_samples_per_prompt
+  g.tasks_per_update = 16            # ET train_batch_size (prompts per batch; mini-batch = batch)
+  g.updates_per_batch = 2            # ET update_epochs_per_batch
+  g.seq_len = 0                      # = rollout.max_len (ET max_input_length 16384)
+  g.learning_rate = 5e-7             # ET policy optimizer lr
+  g.warmup_steps = 20                # ET num_warmup_steps
+  g.weight_decay = 0.01              # ET weight_decay
+  g.max_grad_norm = 0.1              # ET max_grad_norm
+  g.clip_eps_low = 0.2               # ET eps_clip_low
+  g.clip_eps_high = 0.28             # ET eps_clip_high
+  g.kl_coef = 0.0                    # ET use_kl_loss: false (its kl_loss_coef 0.001 is unused)
+  g.aggregation = "sequence"         # ET loss_reduction: sequence_mean
+  g.advantage = "zscore"             # not published (ET uses GAE); our choice: GRPO's group z-score
+  g.advantage_eps = 1e-6             # not published; our choice
+  g.adam_b1, g.adam_b2, g.adam_eps = 0.9, 0.999, 1e-8  # not published; our choice (AdamW defaults)
+  g.master_weights = True            # not published; our choice (float32 master + moments, bf16 policy)
+  # ET trains one episode per GPU per micro-batch (micro_train_batch_size_per_gpu 1): here one
+  # episode row per data shard per micro-batch.
+  g.micro_batches = g.group_size * g.tasks_per_update // c.mesh.data
+  c.grpo = g
+  return c

@@ -218,7 +218,57 @@ def live_versions(config) -> int:
 
 def plan(config, target: Target, log=print, only: str | None = None) -> dict:
   """Build the run abstractly on ``target``, compile its programs (those whose name matches the
-  regex ``only``, default all); the report as a dict."""
+  regex ``only``, default all); the report as a dict. A GRPO config (``train.algorithm``) is
+  sized as GRPO runs it, and the same config as ES on the same model and mesh beside it
+  (``report["es"]``, ``report["es_over_grpo"]``: ES's peak per device over GRPO's)."""
+  if config.train.algorithm != "grpo":
+    return _plan(config, target, log, only, "es")
+  report = _plan(config, target, log, only, "grpo")
+  report["es"] = _plan(config, target, log, only, "es")
+  report["es_over_grpo"] = report["es"]["peak_bytes_per_device"] / report["peak_bytes_per_device"]
+  return report
+
+
+def _learner_program(config, graphdef, params, mesh):
+  """The GRPO learner step lowered over an abstract learner state sharded like the parameters
+  (params, float32 master and AdamW moments per the rule table: over fsdp/tensor) and a batch
+  of ``group_size x tasks_per_update`` episode rows of ``seq_len`` tokens over ``data``; with
+  the abstract state."""
+  import optax
+  from jaxes.rl import config as rl_config
+  from jaxes.rl.batch import Batch
+  from jaxes.rl.grpo import GRPOLearner, LearnerState
+  learner = GRPOLearner(graphdef, rl_config.from_run_config(config))
+  shapes = jax.eval_shape(learner.init, params)
+  shardings = jax.tree.map(lambda p: p.sharding, params)
+  P = jax.sharding.PartitionSpec
+  rep = jax.sharding.NamedSharding(mesh, P())
+
+  def like_params(tree):
+    return None if tree is None else jax.tree.map(
+        lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), tree, shardings)
+
+  # Parameter-shaped subtrees of the optimizer state (AdamW's moments) are sharded like the
+  # parameters, as ``init``'s zeros_like leaves them; counters are replicated.
+  opt_state = optax.tree_map_params(
+      learner.tx, lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+      shapes.opt_state, shardings,
+      transform_non_params=lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep))
+  state = LearnerState(params, like_params(shapes.master), opt_state, like_params(shapes.ref_params),
+                       jax.ShapeDtypeStruct((), jnp.int32, sharding=rep))
+  g = config.grpo
+  rows, seq = g.group_size * g.tasks_per_update, g.seq_len or config.rollout.max_len
+  over_data = jax.sharding.NamedSharding(mesh, P("data"))
+
+  def arg(shape, dtype):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=over_data)
+
+  batch = Batch(arg((rows, seq), jnp.int32), arg((rows, seq), jnp.bool_), arg((rows, seq), jnp.bool_),
+                arg((rows, seq), jnp.float32), arg((rows,), jnp.float32), arg((rows,), jnp.int32))
+  return learner.lower(state, batch), state, batch
+
+
+def _plan(config, target: Target, log, only: str | None, algorithm: str) -> dict:
   from jaxes import sharding
   from jaxes.models import qwen2
   from jaxes.rollout.engine import Engine
@@ -236,20 +286,26 @@ def plan(config, target: Target, log=print, only: str | None = None) -> dict:
 
   graphdef = builders.build_model(config, vocab).graphdef
   r = config.rollout
+  # GRPO decodes the current policy's unperturbed rows: an engine without a noiser.
   engine = Engine(graphdef, cfg, num_slots=r.num_slots, max_len=r.max_len,
                   prefill_chunk=r.prefill_chunk, max_new_tokens=r.max_new_tokens, stop_ids=[],
-                  im_end_id=0, make_noiser=make_noiser, seed=config.seed, mesh=mesh, abstract=True)
+                  im_end_id=0, make_noiser=make_noiser if algorithm == "es" else None,
+                  seed=config.seed, mesh=mesh, abstract=True)
   params = engine.abstract_params
   versions = live_versions(config)
-  noiser_bytes = _bytes_per_device(engine.abstract_noiser)
+  noiser_bytes = _bytes_per_device(engine.abstract_noiser) if algorithm == "es" else 0
   programs = []
-  update_lowered, opt_state = _es_update_program(strategy, params, config.es.population)
-  lowered = {**engine.programs(), "es_update": update_lowered}
+  if algorithm == "es":
+    update_lowered, opt_state = _es_update_program(strategy, params, config.es.population)
+    lowered = {**engine.programs(), "es_update": update_lowered}
+  else:
+    step_lowered, state, batch = _learner_program(config, graphdef, params, mesh)
+    lowered = {**engine.programs(), "grpo_step": step_lowered}
   lowered = {k: v for k, v in lowered.items() if only is None or re.search(only, k)}
   for name, program in lowered.items():
     programs.append(_compile(name, program, replaces=noiser_bytes if name == "noiser" else 0))
     p = programs[-1]
-    log(f"  compiled {name} in {p.seconds:.1f}s: " + (
+    log(f"  [{algorithm}] compiled {name} in {p.seconds:.1f}s: " + (
         f"REFUSED, needs {p.required / 2**30:.2f} GiB" if p.required else
         f"arguments {p.arguments / 2**30:.2f} GiB, temporaries {p.temporaries / 2**30:.2f} GiB"))
 
@@ -257,16 +313,22 @@ def plan(config, target: Target, log=print, only: str | None = None) -> dict:
     "parameters": _bytes_per_device(params),
     "old_versions": (versions - 1) * _bytes_per_device(params),
     "kv_cache": _bytes_per_device(engine.cache),
-    "noiser_state": versions * noiser_bytes,
-    "optimizer_state": _bytes_per_device(opt_state),
   }
+  if algorithm == "es":
+    resident |= {"noiser_state": versions * noiser_bytes,
+                 "optimizer_state": _bytes_per_device(opt_state)}
+  else:  # the engine decodes with the learner's params: one copy serves both
+    resident |= {"master_weights": _bytes_per_device(state.master),
+                 "optimizer_state": _bytes_per_device(state.opt_state),
+                 "reference_params": _bytes_per_device(state.ref_params),
+                 "learner_batch": _bytes_per_device(batch)}
   total = sum(resident.values())
   peaks = {p.name: max(p.required, total) if p.required else total + p.extra for p in programs}
   worst = max(programs, key=lambda p: peaks[p.name])
   peak = peaks[worst.name]
   per_device = {**resident, "temporaries": peak - total}
   return {
-    "topology": target.name, "devices": len(target.devices),
+    "topology": target.name, "devices": len(target.devices), "algorithm": algorithm,
     "device_kind": getattr(target.devices[0], "device_kind", "cpu"),
     "compiler": target.compiler, "estimate": target.estimate,
     "mesh": dict(mesh.shape), "device_memory_bytes": int(target.device_memory),
@@ -285,7 +347,13 @@ ADVICE = {
                   "slots per device (mesh.data)",
   "optimizer_state": "use es.optimizer=sgd (stateless) or shard the model over mesh.fsdp",
   "temporaries": "lower rollout.prefill_chunk (the widest step's activations) or shard more",
+  "master_weights": "shard the model over mesh.fsdp / mesh.tensor, or grpo.master_weights=False",
+  "reference_params": "grpo.kl_coef=0 (no reference policy) or shard the model over mesh.fsdp",
+  "learner_batch": "lower grpo.tasks_per_update x grpo.group_size or grpo.seq_len",
 }
+# A GRPO step's temporaries are its activations: say what bounds them.
+GRPO_TEMPORARIES = ("raise grpo.micro_batches (fewer episode rows per micro-batch; one row per "
+                    "data shard is the least), lower grpo.seq_len, or shard more")
 
 
 def _gib(n: float) -> str:
@@ -293,11 +361,27 @@ def _gib(n: float) -> str:
 
 
 def render(report: dict, headroom: float) -> tuple[list[str], bool]:
+  """The table (GRPO's, then ES's beside it for a GRPO config) and whether the config's own
+  algorithm fits."""
+  lines, fits = _render_one(report, headroom)
+  if "es" in report:
+    verdict = lines.pop()  # about the config's own algorithm: it stays the last line of the table
+    es_lines, _ = _render_one(report["es"], headroom)
+    lines += ["beside it, the same config as ES (same model, mesh and controller):"] + [
+        "  " + line for line in es_lines]
+    lines.append(f"ES / GRPO peak per device: {report['es_over_grpo']:.3f} "
+                 f"({_gib(report['es']['peak_bytes_per_device']).strip()} vs "
+                 f"{_gib(report['peak_bytes_per_device']).strip()})")
+    lines.append(verdict)
+  return lines, fits
+
+
+def _render_one(report: dict, headroom: float) -> tuple[list[str], bool]:
   memory = report["device_memory_bytes"]
   peak = report["peak_bytes_per_device"]
   fits = peak <= headroom * memory
   kind = "estimate: CPU compiler, bf16 widened to f32 on CPU" if report["estimate"] else report["compiler"] + " compiler"
-  lines = [f"{report['topology']}: {report['devices']} x {report['device_kind']} ({kind}), "
+  lines = [f"{report.get('algorithm', 'es').upper()} on {report['topology']}: {report['devices']} x {report['device_kind']} ({kind}), "
            f"mesh {report['mesh']}, {_gib(memory).strip()} per device, "
            f"{report['live_versions']} live parameter version(s)"]
   for key, value in report["per_device"].items():
@@ -317,18 +401,28 @@ def render(report: dict, headroom: float) -> tuple[list[str], bool]:
     lines.append(f"fits: peak {_gib(peak).strip()} <= {headroom:.0%} of {_gib(memory).strip()}")
   else:
     biggest = max(report["per_device"], key=report["per_device"].get)
+    advice = (GRPO_TEMPORARIES if biggest == "temporaries" and report.get("algorithm") == "grpo"
+              else ADVICE[biggest])
     lines.append(f"does not fit: peak {_gib(peak).strip()} > {headroom:.0%} of "
                  f"{_gib(memory).strip()}; biggest consumer {biggest} "
-                 f"({_gib(report['per_device'][biggest]).strip()}/device): {ADVICE[biggest]}")
+                 f"({_gib(report['per_device'][biggest]).strip()}/device): {advice}")
   return lines, fits
 
 
-def summary(report: dict, fits: bool) -> dict:
-  return {"topology": report["topology"], "devices": report["devices"],
-          "device_memory_bytes": report["device_memory_bytes"], "fits": fits,
-          "peak_bytes_per_device": report["peak_bytes_per_device"],
-          "per_device": report["per_device"], "programs": len(report["programs"]),
-          "mesh": report["mesh"], "estimate": report["estimate"]}
+def summary(report: dict, fits: bool, headroom: float = 0.9) -> dict:
+  out = {"topology": report["topology"], "devices": report["devices"],
+         "device_memory_bytes": report["device_memory_bytes"], "fits": fits,
+         "peak_bytes_per_device": report["peak_bytes_per_device"],
+         "per_device": report["per_device"], "programs": len(report["programs"]),
+         "mesh": report["mesh"], "estimate": report["estimate"],
+         "algorithm": report.get("algorithm", "es")}
+  if "es" in report:
+    es = report["es"]
+    out["es"] = {"peak_bytes_per_device": es["peak_bytes_per_device"], "per_device": es["per_device"],
+                 "programs": len(es["programs"]),
+                 "fits": es["peak_bytes_per_device"] <= headroom * es["device_memory_bytes"]}
+    out["es_over_grpo"] = report["es_over_grpo"]
+  return out
 
 
 def with_stand_in_checkpoint(config, directory: str):
@@ -347,6 +441,22 @@ def with_stand_in_checkpoint(config, directory: str):
   return config
 
 
+def validate_run(config, validate, ConfigError) -> None:
+  """``validate`` for ES configs. A GRPO config is checked by the learner's own rules
+  (``jaxes.rl.config.from_run_config``) and every other key by ``validate`` of the same config
+  as ES: the preflight sizes a GRPO run whether or not the trainer accepts one yet."""
+  if config.train.algorithm != "grpo":
+    return validate(config)
+  from jaxes.rl import config as rl_config
+  try:
+    rl_config.from_run_config(config)
+  except ValueError as err:  # its messages name the key (config.grpo.*, config.rollout.*)
+    raise ConfigError(str(err)) from None
+  as_es = config.copy_and_resolve_references()
+  as_es.train.algorithm = "es"
+  validate(as_es)
+
+
 def main(argv):
   from absl import flags
   from jaxes.train.config import ConfigError, validate
@@ -356,7 +466,7 @@ def main(argv):
   with tempfile.TemporaryDirectory() as stand_in:
     config = with_stand_in_checkpoint(FLAGS.config, stand_in)
     try:
-      validate(config)
+      validate_run(config, validate, ConfigError)
     except ConfigError as e:
       print(f"invalid config: {e}", file=sys.stderr)
       sys.exit(2)
@@ -371,7 +481,7 @@ def main(argv):
     print(json.dumps(report))
   else:
     print("\n".join(lines))
-  print(json.dumps(summary(report, fits)))
+  print(json.dumps(summary(report, fits, FLAGS.headroom)))
   sys.exit(0 if fits else 1)
 
 

@@ -104,7 +104,9 @@ class GRPOLearner:
                 weights=objective.token_weights(batch.sampled, c.aggregation),
                 advantages=objective.group_advantages(batch.rewards, batch.group_ids,
                                                       c.advantage, c.advantage_eps))
-    micro = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), rows)
+    # Micro-batch i takes rows i, i + k, ...: a batch sharded over `data` in contiguous blocks
+    # then gives every micro-batch rows of every data shard (each device trains its own rows).
+    micro = jax.tree.map(lambda x: x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1), rows)
     grad_fn = jax.value_and_grad(self._micro_loss, has_aux=True)
 
     def one(carry, mb):

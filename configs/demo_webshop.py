@@ -4,9 +4,13 @@
   python -m jaxes.experiments.grid --config=configs/demo_webshop.py --variants=sync,async1 --seeds=0,1,2 \
       --workdir=runs/ws_grid --parallel=1
 
-PROVISIONAL: not yet shown to learn. The one measurement started (benchmarks/RESULTS.md,
-"WebShop CPU demo") did not finish on the shared 2-core VM in the session's time. Read the
-settings below as the candidate to measure, not a result.
+PROVISIONAL: not yet shown to learn. The one run started (benchmarks/RESULTS.md, "WebShop CPU
+demo") did not get past the warm start in the session's time. At load average 19-27 on the
+shared 2-core VM it took ~6.3 CPU-seconds per warm-start step (batch 8 x 1024 tokens, 2.5
+minutes wall per 6 steps), so 300 steps are ~30 CPU-minutes; by step 50 the assistant-token loss
+was 1.64. Read the settings below as the candidate to measure, not a result. On an idle machine
+the warm start alone is ~15-30 minutes: a shorter seq_len or fewer steps is the first thing to
+measure.
 
 The flaw for ES to fix is the same as configs/demo.py's: the warm start is taught on oracle
 transcripts, and in 60% of them every reply is written as a JSON tool call

@@ -9,9 +9,10 @@ One run alone: python -m jaxes.train --config=configs/demo_grid.py:delay8 --work
 
 Variants (as configs/paper.py): sync, async1 (staleness <= 1), delay4 / delay8 (10% of each
 cohort -- round(0.8) = 1 of 8 members -- held back 4 / 8 updates on top of Async-1), allstale
-(every member of a cohort held back 4 updates). There is no GRPO variant here until a GRPO
-trainer entry point exists (`VARIANT_ENTRY_POINTS` is where it goes); the grid reports it as not
-available.
+(every member of a cohort held back 4 updates), and grpo: the same warm start, tasks, engine
+and evaluation trained by GRPO (configs/demo_grpo.py's learner settings) at the ES variants'
+episode budget -- 4 tasks x 4 sampled episodes = 16 per update, as 8 members x 2 episodes --
+synchronous and on-policy.
 
 Sizing, by measurement (benchmarks/RESULTS.md, "Experiment grid"; CPU seconds measured on a
 loaded 2-core VM, extrapolated, since the grid itself could not run there): the demo's ES
@@ -31,22 +32,24 @@ import os
 from jaxes.experiments.variants import apply_es_variant
 from jaxes.train.config import load_config_file
 
-VARIANTS = ("sync", "async1", "delay4", "delay8", "allstale")
-# Variants trained by another entry point than `python -m jaxes.train` (e.g. a GRPO trainer).
-VARIANT_ENTRY_POINTS = {}
+VARIANTS = ("sync", "async1", "delay4", "delay8", "allstale", "grpo")
 NUM_UPDATES = 48
 EVAL_EVERY = 16
 EPISODES_PER_MEMBER = 2
+GRPO_TASKS, GRPO_GROUP = 4, 4   # 16 episodes per update, as 8 members x EPISODES_PER_MEMBER
 
 
 def get_config(variant: str = "async1"):
   if variant not in VARIANTS:
     raise ValueError(f"configs/demo_grid.py: unknown variant {variant!r}; choose one of {VARIANTS}")
-  c = load_config_file(os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo.py"))
+  here = os.path.dirname(os.path.abspath(__file__))
+  c = load_config_file(os.path.join(here, "demo_grpo.py" if variant == "grpo" else "demo.py"))
   c.train.num_updates = NUM_UPDATES
   c.train.eval_every = EVAL_EVERY
   c.train.checkpoint_every = 8
-  c.controller.episodes_per_member = EPISODES_PER_MEMBER
   c.train.progress_bar = False
-
+  if variant == "grpo":
+    c.grpo.tasks_per_update, c.grpo.group_size = GRPO_TASKS, GRPO_GROUP
+    return c
+  c.controller.episodes_per_member = EPISODES_PER_MEMBER
   return apply_es_variant(c, variant)

@@ -124,9 +124,10 @@ def test_variants_resolve_for_configs_with_and_without_variants():
   assert target.config_spec.endswith(":sync,v5p-64")
   demo = variants.resolve(str(ROOT / "configs/demo.py"), "delay4")
   assert demo.overrides["controller.delay_updates"] == 4 and demo.overrides["controller.delay_fraction"] == 0.1
-  for config in ("configs/paper.py", "configs/demo.py", "configs/demo_grid.py"):
-    grpo = variants.resolve(str(ROOT / config), "grpo")
-    assert not grpo.available and "grpo" in grpo.unavailable.lower()
+  grpo = variants.resolve(str(ROOT / "configs/demo.py"), "grpo")
+  assert not grpo.available and "train.algorithm='grpo'" in grpo.unavailable
+  grpo = variants.resolve(str(ROOT / "configs/demo_grid.py"), "grpo")
+  assert grpo.available and grpo.entry == "jaxes.train" and grpo.config_spec.endswith("demo_grid.py:grpo")
   assert not variants.resolve(str(ROOT / "configs/demo.py"), "async7").available
 
 
@@ -144,12 +145,12 @@ def test_print_launch_shared_warm_start_and_launchers(capsys):
     assert capsys.readouterr().err.strip() == "error: config.es.sigmaa: unknown key (did you mean 'sigma'?)"
   finally:
     os.chdir(cwd)
-  assert out[0].startswith("# grpo: not available")
   commands = [l for l in out if l.startswith("python")]
-  assert len(commands) == 2 + 4   # a warm start per seed, then 2 variants x 2 seeds
+  assert len(commands) == 2 + 6   # a warm start per seed, then 3 variants x 2 seeds
+  assert any("--config=configs/demo_grid.py:grpo --workdir=runs/g/grpo-s0" in c for c in commands)
   assert "--workdir=runs/g/init-s1" in commands[1] and "--config.train.num_updates=0" in commands[1]
   assert ("--config=configs/demo_grid.py:delay8 --workdir=runs/g/delay8-s1 --config.es.sigma=0.02 "
-          "--config.seed=1 --config.warmstart.init_from=runs/g/init-s1") in commands[5]
+          "--config.seed=1 --config.warmstart.init_from=runs/g/init-s1") in commands[6]
   assert [l for l in slurm if "delay8-s0" in l][0].startswith(
       "launch/gpu/slurm.sh --job-name jaxes-delay8-s0 --nodes 1 -- python -m jaxes.train")
 

@@ -2,11 +2,12 @@
 and the module that trains it (``python -m ENTRY --config=... --workdir=...``).
 
 A config file that defines ``VARIANTS`` (configs/paper.py, configs/demo_grid.py) names its own
-variants and ``get_config(variant)`` builds each; ``VARIANT_ENTRY_POINTS`` maps those trained by
-another entry point than ``jaxes.train`` (a GRPO trainer). A config without ``VARIANTS``
-(configs/demo.py) gets the paper's ES variants as override sets (``ES_OVERRIDES``). Anything
-else -- ``grpo`` before a GRPO entry point exists -- is *not available*, with the reason, and the
-grid reports it as such instead of running something else under its name.
+variants and ``get_config(variant)`` builds each (``python -m jaxes.train`` trains ES and GRPO
+variants alike: it dispatches on ``train.algorithm``); ``VARIANT_ENTRY_POINTS`` maps any trained
+by another entry point. A config without ``VARIANTS`` (configs/demo.py) gets the paper's ES
+variants as override sets (``ES_OVERRIDES``). Anything else -- ``grpo`` for a config that defines
+no GRPO variant -- is *not available*, with the reason, and the grid reports it as such instead
+of running something else under its name.
 """
 from __future__ import annotations
 
@@ -90,7 +91,8 @@ def resolve(config: str, name: str, module=None) -> Variant:
     if name not in variants and name not in entries:
       known = ", ".join(variants + tuple(entries))
       why = (f"{path} defines no {name!r} variant (its variants: {known})"
-             + ("; no GRPO trainer entry point provides it yet" if name == "grpo" else ""))
+             + ("; a GRPO variant sets train.algorithm='grpo' (see configs/demo_grid.py)"
+                if name == "grpo" else ""))
       return Variant(name, "", {}, unavailable=why)
     spec = f"{path}:{arg.replace('{variant}', name)}" if arg else f"{path}:{name}"
     variant = Variant(name, spec, {}, entries.get(name, DEFAULT_ENTRY))
@@ -99,7 +101,8 @@ def resolve(config: str, name: str, module=None) -> Variant:
   else:
     why = (f"{path} takes no variant argument and {name!r} is not one of the ES override sets "
            f"({', '.join(ES_OVERRIDES)})"
-           + ("; GRPO needs its own trainer entry point, which does not exist yet" if name == "grpo" else ""))
+           + ("; GRPO needs a config variant with train.algorithm='grpo' and its learner settings "
+              "(see configs/demo_grid.py)" if name == "grpo" else ""))
     return Variant(name, "", {}, unavailable=why)
   if importlib.util.find_spec(variant.entry.split(":")[0]) is None:
     return dataclasses.replace(variant, unavailable=f"trainer entry point {variant.entry!r} not found")

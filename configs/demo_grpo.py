@@ -3,8 +3,8 @@ as configs/demo.py, trained by GRPO instead of ES.
 
   python -m jaxes.train --config=configs/demo_grpo.py --workdir=runs/demo_grpo
 
-(once the trainer drives jaxes.rl; until then the ``grpo`` block is read by
-``jaxes.rl.config.from_run_config``.)
+(``python -m jaxes.train`` runs ``jaxes.train.grpo_trainer`` for ``train.algorithm = "grpo"``;
+configs/demo_grid.py's ``grpo`` variant is this at the grid's sizes.)
 
 Choices, matched to the ES demo so the comparison is at equal episode budget:
   * 4 tasks x 8 episodes = 32 episodes per update, as ES's 8 members x 4 episodes.

@@ -245,6 +245,28 @@ def allgather_host(obj: Any) -> list[Any]:
   return [pickle.loads(gathered[i, 8:8 + int(n)].tobytes()) for i, n in enumerate(lengths)]
 
 
+def place(tree, shardings):
+  """``tree``'s arrays as global arrays in ``shardings`` (one ``Sharding`` for every leaf, or a
+  pytree of them matching ``tree``), each process filling its own shards from its host copy
+  (identical on every process); non-array leaves are kept. ``jax.device_put`` cannot do this
+  for a mesh spanning processes from a host value (nor for typed keys)."""
+  if isinstance(shardings, jax.sharding.Sharding):
+    shardings = jax.tree.map(lambda _: shardings, tree)
+
+  def put(x, sharding):
+    if not isinstance(x, (jax.Array, np.ndarray)):
+      return x
+    if isinstance(x, jax.Array) and x.sharding == sharding:
+      return x
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+      return jax.random.wrap_key_data(put(jax.random.key_data(x), sharding), impl=jax.random.key_impl(x))
+    if isinstance(x, jax.Array) and (sharding.is_fully_addressable or not x.is_fully_addressable):
+      return jax.device_put(x, sharding)   # within one process, or global to global
+    value = np.asarray(x)
+    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+  return jax.tree.map(put, tree, shardings)
+
+
 def barrier(name: str) -> None:
   """Wait until every process reaches ``barrier(name)``; a name mismatch raises."""
   if jax.process_count() > 1:

@@ -67,13 +67,29 @@ def setup(tmp_path_factory):
   tmp = tmp_path_factory.mktemp("multihost")
   tokenizer = build_tiny_tokenizer(str(tmp / "tok"))
   config = tiny_config(tokenizer, **{
-      "rollout.num_slots": 8, "mesh.data": -1, "rollout.sandbox_steps": 2,
+      "rollout.num_slots": 8, "mesh.data": -1, "mesh.fsdp": 2, "rollout.sandbox_steps": 2,
       "controller.mode": "async", "controller.max_staleness": 1,
       "warmstart.steps": 60, "warmstart.learning_rate": 1e-2, "env.partial_credit": True,
       "rollout.temperature": 0.4, "rollout.common_random_numbers": False,
       "train.num_updates": UPDATES, "train.plot": False})
   (tmp / "driver.py").write_text(DRIVER)
   return tmp, write_config_file(config, tmp / "config.py")
+
+
+@pytest.fixture(scope="module")
+def sync_setup(setup):
+  """The same run in sync mode, without evaluation, a full checkpoint every 2 updates (a kill
+  after update 1 resumes through the update log): the config whose resume must equal an
+  uninterrupted run. In async mode it cannot: which results make the next cohort depends on how
+  far each in-flight episode had got, and a resume restarts them all from their first token."""
+  tmp, _ = setup
+  config = tiny_config(str(tmp / "tok"), **{
+      "rollout.num_slots": 8, "mesh.data": -1, "mesh.fsdp": 2, "rollout.sandbox_steps": 2,
+      "controller.mode": "sync", "controller.max_staleness": 0, "eval.num_tasks": 0,
+      "warmstart.steps": 60, "warmstart.learning_rate": 1e-2, "env.partial_credit": True,
+      "rollout.temperature": 0.4, "rollout.common_random_numbers": False,
+      "train.num_updates": UPDATES, "train.checkpoint_every": 2, "train.plot": False})
+  return tmp, write_config_file(config, tmp / "sync_config.py")
 
 
 def _command(tmp, config_file, workdir):
@@ -139,10 +155,11 @@ def test_two_processes_match_one_process_of_eight_devices(runs):
   # drops, evaluation outcomes) and the controller's final state.
   lines_two = [_strip(r) for r in metrics.read_metrics(str(two / "metrics.jsonl"))]
   lines_one = [_strip(r) for r in metrics.read_metrics(str(one / "metrics.jsonl"))]
-  # update_norm is a float of the parameters (see below), compared to 1e-6 relative.
+  # update_norm is a norm over the fsdp shards (a cross-device sum), compared to 1e-6 relative.
   norms_two, norms_one = ([r.pop("update_norm") for r in lines if "train" in r]
                           for lines in (lines_two, lines_one))
   np.testing.assert_allclose(norms_two, norms_one, rtol=1e-6)
+  print("update norms 2x4", norms_two, "1x8", norms_one)
   assert lines_two == lines_one
   assert any(sum(r["staleness_hist"][1:]) for r in lines_two if "train" in r), \
       "no stale result was used: the staleness comparison is vacuous"
@@ -152,19 +169,14 @@ def test_two_processes_match_one_process_of_eight_devices(runs):
            for d, f in [("two-turns", "turns-0.json"), ("two-turns", "turns-1.json"),
                         ("one-turns", "turns-0.json")]]
   assert turns[0] and turns[0] == turns[1] == turns[2]
-  # The same parameters only approximately, and they moved (not an untouched initialisation).
-  # Not bit for bit, and NOT within the 1e-6 target: the warm start runs on one local CPU device
-  # of each process, and XLA:CPU rounds its 60 AdamW steps differently with 4 than with 8 devices
-  # in the process (warmstart.train alone on the same data: different bits). Measured over two
-  # launches: up to 4.3e-7 and 6.8e-5 absolute (3.2e-4 of that leaf's largest magnitude) while
-  # every decision and token stayed identical. Running the warm start on the global mesh (the
-  # same compiled program in both launches) is the fix still to make.
-  _assert_params_equal(_params(two), _params(one), scaled_tolerance=1e-3)
+  # The same parameters, bit for bit, and they moved (not an untouched initialisation). The ES
+  # state lives in the rule table's shardings (fsdp = 2 splits the embedding dimension), and
+  # the warm start sums its gradients in a fixed order (warmstart.loss_and_grads), so nothing
+  # depends on how the 8 devices are split into processes.
+  _assert_params_equal(_params(two), _params(one))
   assert len(norms_two) == UPDATES and max(norms_two) > 0, norms_two
 
 
-@pytest.mark.xfail(reason="open: process 1 printed a line starting with '{' (not yet identified); "
-                          "the metrics-file assertions before it passed", strict=False)
 def test_metrics_and_run_files_are_written_once(runs):
   tmp, two, _ = runs
   records = metrics.read_metrics(str(tmp / "two" / "metrics.jsonl"))
@@ -174,7 +186,8 @@ def test_metrics_and_run_files_are_written_once(runs):
   assert summary["version"] == UPDATES
   # Only process 0 printed the run's summary and the evaluation lines.
   out = two.stdout.splitlines()
-  assert any(line.startswith("[p0] {") for line in out) and not any(line.startswith("[p1] {") for line in out)
+  assert any(line.startswith("[p0] {") for line in out)
+  assert not [line for line in out if line.startswith("[p1] {")], "\n".join(out[-80:])
   assert not any(line.startswith("[p1] held-out eval") for line in out)
   assert sum(line.startswith("[p0] held-out eval") for line in out) == 2
 
@@ -183,11 +196,10 @@ def _train_lines(workdir) -> int:
   return sum("train" in r for r in metrics.read_metrics(str(workdir / "metrics.jsonl")))
 
 
-@pytest.mark.xfail(reason="open: the survivor exits non-zero in bounded time and the rerun resumes, "
-                          "but its final parameters differed from the uninterrupted run's (0.008 abs)",
-                   strict=False)
-def test_sigkill_one_process_stops_the_other_then_rerun_resumes(runs, setup):
-  tmp, config_file = setup
+def test_sigkill_one_process_stops_the_other_then_rerun_resumes(sync_setup):
+  tmp, config_file = sync_setup
+  whole = _launch_two(tmp, config_file, tmp / "sync")   # the uninterrupted run
+  assert whole.returncode == 0, whole.stderr[-4000:] + whole.stdout[-4000:]
   workdir = tmp / "killed"
   # Started as local.sh starts them, but by hand: local.sh would stop the survivor itself; here
   # the survivor must notice on its own (the coordination service's heartbeat).
@@ -228,7 +240,7 @@ def test_sigkill_one_process_stops_the_other_then_rerun_resumes(runs, setup):
   again = _launch_two(tmp, config_file, workdir)
   assert again.returncode == 0, again.stderr[-4000:] + again.stdout[-4000:]
   assert "resumed from checkpoint" in again.stdout
-  _assert_params_equal(_params(workdir), _params(tmp / "two"))
+  _assert_params_equal(_params(workdir), _params(tmp / "sync"))
   versions = [r["version"] for r in metrics.read_metrics(str(workdir / "metrics.jsonl")) if "train" in r]
   assert versions == list(range(1, UPDATES + 1))
 

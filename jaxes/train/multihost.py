@@ -8,10 +8,10 @@ same device programs over one global mesh. What differs per process:
   (``distributed.owned_rows``); the results are all-gathered once per engine tick;
 - files: only the primary process writes metrics.jsonl, TensorBoard, summary.json, the plot,
   the progress bar and config.json (checkpoints are written by every process through orbax);
-- arrays: the ES state is replicated over the global mesh (each process holds its addressable
-  copies), so the ES update is one SPMD program and orbax saves and restores it from every
-  process. A single process with a multi-device mesh does the same, so it runs the very same
-  programs as the multi-process run it is compared with.
+- arrays: the ES state lives on the global mesh in the rule table's shardings (the engine's;
+  ``es_state_shardings``), each process holding its shards, so the ES update is one SPMD program
+  and orbax saves and restores each process's shards. A single process with a multi-device mesh
+  does the same, so it runs the very same programs as the multi-process run it is compared with.
 
 A single-process run gets a ``Host`` with no exchange and its mesh from the config
 (``builders.build_mesh``), as before.
@@ -23,10 +23,10 @@ import math
 from typing import Any, Callable
 
 import jax
-import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxes import distributed
+from jaxes.models import partition
 from jaxes.train import builders
 from jaxes.train.errors import ConfigError
 
@@ -65,19 +65,20 @@ def host(config) -> Host:
               distributed.allgather_host)
 
 
-def replicate(tree, sharding: NamedSharding):
-  """``tree``'s arrays as global arrays replicated over ``sharding``'s mesh, built on each
-  process from its own (identical) host values; non-array leaves are kept."""
-  def put(x):
-    if not isinstance(x, (jax.Array, np.ndarray)):
-      return x
-    if isinstance(x, jax.Array) and x.sharding == sharding:
-      return x
-    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-      return jax.random.wrap_key_data(put(jax.random.key_data(x)), impl=jax.random.key_impl(x))
-    value = np.asarray(x)
-    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
-  return jax.tree.map(put, tree)
+def es_state_shardings(abstract_es_state, mesh: Mesh, model_config):
+  """Where each leaf of an ES state (``state.abstract_es_state``) lives on ``mesh``: the
+  parameters, and every optimizer-state subtree shaped like them (Adam's moments), in the rule
+  table's shardings, the engine's (``partition.param_shardings``: fsdp splits the embedding
+  dimension, tensor the heads and MLP); the rest (step count, run key, version) replicated."""
+  params = partition.param_shardings(model_config, mesh)
+  structure = jax.tree.structure(params)
+  replicated = NamedSharding(mesh, PartitionSpec())
+
+  def like_params(tree) -> bool:
+    return jax.tree.structure(tree) == structure
+
+  return jax.tree.map(lambda sub: params if like_params(sub) else jax.tree.map(lambda _: replicated, sub),
+                      abstract_es_state, is_leaf=like_params)
 
 
 def shared(host_: Host, make: Callable[[], Any]) -> Any:

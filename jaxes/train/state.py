@@ -29,7 +29,7 @@ from typing import Any
 
 import jax
 
-from jaxes import es
+from jaxes import distributed, es
 from jaxes.controller import Controller
 from jaxes.train import builders, checkpoint, multihost, warmstart
 from jaxes.train.policy import load_policy
@@ -109,18 +109,23 @@ def config_values(config) -> dict:
   return json.loads(config.to_json_best_effort())
 
 
-def abstract_es_state(parts: Parts, sharding=None) -> es.ESState:
-  """The ES state's shapes and dtypes (nothing allocated), each array leaf placed in ``sharding``
-  if one is given: the target of a restore."""
+def abstract_es_state(parts: Parts, shardings=None) -> es.ESState:
+  """The ES state's shapes and dtypes (nothing allocated), each array leaf placed in its
+  sharding if ``shardings`` (a matching pytree) is given: the target of a restore."""
   shapes = jax.eval_shape(lambda p: parts.strategy.init(p, jax.random.key(0)), parts.model.abstract_params)
-  if sharding is None:
+  if shardings is None:
     return shapes
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-                      if isinstance(x, jax.ShapeDtypeStruct) else x, shapes)
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+                      if isinstance(x, jax.ShapeDtypeStruct) else x, shapes, shardings)
 
 
-def _restore(ckpt: checkpoint.Checkpointer, parts: Parts, config, sharding=None) -> RunState:
-  abstract = abstract_es_state(parts, sharding)
+def es_shardings(parts: Parts, mesh):
+  """The ES state's shardings on ``mesh`` (``multihost.es_state_shardings``); None without one."""
+  return None if mesh is None else multihost.es_state_shardings(abstract_es_state(parts), mesh, parts.model.config)
+
+
+def _restore(ckpt: checkpoint.Checkpointer, parts: Parts, config, shardings=None) -> RunState:
+  abstract = abstract_es_state(parts, shardings)
 
   def target(host):
     return {"es": abstract, **{f"old/{v}": abstract.params for v in host["old_versions"]}}
@@ -159,10 +164,11 @@ def initial_state(config, workdir: str, parts: Parts, ckpt: checkpoint.Checkpoin
                   place=None) -> RunState:
   """The newest checkpoint's state, or a fresh one: version-0 parameters from the warm start on
   ``transcripts``, from ``warmstart.init_from``'s version 0, from ``model.path`` or random.
-  ``place``: a sharding for every array of the ES state (a multi-process run replicates it over
-  the global mesh); None leaves arrays where they are made."""
+  ``place``: the mesh the ES state lives on, in the rule table's shardings (``es_shardings``),
+  restored into them too; None leaves arrays where they are made."""
+  shardings = es_shardings(parts, place)
   if ckpt.steps():
-    state = _restore(ckpt, parts, config, place)
+    state = _restore(ckpt, parts, config, shardings)
     state.replayed = replay(state, update_log.replay_after(state.restored_from), parts.strategy)
     log(f"resumed from checkpoint at version {state.restored_from}"
         + (f" and {len(state.replayed)} logged updates" if state.replayed else ""))
@@ -170,8 +176,8 @@ def initial_state(config, workdir: str, parts: Parts, ckpt: checkpoint.Checkpoin
   update_log.truncate_to(0)   # a fresh start: records of an earlier run are set aside
   params, timings = version_zero_params(config, parts, transcripts, log)
   es_state = parts.strategy.init(params, jax.random.key(config.seed))
-  if place is not None:
-    es_state = multihost.replicate(es_state, place)
+  if shardings is not None:
+    es_state = distributed.place(es_state, shardings)
   controller = Controller(builders.controller_config(config), num_tasks=len(parts.train_tasks))
   return RunState(es_state, {0: es_state.params}, controller, [], timings)
 

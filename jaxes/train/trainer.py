@@ -111,7 +111,7 @@ class Trainer:
   def _initial_state(self, ckpt, update_log: UpdateLog, transcripts) -> RunState:
     host = self.host
     return initial_state(self.config, self.workdir, self.parts, ckpt, update_log, transcripts,
-                         self.log, place=host.replicated if host.mesh.size > 1 else None)
+                         self.log, place=host.mesh if host.mesh.size > 1 else None)
 
   def _build_engine(self):
     return builders.build_engine(self.config, self.parts.model, self.parts.tokenizer,

@@ -64,10 +64,13 @@ def test_unknown_key_is_named():
     validate(c)
 
 
-def test_grpo_config_is_checked_and_says_its_loop_is_not_built():
+def test_grpo_config_is_checked():
+  validate(_load("demo_grpo"))
   c = _load("demo_grpo")
   c.grpo.group_size = 1
   with pytest.raises(ConfigError, match=r"config\.grpo\.group_size: must be an int >= 2"):
     validate(c)
-  with pytest.raises(ConfigError, match=r"config\.train\.algorithm: .*does not drive it yet"):
-    validate(_load("demo_grpo"))
+  c = _load("demo_grpo")
+  c.rollout.temperature = 0.0
+  with pytest.raises(ConfigError, match=r"config\.rollout\.temperature: must be > 0"):
+    validate(c)

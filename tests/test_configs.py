@@ -74,3 +74,22 @@ def test_grpo_config_is_checked():
   c.rollout.temperature = 0.0
   with pytest.raises(ConfigError, match=r"config\.rollout\.temperature: must be > 0"):
     validate(c)
+
+
+def test_heavy_tailed_latency_is_a_config_key():
+  from jaxes.experiments.latency import LatencySandbox
+  from jaxes.train import builders
+  c = _load("demo")
+  bare = object()
+  assert builders.with_latency(c, bare) is bare   # 0 = off
+  c.env.latency_median_s, c.env.latency_sigma, c.env.latency_per = 2.0, 1.5, "command"
+  validate(c)
+  wrapped = builders.with_latency(c, bare)
+  assert isinstance(wrapped, LatencySandbox) and wrapped.inner is bare and wrapped.per == "command"
+  assert (wrapped.model.median_s, wrapped.model.sigma, wrapped.model.seed) == (2.0, 1.5, c.seed)
+  c.env.latency_per = "turn"
+  with pytest.raises(ConfigError, match=r"config\.env\.latency_per: must be one of"):
+    validate(c)
+  c.env.latency_per, c.env.kind, c.warmstart.off_protocol_fraction = "episode", "webshop", 0.0
+  with pytest.raises(ConfigError, match=r"config\.env\.latency_median_s: .*only terminal tasks"):
+    validate(c)

@@ -18,6 +18,7 @@ from ml_collections import config_dict
 from jaxes import es, sharding, tokenization
 from jaxes.controller import ControllerConfig
 from jaxes.envs import generator, make_sandbox, protocol, webshop
+from jaxes.experiments.latency import LatencySandbox
 from jaxes.models import hf, qwen2
 from jaxes.rollout.engine import Engine
 from jaxes.rollout.episodes import EpisodeRunner
@@ -86,6 +87,14 @@ def build_sandbox(config):
   if is_webshop(config):
     return webshop.WebShopBackend()
   return make_sandbox(config.env.sandbox)
+
+
+def with_latency(config, sandbox):
+  """``sandbox`` with the configured heavy-tailed latency (``env.latency_*``), or as it is."""
+  e = config.env
+  if not e.latency_median_s:
+    return sandbox
+  return LatencySandbox(sandbox, e.latency_median_s, e.latency_sigma, per=e.latency_per, seed=config.seed)
 
 
 def oracle_transcripts(config, sandbox) -> list[list[dict]]:

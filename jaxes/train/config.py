@@ -159,6 +159,12 @@ class _Checks:
     for k in ("num_train_tasks", "num_heldout_tasks", "max_turns", "sandbox_workers"):
       self.at_least(f"env.{k}", 1)
     self.at_least("env.parse_error_penalty", 0.0)
+    self.at_least("env.latency_median_s", 0.0)
+    self.at_least("env.latency_sigma", 0.0)
+    self.one_of("env.latency_per", ("episode", "command"))
+    if c.env.latency_median_s:
+      self.check("env.latency_median_s", c.env.kind == "terminal",
+                 "adds sandbox latency, which only terminal tasks have (set it to 0 for WebShop)")
 
   def rollout(self):
     r = self.c.rollout

@@ -74,6 +74,12 @@ def base_config() -> config_dict.ConfigDict:
   c.env.system_prompt = ""       # empty = jaxes.envs.protocol.SYSTEM_PROMPT
   c.env.max_turns = 16
   c.env.sandbox_workers = 8
+  # Heavy-tailed episode durations on top of the real sandbox work (jaxes.experiments.latency):
+  # a seeded log-normal sleep, median latency_median_s and shape latency_sigma, once per episode
+  # or before every command. 0 = off. Where asynchrony pays: real terminal tasks vary this way.
+  c.env.latency_median_s = 0.0
+  c.env.latency_sigma = 1.0
+  c.env.latency_per = "episode"   # "episode" or "command"
 
   # WebShop (env.kind = "webshop"): the generated catalog unless data_path names the released files.
   c.webshop = config_dict.ConfigDict()

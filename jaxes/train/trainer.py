@@ -86,7 +86,9 @@ class Trainer:
       stack.callback(update_log.close)
       self.state = self._initial_state(ckpt, update_log, transcripts)
       engine = self._build_engine()
-      self.runner = builders.build_runner(c, engine, self.parts.tokenizer, sandbox, owned=host.owned,
+      # Oracle transcripts above ran on the bare sandbox; training and evaluation pay the latency.
+      self.runner = builders.build_runner(c, engine, self.parts.tokenizer,
+                                          builders.with_latency(c, sandbox), owned=host.owned,
                                           exchange=host.exchange)
       stack.callback(self.runner.close)
       writer = (metrics.MetricsWriter(self.workdir, resume_version=self.state.version) if host.primary

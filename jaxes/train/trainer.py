@@ -70,6 +70,8 @@ class Trainer:
   def run(self) -> dict:
     c = self.config
     self.host = host = multihost.host(c)   # the mesh; in a multi-process run, this process's part
+    if not host.primary:
+      self.log = lambda message: None       # the primary's lines are every process's (same state)
     os.makedirs(self.workdir, exist_ok=True)
     if host.primary:
       with open(os.path.join(self.workdir, "config.json"), "w") as f:

@@ -97,17 +97,22 @@ def as_bits(x: jax.Array) -> jax.Array:
   return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
 
 
+def _groups(rows: jax.Array) -> jax.Array:
+  """[G, 1, 1]: each group's own index. Explicit iota indices (not a vmap over the groups, whose
+  scatter batching rule would transpose the whole cache) let a mesh that shards the groups keep
+  every device on its own rows."""
+  return jnp.arange(rows.shape[0])[:, None, None]
+
+
 def write_rows(cache: jax.Array, layer: jax.Array, rows: jax.Array, slots: jax.Array,
                x: jax.Array) -> jax.Array:
   """``cache [L, G, R, S, ...]`` with ``x [G * n, T, ...]`` written at layer ``layer``, cache row
   ``rows[g, i]`` of group g (batch row ``g * n + i``), slots ``slots [G * n, T]``; slots >= S are
-  dropped. Vmapped over the groups, so on a mesh whose ``data`` axis shards the groups every
-  device scatters into its own rows (the row indices are group-local)."""
+  dropped. Row indices are group-local, so on a mesh whose ``data`` axis shards the groups every
+  device scatters into its own rows."""
   G, n = rows.shape
-  x = x.reshape(G, n, *x.shape[1:])
-  slots = slots.reshape(G, n, -1)
-  return jax.vmap(lambda c, r, s, v: c.at[layer, r[:, None], s].set(v, mode="drop"),
-                  in_axes=(1, 0, 0, 0), out_axes=1)(cache, rows, slots, x)
+  return cache.at[layer, _groups(rows), rows[:, :, None], slots.reshape(G, n, -1)].set(
+      x.reshape(G, n, *x.shape[1:]), mode="drop")
 
 
 def cached(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, layer: jax.Array,
@@ -128,12 +133,9 @@ def cached(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, layer: jax.Arra
   K, hd = cache_k.shape[-2:]
 
   def read(start, size):
-    # One contiguous [size, K, hd] slab per batch row (a gather with the groups as a batch
-    # dimension): only the rows of the call are read.
-    def one_group(c, r):
-      return jax.vmap(lambda i: jax.lax.dynamic_slice(c, (layer, i, start, 0, 0),
-                                                      (1, 1, size, K, hd))[0, 0])(r)
-    k, v = (jax.vmap(one_group, in_axes=(1, 0))(c, rows).reshape(G * n, size, K, hd)
+    # Only the rows of the call are read (a gather of their slots in this block).
+    keys = (start + jnp.arange(size))[None, None, :]
+    k, v = (c[layer, _groups(rows), rows[:, :, None], keys].reshape(G * n, size, K, hd)
             for c in (cache_k, cache_v))
     if dtype is not None:
       k, v = (jax.lax.bitcast_convert_type(c, dtype) for c in (k, v))

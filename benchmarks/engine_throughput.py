@@ -49,12 +49,9 @@ def build(quick: bool):
   return cfg, graphdef, params
 
 
-def run(args, cfg, graphdef, strategy, params_by_version, run_key, *, compact, versions, working,
+def run(args, cfg, graphdef, make_noiser, params_by_version, *, compact, versions, working,
         observations):
   """One workload on a fresh engine; per-step times and counters of the timed steps."""
-  def make_noiser(p, v, m, g):
-    return strategy.member_noiser(p, v, m, g, run_key=run_key)
-
   B = args.slots
   engine = Engine(graphdef, cfg, num_slots=B, max_len=args.max_len, prefill_chunk=args.chunk,
                   max_new_tokens=args.turn if observations else args.max_len // 2, stop_ids=[],
@@ -117,15 +114,21 @@ def main():
   ap.add_argument("--turn", type=int, default=12)
   ap.add_argument("--warm", type=int, default=None)
   ap.add_argument("--steps", type=int, default=None)
+  ap.add_argument("--noiser", choices=("lowrank", "none"), default="lowrank",
+                  help="every slot its own low-rank ES member, or plain inference")
   args = ap.parse_args()
-  args.warm = args.warm if args.warm is not None else (20 if args.quick else 30)
-  args.steps = args.steps if args.steps is not None else (30 if args.quick else 40)
+  args.warm = args.warm if args.warm is not None else (12 if args.quick else 30)
+  args.steps = args.steps if args.steps is not None else (24 if args.quick else 40)
   cfg, graphdef, params = build(args.quick)
   n_params = sum(x.size for x in jax.tree.leaves(params))
   strategy = es.Strategy(population=args.slots, sigma=0.02, learning_rate=0.1, mode="lowrank", rank=1)
   state0 = strategy.init(params, jax.random.key(0))
   state1, _ = strategy.update(state0, [(0, m, float(m % 5)) for m in range(args.slots)])
   params_by_version = {0: state0.params, 1: state1.params}
+
+  def make_noiser(p, v, m, g):   # one function for every engine: they share its compiled build
+    return strategy.member_noiser(p, v, m, g, run_key=state0.run_key)
+  make_noiser = make_noiser if args.noiser == "lowrank" else None
 
   workloads = {
     "mix_sync": dict(versions=1, working=args.working, observations=True),
@@ -136,7 +139,7 @@ def main():
   results = {}
   for name, kw in workloads.items():
     for compact in (False, True):   # side by side: full-batch path, then compaction
-      r = run(args, cfg, graphdef, strategy, params_by_version, state0.run_key, compact=compact, **kw)
+      r = run(args, cfg, graphdef, make_noiser, params_by_version, compact=compact, **kw)
       results.setdefault(name, {})["compact" if compact else "full"] = r
       print(f"{name:20s} {'compact' if compact else 'full':8s} step {r['step_ms']:8.2f} ms  "
             f"{r['tokens_per_s']:8.1f} tok/s  useful {r['useful_fraction']:.3f}  "
@@ -154,7 +157,7 @@ def main():
     "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
     "backend": jax.default_backend(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     "params": int(n_params), "slots": args.slots, "working_in_mix": args.working,
-    "quick": args.quick,
+    "quick": args.quick, "noiser": args.noiser,
     "two_versions_vs_one": {m: ratio("mix_async1", "mix_sync", m) for m in ("full", "compact")},
     "quarter_rows_vs_full": {m: ratio("decode_quarter_rows", "decode_all_rows", m)
                              for m in ("full", "compact")},

@@ -97,7 +97,7 @@ def test_compiled_step_updates_the_cache_in_place(model):
   max_len = 4096
   engine = _engine(model, mesh, max_len=max_len, abstract=True)
   cache_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(engine.cache)) // 8
-  for name in ("step[b=8,w=8,span=4096]", "step[b=4,w=1,span=1024]"):
+  for name in ("step[w=8,span=4096]", "step[w=1,span=1024]"):
     stats = engine.programs()[name].compile().memory_analysis()
     assert stats.alias_size_in_bytes >= cache_bytes, name
     assert stats.temp_size_in_bytes < cache_bytes / 4, (name, stats.temp_size_in_bytes, cache_bytes)
@@ -112,8 +112,7 @@ def test_abstract_engine_allocates_nothing_and_lowers_every_program(model):
     if leaf.shape[0] == SLOTS:  # per-slot noise factors live with their rows
       assert sh.spec[0] == "data"
   programs = engine.programs()
-  steps = len(engine.batches) * len(engine.widths) * len(engine.spans)
-  assert len(programs) == steps + 2  # + reset, noiser build
+  assert len(programs) == len(engine.widths) * len(engine.spans) + 2  # + reset, noiser build
   with pytest.raises(RuntimeError, match="abstract engine"):
     engine.start(0, [5, 6], version=0, member=-1, stream=0)
     engine.step({0: None})
@@ -135,8 +134,7 @@ def test_sharded_compile_count_is_bounded(model):
 
   rounds()
   warm = engine.compilations()
-  # one step per (batch, width, span), reset
-  assert warm <= len(engine.batches) * len(engine.widths) * len(engine.spans) + 1
+  assert warm <= len(engine.widths) * len(engine.spans) + 1  # one step per (width, span), reset
   rounds()  # the same shapes again: nothing new compiles
   assert engine.compilations() == warm
 

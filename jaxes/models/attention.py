@@ -97,46 +97,22 @@ def as_bits(x: jax.Array) -> jax.Array:
   return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
 
 
-def _groups(rows: jax.Array) -> jax.Array:
-  """[G, 1, 1]: each group's own index. Explicit iota indices (not a vmap over the groups, whose
-  scatter batching rule would transpose the whole cache) let a mesh that shards the groups keep
-  every device on its own rows."""
-  return jnp.arange(rows.shape[0])[:, None, None]
-
-
-def write_rows(cache: jax.Array, layer: jax.Array, rows: jax.Array, slots: jax.Array,
-               x: jax.Array) -> jax.Array:
-  """``cache [L, G, R, S, ...]`` with ``x [G * n, T, ...]`` written at layer ``layer``, cache row
-  ``rows[g, i]`` of group g (batch row ``g * n + i``), slots ``slots [G * n, T]``; slots >= S are
-  dropped. Row indices are group-local, so on a mesh whose ``data`` axis shards the groups every
-  device scatters into its own rows."""
-  G, n = rows.shape
-  return cache.at[layer, _groups(rows), rows[:, :, None], slots.reshape(G, n, -1)].set(
-      x.reshape(G, n, *x.shape[1:]), mode="drop")
-
-
 def cached(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, layer: jax.Array,
            cache_valid: jax.Array, q_slots: jax.Array, span: int, dtype=None,
-           block: int | None = None, rows: jax.Array | None = None) -> jax.Array:
+           block: int | None = None) -> jax.Array:
   """Attention of ``q`` to the first ``span`` slots of layer ``layer`` of a ``[L, B, S, K, hd]``
-  cache; query t of batch row b sees slot s iff ``cache_valid[b, s]`` and ``s <= q_slots[b, t]``.
-  ``rows`` [G, n] (None: batch row b reads cache row b): the cache is grouped
-  ``[L, G, R, S, K, hd]`` and batch row ``g * n + i`` reads its row ``rows[g, i]`` of group g,
-  so a batch of the few rows that work reads only theirs (``cache_valid`` is per batch row).
+  cache; query t of row b sees slot s iff ``cache_valid[b, s]`` and ``s <= q_slots[b, t]``.
   ``dtype``: the cache holds raw bits (``as_bits``) of this dtype; None: plain values. Blocks
   are read as bits and converted one at a time, so no compiler can hoist a dtype conversion of
   the whole cache out of the block loop (the CPU backend, which computes bfloat16 dots in
   float32, did: a float32 copy of the cache)."""
-  if rows is None:
-    rows, cache_k, cache_v = jnp.arange(q.shape[0])[None], cache_k[:, None], cache_v[:, None]
-  G, n = rows.shape
+  B = q.shape[0]
   K, hd = cache_k.shape[-2:]
 
-  def read(start, size):
-    # Only the rows of the call are read (a gather of their slots in this block).
-    keys = (start + jnp.arange(size))[None, None, :]
-    k, v = (c[layer, _groups(rows), rows[:, :, None], keys].reshape(G * n, size, K, hd)
-            for c in (cache_k, cache_v))
+  def read(start, n):
+    at = (layer, 0, start, 0, 0)
+    size = (1, B, n, K, hd)
+    k, v = (jax.lax.dynamic_slice(c, at, size)[0] for c in (cache_k, cache_v))
     if dtype is not None:
       k, v = (jax.lax.bitcast_convert_type(c, dtype) for c in (k, v))
     return k, v

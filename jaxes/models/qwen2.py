@@ -236,13 +236,11 @@ class Attention(nnx.Module):
 
   def __call__(self, x, positions, noiser, layer, mask=None, cached=None):
     """x: [B, T, d]. Without a cache, ``mask`` [B, T, T] says which of the T tokens each query
-    sees. With one, ``cached = (k, v, valid, slots, write_slots, span, dtype, rows)``: the
-    whole cache ``k, v [L, G, R, S, KVH, hd]`` grouped as ``rows [G, n]`` reads it (batch row
-    ``g * n + i`` is cache row ``rows[g, i]`` of group g; this layer's keys are written into it
-    at ``write_slots [B, T]``), ``valid [B, S]`` (per batch row) and ``slots [B, T]`` (each
-    query's own slot; it sees the valid slots up to it), and queries attend to the first
-    ``span`` <= S slots only (the caller knows no row holds more). Returns (output, (k, v))
-    with the cache updated, or (output, None)."""
+    sees. With one, ``cached = (k, v, valid, slots, write_slots, span)``: the whole cache
+    ``k, v [L, B, S, KVH, hd]`` (this layer's keys are written into it at ``write_slots``),
+    ``valid [B, S]`` and ``slots [B, T]`` (each query's own slot; it sees the valid slots up to
+    it), and queries attend to the first ``span`` <= S slots only (the caller knows no row holds
+    more). Returns (output, (k, v)) with the cache updated, or (output, None)."""
     cfg = self.cfg
     B, T, _ = x.shape
     q = self.q_proj(x, noiser, layer).reshape(B, T, cfg.num_heads, cfg.head_size)
@@ -254,12 +252,13 @@ class Attention(nnx.Module):
     if cached is None:
       out, kv = attention.dense(q, k, v, mask), None
     else:
-      cache_k, cache_v, valid, slots, write_slots, span, dtype, rows = cached
+      cache_k, cache_v, valid, slots, write_slots, span, dtype = cached
+      rows = jnp.arange(B)[:, None]
       # Written into the whole cache (the layer scan's carry, as raw bits) in place; invalid
       # tokens carry an out-of-range slot, so mode="drop" skips them.
-      cache_k = attention.write_rows(cache_k, layer, rows, write_slots, attention.as_bits(k.astype(dtype)))
-      cache_v = attention.write_rows(cache_v, layer, rows, write_slots, attention.as_bits(v.astype(dtype)))
-      out = attention.cached(q, cache_k, cache_v, layer, valid, slots, span, dtype, rows=rows)
+      cache_k = cache_k.at[layer, rows, write_slots].set(attention.as_bits(k.astype(dtype)), mode="drop")
+      cache_v = cache_v.at[layer, rows, write_slots].set(attention.as_bits(v.astype(dtype)), mode="drop")
+      out = attention.cached(q, cache_k, cache_v, layer, valid, slots, span, dtype)
       kv = (cache_k, cache_v)
     return self.o_proj(out.reshape(B, T, -1), noiser, layer), kv
 
@@ -311,19 +310,15 @@ class Qwen2ForCausalLM(nnx.Module):
 
   def __call__(self, tokens: jax.Array, positions: jax.Array, valid: jax.Array,
                cache: KVCache | None = None, noiser: Noiser | None = None,
-               logits_at: jax.Array | None = None, attend_len: int | None = None,
-               cache_rows: jax.Array | None = None) -> tuple[jax.Array, KVCache | None]:
+               logits_at: jax.Array | None = None, attend_len: int | None = None
+               ) -> tuple[jax.Array, KVCache | None]:
     """tokens, positions: int32 [B, T]; valid: bool [B, T]. Returns (float32 logits [B, T, V],
     updated cache). See ``KVCache`` and the module docstring for the cache semantics.
     ``logits_at`` (int32 [B]) computes the logits of one position per row only, [B, V]: a
     sampler needs no more, and the LM head is a large part of a wide prefill chunk's cost.
     ``attend_len`` (static; with a cache) bounds attention to the cache's first slots when every
     row's tokens, these included, fit in them: attention over the whole cache otherwise
-    dominates the cost of a step while rows are short. ``cache_rows`` (int32 [G, n], G * n = B;
-    with a cache) runs the batch on some rows of a larger cache: batch row ``g * n + i`` is
-    cache row ``cache_rows[g, i]`` of the g-th of G equal groups of consecutive cache rows, so a step
-    costs its working rows only; the other cache rows are untouched. None: the batch is the
-    cache's rows."""
+    dominates the cost of a step while rows are short."""
     cfg = self.config
     noiser = IdentityNoiser() if noiser is None else noiser
     valid = valid.astype(bool)
@@ -343,24 +338,11 @@ class Qwen2ForCausalLM(nnx.Module):
 
       x, _ = jax.lax.scan(one_layer, x, (layers_state, layer_ids))
     else:
-      L, Bc, S = cache.k.shape[:3]
-      # Each batch row's cache row, grouped [G, n]: R = Bc / G rows per group, indices local
-      # to their group (see ``attention.write_rows``). Default: batch row b is cache row b.
-      rows = (jnp.arange(Bc, dtype=jnp.int32)[None] if cache_rows is None else cache_rows)
-      G, n = rows.shape
-      R = Bc // G
-      grouped = lambda a: a.reshape(a.shape[:1] + (G, R) + a.shape[2:])
-      pick = jax.vmap(lambda a, r: a[r])                          # [G, R, ...] -> [G, n, ...]
-      index_g, valid_g = cache.index.reshape(G, R), cache.valid.reshape(G, R, S)
-      slots = (pick(index_g, rows).reshape(G * n)[:, None]
-               + jnp.cumsum(valid, axis=1, dtype=jnp.int32) - 1)
+      S = cache.valid.shape[1]
+      slots = cache.index[:, None] + jnp.cumsum(valid, axis=1, dtype=jnp.int32) - 1
       write_slots = jnp.where(valid, slots, S)
-      row_valid = pick(valid_g, rows).reshape(G * n, S).at[
-          jnp.arange(G * n)[:, None], write_slots].set(True, mode="drop")
-      cache_valid = jax.vmap(lambda a, r, w: a.at[r[:, None], w].set(True, mode="drop"))(
-          valid_g, rows, write_slots.reshape(G, n, T)).reshape(Bc, S)
-      cache_index = jax.vmap(lambda a, r, c: a.at[r].add(c))(
-          index_g, rows, valid.sum(axis=1, dtype=jnp.int32).reshape(G, n)).reshape(Bc)
+      rows = jnp.arange(tokens.shape[0])[:, None]
+      cache_valid = cache.valid.at[rows, write_slots].set(True, mode="drop")
       span = S if attend_len is None else min(attend_len, S)
 
       # The cache rides in the scan's carry and each layer writes its new keys into it: a cache
@@ -372,12 +354,11 @@ class Qwen2ForCausalLM(nnx.Module):
         state, layer = scanned
         x, (k, v) = nnx.merge(layers_def, state)(
             x, positions, noiser, layer,
-            cached=(k, v, row_valid, slots, write_slots, span, dtype, rows))
+            cached=(k, v, cache_valid, slots, write_slots, span, dtype))
         return (x, k, v), None
 
-      (x, cache_k, cache_v), _ = jax.lax.scan(one_layer, (x, grouped(cache.k), grouped(cache.v)),
+      (x, cache_k, cache_v), _ = jax.lax.scan(one_layer, (x, cache.k, cache.v),
                                               (layers_state, layer_ids))
-      cache_k, cache_v = (a.reshape(cache.k.shape) for a in (cache_k, cache_v))
     if logits_at is not None:
       x = x[jnp.arange(x.shape[0]), logits_at]
     x = self.final_norm(x, noiser)
@@ -387,15 +368,15 @@ class Qwen2ForCausalLM(nnx.Module):
       logits = self.lm_head(x, noiser)
 
     if cache is not None:
-      cache = KVCache(k=cache_k, v=cache_v, index=cache_index, valid=cache_valid, dtype=cache.dtype)
+      cache = KVCache(k=cache_k, v=cache_v, index=cache.index + valid.sum(axis=1, dtype=jnp.int32),
+                      valid=cache_valid, dtype=cache.dtype)
     return logits.astype(jnp.float32), cache
 
 
 def forward(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array, positions: jax.Array,
             valid: jax.Array, cache: KVCache | None = None, noiser: Noiser | None = None,
-            logits_at: jax.Array | None = None, attend_len: int | None = None,
-            cache_rows: jax.Array | None = None):
+            logits_at: jax.Array | None = None, attend_len: int | None = None):
   """Pure functional forward for use inside ``jax.jit``: ``nnx.merge`` then call."""
   model = nnx.merge(graphdef, params)
   return model(tokens, positions, valid, cache=cache, noiser=noiser, logits_at=logits_at,
-               attend_len=attend_len, cache_rows=cache_rows)
+               attend_len=attend_len)

@@ -7,22 +7,15 @@ and the slot is *parked* (its cache row kept) while the caller runs the command 
 ``continue_turn`` closes the assistant turn and queues the observation for prefill, and decoding
 resumes.
 
-Each step makes one or two calls per live policy version: decoding rows feed one token,
-prefilling rows their next chunk, in one call, or in two (the decoding rows at width 1, the
-prefilling rows at their width) when that at least halves the positions computed — so a short
-observation does not widen every decoding row. A call runs on its rows only (row compaction):
-they are gathered into a batch of ``b`` rows per data shard, ``b`` the smallest of a ladder
-``B/data, B/(2 data), B/(4 data)`` (``Engine.batches``) that holds them, and the step reads and
-writes their cache rows through a row-index vector (the cache stays donated and updated in
-place), so parked rows, free rows and rows of other versions cost nothing. Shapes are fixed —
-``[b, w]`` for w in a short ladder ``1 … prefill_chunk`` (``Engine.widths``), the narrowest that
-holds the longest pending chunk — and attention reads only the shortest of three prefixes of the
-cache rows (``Engine.spans``) that holds every row of the call, so the step compiles at most
-``len(batches) * len(widths) * len(spans)`` times for the life of the engine. ``compact=False``
-runs every call on all B rows in one merged call per version (the engine before compaction; the
-benchmark's baseline). A slot's policy is its member's perturbation of that version's
-parameters, applied in-graph by the noiser (``make_noiser``), which is rebuilt only when slot
-assignments change; a call takes its rows' part of it (``select_rows``).
+Each step makes one call per live policy version, covering all of that version's working slots:
+decoding rows feed one token, prefilling rows their next chunk. Shapes are fixed — ``[B, w]``
+for w in a short ladder ``1 … prefill_chunk`` (``Engine.widths``), the narrowest that holds the
+longest pending chunk — and attention reads only the shortest of three prefixes of the cache
+rows (``Engine.spans``) that holds every row of the call, so the step compiles at most twelve
+times for the life of the engine. Rows of other versions, parked or free rows are marked
+invalid, which leaves their cache rows untouched. A slot's policy is its member's perturbation
+of that version's parameters, applied in-graph by the noiser (``make_noiser``), which is
+rebuilt only when slot assignments change.
 
 Every sampled token comes with its log-prob under the distribution it was drawn from
 (``Turn.logprobs``): the behaviour log-probs a policy-gradient learner's importance ratio needs.
@@ -86,11 +79,8 @@ class Turn:
 class EngineStats:
   prefill_calls: int = 0
   decode_calls: int = 0
-  steps: int = 0                 # Engine.step calls that ran at least one engine call
   rows_busy: int = 0             # sum over calls of rows doing work
   rows_total: int = 0            # sum over calls of B
-  rows_computed: int = 0         # sum over calls of the compiled batch (compaction: <= B)
-  positions_computed: int = 0    # sum over calls of batch x width: the token positions run
   tokens_prefilled: int = 0
   tokens_decoded: int = 0
 
@@ -98,29 +88,12 @@ class EngineStats:
   def utilisation(self) -> float:
     return self.rows_busy / self.rows_total if self.rows_total else 0.0
 
-  @property
-  def useful_fraction(self) -> float:
-    """Tokens fed (prefilled or decoded) per position computed."""
-    done = self.tokens_prefilled + self.tokens_decoded
-    return done / self.positions_computed if self.positions_computed else 0.0
 
-
-def _take_rows(rows: jax.Array, x: jax.Array) -> jax.Array:
-  """``x [B, ...]``'s rows picked by ``rows [G, n]`` (indices local to each of G equal groups of
-  consecutive rows, a data shard each): ``[G * n, ...]``, each shard reading its own rows."""
-  G, n = rows.shape
-  picked = jax.vmap(lambda a, r: a[r])(x.reshape((G, x.shape[0] // G) + x.shape[1:]), rows)
-  return picked.reshape((G * n,) + x.shape[1:])
-
-
-def _step(graphdef, attend_len, params, noiser, cache, rows, tokens, positions, valid, base_key,
-          streams, counters, temperature, top_p):
+def _step(graphdef, attend_len, params, noiser, cache, tokens, positions, valid, base_key, streams,
+          counters, temperature, top_p):
   last = jnp.maximum(valid.sum(axis=1) - 1, 0)
-  if noiser is not None:
-    noiser = noiser.select_rows(functools.partial(_take_rows, rows))
   last_logits, cache = qwen2.forward(graphdef, params, tokens, positions, valid, cache=cache,
-                                     noiser=noiser, logits_at=last, attend_len=attend_len,
-                                     cache_rows=rows)
+                                     noiser=noiser, logits_at=last, attend_len=attend_len)
   keys = sampling.row_keys(base_key, streams, counters)
   return sampling.sample_with_logprob(last_logits, keys, temperature, top_p), cache
 
@@ -137,18 +110,16 @@ def _abstract(tree, shardings):
 
 
 class Engine:
-  """``make_noiser(params, versions[B], members[B], row_group[B]) -> Noiser`` (jittable; with a
-  ``select_rows(take)`` method, see ``jaxes.es.noiser.PopulationNoiser``) or None for plain
-  inference. ``params_by_version`` passed to ``step`` must hold every slot's version,
+  """``make_noiser(params, versions[B], members[B], row_group[B]) -> Noiser`` (jittable) or None
+  for plain inference. ``params_by_version`` passed to ``step`` must hold every slot's version,
   each an ``nnx.State`` like ``nnx.split``'s (placed in the rule table's shardings if it is not).
   ``mesh``: a (data, fsdp, tensor) mesh (``jaxes.sharding.make_mesh``) whose ``data`` size divides
-  ``num_slots``; None = the first device. ``abstract``: allocate nothing (see ``programs``).
-  ``compact``: run each call on its working rows only (see the module docstring)."""
+  ``num_slots``; None = the first device. ``abstract``: allocate nothing (see ``programs``)."""
 
   def __init__(self, graphdef, model_config: qwen2.Qwen2Config, *, num_slots: int, max_len: int,
                prefill_chunk: int, max_new_tokens: int, stop_ids, im_end_id: int,
                make_noiser: Callable | None = None, seed: int = 0, mesh: Mesh | None = None,
-               rules=sharding.LOGICAL_RULES, abstract: bool = False, compact: bool = True):
+               rules=sharding.LOGICAL_RULES, abstract: bool = False):
     if max_len <= max_new_tokens:
       raise ValueError(f"max_len={max_len} must exceed max_new_tokens={max_new_tokens}")
     self.mesh = sharding.make_mesh(devices=jax.devices()[:1]) if mesh is None else mesh
@@ -157,10 +128,6 @@ class Engine:
       raise ValueError(f"num_slots={num_slots} is not divisible by the mesh's data={data}: "
                        f"every data shard must hold the same number of slots")
     self.num_slots, self.max_len, self.chunk = num_slots, max_len, prefill_chunk
-    self.shards, self.compact = data, compact
-    per_shard = num_slots // data
-    # Compiled rows per data shard: a call runs on the smallest that holds its working rows.
-    self.batches = sorted({max(per_shard >> k, 1) for k in range(3 if compact else 1)})
     # Compiled call widths: a step whose longest pending chunk is short (an observation) runs
     # narrow instead of paying for a full prefill chunk on every row.
     self.widths = sorted({1} | {max(prefill_chunk >> k, 1) for k in range(3)})
@@ -203,8 +170,8 @@ class Engine:
     self._step = jax.jit(functools.partial(_step, graphdef), donate_argnames=("cache",),
                          static_argnums=0,  # attend_len; positional, as jit with in_shardings takes no kwargs
                          in_shardings=(self.param_shardings, self.noiser_shardings,
-                                       self.cache_shardings, rows, rows, rows, rows, replicated,
-                                       rows, rows, rows, rows),
+                                       self.cache_shardings, rows, rows, rows, replicated, rows,
+                                       rows, rows, rows),
                          out_shardings=((rows, rows), self.cache_shardings))
     self._reset = jax.jit(_reset_rows, donate_argnames=("cache",),
                           in_shardings=(self.cache_shardings, rows),
@@ -221,27 +188,22 @@ class Engine:
 
   def programs(self) -> dict[str, Any]:
     """Every program this engine runs, lowered over abstract arguments (nothing allocated):
-    ``step[b=N,w=W,span=A]`` for each compiled batch (N rows in all: ``batches`` x data
-    shards), width and span, ``reset``, and ``noiser`` (its build) when there is a noiser.
-    ``.compile()`` each for its memory analysis."""
-    B, D = self.num_slots, self.shards
+    ``step[w=W,span=A]`` for each width and span, ``reset``, and ``noiser`` (its build) when
+    there is a noiser. ``.compile()`` each for its memory analysis."""
+    B = self.num_slots
     out = {}
     def rows(shape, dtype):
       return jax.ShapeDtypeStruct(shape, dtype, sharding=self.rows)
     slot_ids = rows((B,), jnp.int32)
+    per_slot = (rows((B,), jnp.uint32), slot_ids, rows((B,), jnp.float32), rows((B,), jnp.float32))
     key = self.base_key if self.abstract else jax.ShapeDtypeStruct(
         self.base_key.shape, self.base_key.dtype, sharding=self.base_key.sharding)
     cache = self.cache if self.abstract else _abstract(self.cache, self.cache_shardings)
-    for b in self.batches:
-      n = b * D
-      per_row = (rows((n,), jnp.uint32), rows((n,), jnp.int32), rows((n,), jnp.float32),
-                 rows((n,), jnp.float32))
-      for w in self.widths:
-        for span in self.spans:
-          out[f"step[b={n},w={w},span={span}]"] = self._step.lower(
-              span, self.abstract_params, self.abstract_noiser, cache, rows((D, b), jnp.int32),
-              rows((n, w), jnp.int32), rows((n, w), jnp.int32), rows((n, w), jnp.bool_), key,
-              *per_row)
+    for w in self.widths:
+      for span in self.spans:
+        out[f"step[w={w},span={span}]"] = self._step.lower(
+            span, self.abstract_params, self.abstract_noiser, cache, rows((B, w), jnp.int32),
+            rows((B, w), jnp.int32), rows((B, w), jnp.bool_), key, *per_slot)
     out["reset"] = self._reset.lower(cache, rows((B,), jnp.bool_))
     if self._make_noiser is not None:
       out["noiser"] = self._make_noiser.lower(self.abstract_params, slot_ids, slot_ids, slot_ids)
@@ -319,57 +281,25 @@ class Engine:
           params, *self._placed(versions, members, np.arange(self.num_slots, dtype=np.int32)))
     return self._noisers[version]
 
-  def _layout(self, rows: list[Slot]) -> tuple[int, np.ndarray, list[int]]:
-    """Where a call's rows go: ``(b, cache_rows [D, b], batch position of each row)``. Data
-    shard d holds slots ``d * B/D ...``; its rows fill batch positions ``d * b ...`` in slot
-    order, b the smallest compiled batch holding every shard's rows (all B rows in slot order
-    when not compacting). Padding positions read row 0 of their shard and write nothing."""
-    per_shard = self.num_slots // self.shards
-    laid_out = rows if self.compact else self.slots
-    counts = np.bincount([s.index // per_shard for s in laid_out], minlength=self.shards)
-    b = next(n for n in self.batches if n >= counts.max())
-    cache_rows = np.zeros((self.shards, b), np.int32)
-    filled = np.zeros(self.shards, int)
-    position = {}
-    for s in laid_out:
-      d = s.index // per_shard
-      cache_rows[d, filled[d]] = s.index - d * per_shard
-      position[s.index] = d * b + filled[d]
-      filled[d] += 1
-    return b, cache_rows, [position[s.index] for s in rows]
-
-  def _call(self, params, version, rows: list[Slot], width: int) -> list[tuple[int, float]]:
-    """One engine call over ``rows`` (one version) at ``width``; each row's sampled token and
-    its log-prob."""
-    b, cache_rows, where = self._layout(rows)
-    n = b * self.shards
-    tokens = np.zeros((n, width), np.int32)
-    valid = np.zeros((n, width), bool)
-    positions = np.zeros((n, width), np.int32)
-    streams, counters = np.zeros(n, np.uint32), np.zeros(n, np.int32)
-    temperature, top_p = np.zeros(n, np.float32), np.ones(n, np.float32)
-    for s, i in zip(rows, where):
-      chunk = s.pending[:width] if s.state == PREFILL else s.generated[-1:]
-      tokens[i, :len(chunk)] = chunk
-      valid[i, :len(chunk)] = True
-      positions[i] = s.length + np.arange(width)
-      streams[i], counters[i], temperature[i], top_p[i] = s.stream, s.sampled, s.temperature, s.top_p
+  def _call(self, params, version, rows, tokens, positions, valid):
+    slots = self.slots
     params = self._place(version, params)
-    need = max(s.length for s in rows) + width
+    need = max(s.length for s in rows) + tokens.shape[1]
     span = next((a for a in self.spans if a >= need), self.max_len)
-    noiser = self._noiser(version, params)
-    (next_tokens, logprobs), self.cache = self._step(
-        span, params, noiser, self.cache,
-        *self._placed(cache_rows, tokens, positions, valid), self.base_key,
-        *self._placed(streams, counters, temperature, top_p))
+    streams = np.array([s.stream for s in slots], np.uint32)
+    counters = np.array([s.sampled for s in slots], np.int32)
+    temperature = np.array([s.temperature for s in slots], np.float32)
+    top_p = np.array([s.top_p for s in slots], np.float32)
+    tokens, positions, valid, streams, counters, temperature, top_p = self._placed(
+        tokens, positions, valid, streams, counters, temperature, top_p)
+    (next_tokens, logprobs), self.cache = self._step(span, params, self._noiser(version, params), self.cache,
+                                         tokens, positions, valid, self.base_key, streams,
+                                         counters, temperature, top_p)
     self.stats.rows_busy += len(rows)
     self.stats.rows_total += self.num_slots
-    self.stats.rows_computed += n
-    self.stats.positions_computed += n * width
     if not next_tokens.is_fully_addressable:   # multi-process: every process reads every row
-      next_tokens, logprobs = multihost_utils.process_allgather((next_tokens, logprobs), tiled=True)
-    next_tokens, logprobs = np.asarray(next_tokens), np.asarray(logprobs)
-    return [(next_tokens[i], logprobs[i]) for i in where]
+      return tuple(multihost_utils.process_allgather((next_tokens, logprobs), tiled=True))
+    return np.asarray(next_tokens), np.asarray(logprobs)
 
   def _sampled(self, slot: Slot, token: int, logprob: float, finished: list) -> None:
     slot.generated.append(int(token))
@@ -385,53 +315,46 @@ class Engine:
     need = max([min(len(s.pending), self.chunk) for s in rows if s.state == PREFILL] or [1])
     return next(w for w in self.widths if w >= need)
 
-  def _positions(self, rows: list[Slot], width: int) -> int:
-    """Token positions a call over ``rows`` at ``width`` computes."""
-    return self._layout(rows)[0] * self.shards * width
-
-  def _calls(self, rows: list[Slot]) -> list[list[Slot]]:
-    """One version's working rows as the calls that run them: all in one call, or the decoding
-    rows apart from the prefilling ones when that at least halves the positions computed."""
-    decoding = [s for s in rows if s.state == DECODE]
-    prefilling = [s for s in rows if s.state == PREFILL]
-    if not (self.compact and decoding and prefilling):
-      return [rows]
-    merged = self._positions(rows, self._width(rows))
-    split = self._positions(decoding, 1) + self._positions(prefilling, self._width(prefilling))
-    return [decoding, prefilling] if 2 * split <= merged else [rows]
-
   def step(self, params_by_version: dict) -> list[Turn]:
-    """Advances every working slot once: per live version one call (or two, see ``_calls``) in
-    which decoding rows feed their last token and prefilling rows their next prompt chunk
-    (ragged rows in one batch, as the cache allows). Returns the turns that finished."""
+    """Advances every working slot once: one call per live version in which decoding rows feed
+    their last token and prefilling rows their next prompt chunk (ragged rows in one batch, as
+    the cache allows). Returns the turns that finished."""
     if self.abstract:
       raise RuntimeError("an abstract engine has no arrays to run; lower its programs() instead")
     if self._to_reset.any():
       self.cache = self._reset(self.cache, *self._placed(self._to_reset))
       self._to_reset[:] = False
     finished: list[Turn] = []
+    B = self.num_slots
     working = [s for s in self.slots if s.state in (PREFILL, DECODE)]
-    self.stats.steps += bool(working)
     for version in sorted({s.version for s in working}):
-      for rows in self._calls([s for s in working if s.version == version]):
-        width = self._width(rows)
-        out = self._call(params_by_version[version], version, rows, width)
-        if any(s.state == PREFILL for s in rows):
-          self.stats.prefill_calls += 1
-        else:
-          self.stats.decode_calls += 1
-        for s, (token, logprob) in zip(rows, out):
-          if s.state == DECODE:
-            s.length += 1
-            self.stats.tokens_decoded += 1
-            self._sampled(s, token, logprob, finished)
-            continue
-          n = min(width, len(s.pending))
-          s.pending, s.length = s.pending[n:], s.length + n
-          self.stats.tokens_prefilled += n
-          if not s.pending:  # prompt done: its last logits gave the turn's first token
-            s.state, s.max_new = DECODE, min(self.max_new_tokens, self.max_len - s.length)
-            self._sampled(s, token, logprob, finished)
+      rows = [s for s in working if s.version == version]
+      width = self._width(rows)
+      tokens = np.zeros((B, width), np.int32)
+      valid = np.zeros((B, width), bool)
+      positions = np.zeros((B, width), np.int32)
+      for s in rows:
+        chunk = s.pending[:width] if s.state == PREFILL else s.generated[-1:]
+        tokens[s.index, :len(chunk)] = chunk
+        valid[s.index, :len(chunk)] = True
+        positions[s.index] = s.length + np.arange(width)
+      out, logprobs = self._call(params_by_version[version], version, rows, tokens, positions, valid)
+      if any(s.state == PREFILL for s in rows):
+        self.stats.prefill_calls += 1
+      else:
+        self.stats.decode_calls += 1
+      for s in rows:
+        if s.state == DECODE:
+          s.length += 1
+          self.stats.tokens_decoded += 1
+          self._sampled(s, out[s.index], logprobs[s.index], finished)
+          continue
+        n = min(width, len(s.pending))
+        s.pending, s.length = s.pending[n:], s.length + n
+        self.stats.tokens_prefilled += n
+        if not s.pending:  # prompt done: its last logits gave the turn's first token
+          s.state, s.max_new = DECODE, min(self.max_new_tokens, self.max_len - s.length)
+          self._sampled(s, out[s.index], logprobs[s.index], finished)
     return finished
 
   def compilations(self) -> int:

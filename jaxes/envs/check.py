@@ -147,6 +147,13 @@ def family_table(results) -> str:
   return "\n".join(lines)
 
 
+def exit_status(agent: str, passed: int, total: int, leaked: int) -> int:
+  """1 when the check failed: anything leaked, the oracle missed a task, or a no-op agent passed
+  one (a task a policy could pass without solving it); else 0."""
+  bad = leaked > 0 or (agent == "oracle" and passed != total) or (agent == "noop" and passed > 0)
+  return 1 if bad else 0
+
+
 def main(argv: list[str] | None = None) -> int:
   env = argparse.ArgumentParser(add_help=False)
   env.add_argument("--env", choices=("terminal", "webshop"), default="terminal")
@@ -203,12 +210,7 @@ def main(argv: list[str] | None = None) -> int:
   summary = summarize(results, leaked)
   print(family_table(results))
   print(json.dumps(summary))
-  bad = leaked > 0
-  if args.agent == "oracle":
-    bad |= summary["passed"] != summary["tasks"]
-  if args.agent == "noop":
-    bad |= summary["passed"] > 0
-  return 1 if bad else 0
+  return exit_status(args.agent, summary["passed"], summary["tasks"], leaked)
 
 
 if __name__ == "__main__":

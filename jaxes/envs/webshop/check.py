@@ -19,6 +19,7 @@ import concurrent.futures
 import json
 import sys
 
+from jaxes.envs.check import exit_status
 from jaxes.envs.webshop import agents, generator, loader, make_goals
 from jaxes.envs.webshop.episode import MAX_STEPS, WebShopBackend, play
 
@@ -140,12 +141,7 @@ def main(argv: list[str] | None = None) -> int:
   summary = summarize(results, leaked)
   print(category_table(results))
   print(json.dumps(summary))
-  bad = leaked > 0
-  if args.agent == "oracle":
-    bad |= summary["passed"] != summary["goals"]
-  if args.agent == "noop":
-    bad |= summary["passed"] > 0
-  return 1 if bad else 0
+  return exit_status(args.agent, summary["passed"], summary["goals"], leaked)
 
 
 if __name__ == "__main__":

@@ -35,55 +35,29 @@ Settings and where they come from:
   * The target product is the first search result in 101 of 256 oracle plans (39%) and among
     the first three in 72%. So the policy has to read the titles, not copy the first ASIN.
 """
+import os
+
+from jaxes.train.config import load_config_file
 from jaxes.train.defaults import base_config
 
 
 def get_config():
-  c = base_config()
-  c.model.preset = "tiny"
-  c.model.vocab_size = 1024
-  c.model.hidden_size = 128
-  c.model.intermediate_size = 384
-  c.model.num_layers = 2
-  c.model.num_heads = 4
-  c.model.num_kv_heads = 2
-  c.tokenizer.vocab_size = 1024
-  c.mesh.data = 1
-
-  c.es.mode = "lowrank"
-  c.es.population = 8
-  c.es.sigma = 0.015
-  c.es.learning_rate = 0.02
-  c.es.rank = 1
-  c.es.shaping = "centered_rank"
-
-  c.controller.mode = "async"
-  c.controller.max_staleness = 1
-  c.controller.episodes_per_member = 4
-
+  here = os.path.dirname(os.path.abspath(__file__))
+  c = load_config_file(os.path.join(here, "demo.py"))   # its policy, ES, controller and budgets
+  # The terminal-only settings (system prompt, families, partial credit, turns) go back to their
+  # defaults: WebShop has its own protocol and reward.
+  c.env = base_config().env
   c.env.kind = "webshop"
   c.env.num_train_tasks = 256
   c.env.num_heldout_tasks = 64
   c.env.sandbox_workers = 8
   c.webshop.max_steps = 8
   c.webshop.off_protocol_fraction = 0.6
+  # The off-protocol replies are WebShop's JSON tool calls (above), not the terminal's fences.
+  c.warmstart.off_protocol_fraction = 0.0
+  c.warmstart.seq_len = 1024
 
-  c.rollout.num_slots = 32
   c.rollout.max_len = 2048
   c.rollout.prefill_chunk = 128
   c.rollout.max_new_tokens = 48
-  c.rollout.temperature = 0.0
-  c.rollout.sandbox_steps = 3
-
-  c.train.num_updates = 20
-  c.train.eval_every = 10
-  c.train.checkpoint_every = 5
-  c.eval.num_tasks = 64
-  c.eval.seeds = 1
-
-  c.warmstart.steps = 300
-  c.warmstart.num_tasks = 256
-  c.warmstart.batch_size = 8
-  c.warmstart.learning_rate = 3e-3
-  c.warmstart.seq_len = 1024
   return c

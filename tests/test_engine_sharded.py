@@ -1,6 +1,7 @@
-"""The rollout engine on an 8-device CPU mesh: the same tokens as on one device (low-rank and
-full-rank noise), the cache created in the rule table's shardings and updated in place, and a
-bounded number of compiled programs."""
+"""The rollout engine on an 8-device CPU mesh: the same tokens as the one-device full-batch
+engine (low-rank and full-rank noise, rows compacted), the cache created in the rule table's
+shardings and updated in place (full-batch and compacted steps), and a bounded number of
+compiled programs."""
 import jax
 import numpy as np
 import pytest
@@ -66,13 +67,16 @@ def test_sharded_engine_decodes_the_single_device_tokens(model, mode, mesh_name)
   state1, _ = strategy.update(state0, [(0, m, float(m)) for m in range(8)])
   params_by_version = {0: state0.params, 1: state1.params}
   jobs = {s: (s % 2, s - 2) for s in range(SLOTS)}  # slots 0, 1 unperturbed; two versions
-  if mode not in _SINGLE:  # the one-device reference, shared by the meshes
-    _SINGLE[mode] = _decode(_engine(model, None, strategy, state0.run_key), params_by_version, jobs)
+  if mode not in _SINGLE:  # the one-device full-batch reference, shared by the meshes
+    _SINGLE[mode] = _decode(_engine(model, None, strategy, state0.run_key, compact=False),
+                            params_by_version, jobs)
   single = _SINGLE[mode]
   mesh = sharding.make_mesh(**MESHES[mesh_name])
   engine = _engine(model, mesh, strategy, state0.run_key)
   sharded = _decode(engine, params_by_version, jobs)
   assert sharded == single
+  if len(engine.batches) > 1:  # data4: some calls ran compacted (data8: one slot per shard)
+    assert engine.stats.rows_computed < engine.stats.rows_total
   assert len({tuple(t[0]) for t in single.values()}) > 2  # the members decode different text
 
 
@@ -97,8 +101,12 @@ def test_compiled_step_updates_the_cache_in_place(model):
   max_len = 4096
   engine = _engine(model, mesh, max_len=max_len, abstract=True)
   cache_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(engine.cache)) // 8
-  for name in ("step[w=8,span=4096]", "step[w=1,span=1024]"):
-    stats = engine.programs()[name].compile().memory_analysis()
+  programs = engine.programs()
+  # Full batch, and the compacted batch (one row per data shard: 4 of 8) that writes its new
+  # tokens into the cache and reads its key blocks in place.
+  for name in ("step[w=8,span=4096]", "step[w=1,span=1024]", "step[b=4,w=8,span=4096]",
+               "step[b=4,w=1,span=1024]"):
+    stats = programs[name].compile().memory_analysis()
     assert stats.alias_size_in_bytes >= cache_bytes, name
     assert stats.temp_size_in_bytes < cache_bytes / 4, (name, stats.temp_size_in_bytes, cache_bytes)
 
@@ -112,7 +120,9 @@ def test_abstract_engine_allocates_nothing_and_lowers_every_program(model):
     if leaf.shape[0] == SLOTS:  # per-slot noise factors live with their rows
       assert sh.spec[0] == "data"
   programs = engine.programs()
-  assert len(programs) == len(engine.widths) * len(engine.spans) + 2  # + reset, noiser build
+  assert engine.batches == [1, 2]  # rows per data shard: compacted (1 of 2), full
+  steps = len(engine.batches) * len(engine.widths) * len(engine.spans)
+  assert len(programs) == steps + 2  # + reset, noiser build
   with pytest.raises(RuntimeError, match="abstract engine"):
     engine.start(0, [5, 6], version=0, member=-1, stream=0)
     engine.step({0: None})
@@ -134,7 +144,8 @@ def test_sharded_compile_count_is_bounded(model):
 
   rounds()
   warm = engine.compilations()
-  assert warm <= len(engine.widths) * len(engine.spans) + 1  # one step per (width, span), reset
+  # one step per (batch, width, span), reset
+  assert warm <= len(engine.batches) * len(engine.widths) * len(engine.spans) + 1
   rounds()  # the same shapes again: nothing new compiles
   assert engine.compilations() == warm
 

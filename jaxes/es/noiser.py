@@ -85,6 +85,15 @@ class PopulationNoiser:
     rows = self._at_layer(self.values[name], layer).astype(like.dtype)
     return rows.reshape((rows.shape[0],) + (1,) * (like.ndim - rows.ndim) + rows.shape[1:])
 
+  def select_rows(self, take) -> "PopulationNoiser":
+    """This noiser for a batch made of some of its rows: ``take(x [B, ...]) -> [n, ...]``
+    picks them from each per-row leaf (the rollout engine runs only its working rows);
+    per-group weights stay as they are, found through the taken ``row_group``."""
+    kinds = {spec.name: _is_vector(spec) for spec in self.specs}
+    return PopulationNoiser(take(self.row_group), jax.tree.map(take, self.factors),
+                            {name: take(v) if kinds[name] else v for name, v in self.values.items()},
+                            self.specs)
+
   # -- the hook ------------------------------------------------------------------------------
   def dense(self, x, kernel, bias, *, name, layer=None, bias_name=None):
     self._check_rows(x)

@@ -19,10 +19,13 @@ not use. ``blockwise`` bounds the memory the same way; it does not fuse as well.
 """
 from __future__ import annotations
 
-from typing import Callable
+import dataclasses
+import functools
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 # A finite floor (not -inf) keeps rows without any visible key (padding) free of NaN.
 _FLOOR = float(jnp.finfo(jnp.float32).min)
@@ -99,13 +102,16 @@ def as_bits(x: jax.Array) -> jax.Array:
 
 def cached(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, layer: jax.Array,
            cache_valid: jax.Array, q_slots: jax.Array, span: int, dtype=None,
-           block: int | None = None) -> jax.Array:
+           block: int | None = None, rows: "Rows | None" = None) -> jax.Array:
   """Attention of ``q`` to the first ``span`` slots of layer ``layer`` of a ``[L, B, S, K, hd]``
   cache; query t of row b sees slot s iff ``cache_valid[b, s]`` and ``s <= q_slots[b, t]``.
   ``dtype``: the cache holds raw bits (``as_bits``) of this dtype; None: plain values. Blocks
   are read as bits and converted one at a time, so no compiler can hoist a dtype conversion of
   the whole cache out of the block loop (the CPU backend, which computes bfloat16 dots in
-  float32, did: a float32 copy of the cache)."""
+  float32, did: a float32 copy of the cache). ``rows``: q's batch is those rows of the cache
+  (``cache_valid`` and ``q_slots`` per batch row); see ``Rows``."""
+  if rows is not None:
+    return rows.attend(q, cache_k, cache_v, layer, cache_valid, q_slots, span, dtype, block)
   B = q.shape[0]
   K, hd = cache_k.shape[-2:]
 
@@ -128,3 +134,87 @@ def cached(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, layer: jax.Arra
     if out is not None:
       return out
   return blockwise(q, read, visible, span, block)
+
+def _attend_rows(q, cache_k, cache_v, layer, row_valid, q_slots, index, span, dtype, block):
+  """``cached`` for batch row i reading cache row ``index[i]``, all on one device: each key block
+  is gathered for the batch's rows only (``[n, block, K, hd]``), never their whole rows."""
+  def read(start, n):
+    keys = (start + jnp.arange(n))[None, :]
+    k, v = (c[layer, index[:, None], keys] for c in (cache_k, cache_v))
+    if dtype is not None:
+      k, v = (jax.lax.bitcast_convert_type(c, dtype) for c in (k, v))
+    return k, v
+
+  def visible(start, n):
+    keys = start + jnp.arange(n)
+    return (jax.lax.dynamic_slice_in_dim(row_valid, start, n, axis=1)[:, None, :]
+            & (keys[None, None, :] <= q_slots[:, :, None]))
+
+  if jax.default_backend() == "gpu":  # as ``cached``: cuDNN takes one layer's span of these rows
+    k, v = read(0, span)
+    out = _cudnn(q, k, v, visible(0, span))
+    if out is not None:
+      return out
+  return blockwise(q, read, visible, span, block)
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["index"],
+                   meta_fields=["mesh", "batch_axis", "heads_axis"])
+@dataclasses.dataclass(frozen=True)
+class Rows:
+  """A batch made of some rows of per-slot arrays ``[B, ...]`` (the KV cache's batch axis, a
+  noiser's per-row leaves) that are sharded over the mesh axis ``batch_axis`` in D equal shards.
+  The batch has n = D * b rows laid out the same way, b per shard, and ``index [n]`` says which
+  row of *its own shard's* B / D rows each batch row is. Every access runs per device under
+  ``shard_map``: a device reads and writes its own rows in place and nothing else. (A gather or
+  scatter with global row indices into a sharded axis leaves the partitioner to find that the
+  indices are local; it may not, and then copies the cache.) ``mesh`` None: one device.
+  ``heads_axis``: the mesh axis of the cache's KV heads (None: whole on every device)."""
+  index: jax.Array
+  mesh: Any = None
+  batch_axis: Any = None
+  heads_axis: Any = None
+
+  def _local(self, fn, in_specs, out_specs):
+    if self.mesh is None:
+      return fn
+    return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
+                         check_vma=False)
+
+  def _cache_spec(self) -> P:
+    return P(None, self.batch_axis, None, self.heads_axis, None)
+
+  def take(self, x: jax.Array) -> jax.Array:
+    """``x [B, ...]`` (rows over ``batch_axis``, the rest whole) -> ``[n, ...]``."""
+    rows = P(self.batch_axis)
+    return self._local(lambda x, i: x[i], (rows, rows), rows)(x, self.index)
+
+  def write(self, cache: jax.Array, layer: jax.Array, slots: jax.Array, x: jax.Array) -> jax.Array:
+    """``cache [L, B, S, K, hd]`` with ``x [n, T, K, hd]`` written at layer ``layer``, row
+    ``index[i]``, slots ``slots [n, T]`` (slots >= S dropped): only the new tokens move."""
+    b, h = self.batch_axis, self.heads_axis
+    def fn(cache, layer, slots, x, i):
+      return cache.at[layer, i[:, None], slots].set(x, mode="drop")
+    return self._local(fn, (self._cache_spec(), P(), P(b), P(b, None, h), P(b)),
+                       self._cache_spec())(cache, layer, slots, x, self.index)
+
+  def mark(self, valid: jax.Array, slots: jax.Array) -> jax.Array:
+    """``valid [B, S]`` with ``slots [n, T]`` of each batch row's cache row set (>= S dropped)."""
+    rows = P(self.batch_axis)
+    def fn(valid, slots, i):
+      return valid.at[i[:, None], slots].set(True, mode="drop")
+    return self._local(fn, (rows, rows, rows), rows)(valid, slots, self.index)
+
+  def advance(self, index: jax.Array, counts: jax.Array) -> jax.Array:
+    """``index [B]`` plus ``counts [n]`` at each batch row's cache row (padding rows add 0)."""
+    rows = P(self.batch_axis)
+    return self._local(lambda x, c, i: x.at[i].add(c), (rows, rows, rows), rows)(
+        index, counts, self.index)
+
+  def attend(self, q, cache_k, cache_v, layer, row_valid, q_slots, span, dtype=None, block=None):
+    """``cached`` for these rows: ``q [n, T, K, G, hd]``, ``row_valid [n, S]``, ``q_slots [n, T]``."""
+    b, h = self.batch_axis, self.heads_axis
+    fn = functools.partial(_attend_rows, span=span, dtype=dtype, block=block)
+    cache = self._cache_spec()
+    return self._local(fn, (P(b, None, h), cache, cache, P(), P(b), P(b), P(b)),
+                       P(b, None, h))(q, cache_k, cache_v, layer, row_valid, q_slots, self.index)

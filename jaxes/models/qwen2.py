@@ -236,11 +236,13 @@ class Attention(nnx.Module):
 
   def __call__(self, x, positions, noiser, layer, mask=None, cached=None):
     """x: [B, T, d]. Without a cache, ``mask`` [B, T, T] says which of the T tokens each query
-    sees. With one, ``cached = (k, v, valid, slots, write_slots, span)``: the whole cache
-    ``k, v [L, B, S, KVH, hd]`` (this layer's keys are written into it at ``write_slots``),
-    ``valid [B, S]`` and ``slots [B, T]`` (each query's own slot; it sees the valid slots up to
-    it), and queries attend to the first ``span`` <= S slots only (the caller knows no row holds
-    more). Returns (output, (k, v)) with the cache updated, or (output, None)."""
+    sees. With one, ``cached = (k, v, valid, slots, write_slots, span, dtype, rows)``: the
+    whole cache ``k, v [L, B, S, KVH, hd]`` as raw bits of ``dtype`` (this layer's keys are
+    written into it at ``write_slots``), ``valid [B, S]`` and ``slots [B, T]`` (each query's own
+    slot; it sees the valid slots up to it), and queries attend to the first ``span`` <= S slots
+    only (the caller knows no row holds more). ``rows`` (``attention.Rows``, or None: batch row
+    b is cache row b): the batch is those cache rows, ``valid`` is per batch row. Returns
+    (output, (k, v)) with the cache updated, or (output, None)."""
     cfg = self.cfg
     B, T, _ = x.shape
     q = self.q_proj(x, noiser, layer).reshape(B, T, cfg.num_heads, cfg.head_size)
@@ -252,13 +254,17 @@ class Attention(nnx.Module):
     if cached is None:
       out, kv = attention.dense(q, k, v, mask), None
     else:
-      cache_k, cache_v, valid, slots, write_slots, span, dtype = cached
-      rows = jnp.arange(B)[:, None]
+      cache_k, cache_v, valid, slots, write_slots, span, dtype, cache_rows = cached
       # Written into the whole cache (the layer scan's carry, as raw bits) in place; invalid
       # tokens carry an out-of-range slot, so mode="drop" skips them.
-      cache_k = cache_k.at[layer, rows, write_slots].set(attention.as_bits(k.astype(dtype)), mode="drop")
-      cache_v = cache_v.at[layer, rows, write_slots].set(attention.as_bits(v.astype(dtype)), mode="drop")
-      out = attention.cached(q, cache_k, cache_v, layer, valid, slots, span, dtype)
+      if cache_rows is None:
+        rows = jnp.arange(B)[:, None]
+        cache_k = cache_k.at[layer, rows, write_slots].set(attention.as_bits(k.astype(dtype)), mode="drop")
+        cache_v = cache_v.at[layer, rows, write_slots].set(attention.as_bits(v.astype(dtype)), mode="drop")
+      else:  # some rows of the cache (``attention.Rows``): each device writes its own
+        cache_k = cache_rows.write(cache_k, layer, write_slots, attention.as_bits(k.astype(dtype)))
+        cache_v = cache_rows.write(cache_v, layer, write_slots, attention.as_bits(v.astype(dtype)))
+      out = attention.cached(q, cache_k, cache_v, layer, valid, slots, span, dtype, rows=cache_rows)
       kv = (cache_k, cache_v)
     return self.o_proj(out.reshape(B, T, -1), noiser, layer), kv
 
@@ -310,15 +316,17 @@ class Qwen2ForCausalLM(nnx.Module):
 
   def __call__(self, tokens: jax.Array, positions: jax.Array, valid: jax.Array,
                cache: KVCache | None = None, noiser: Noiser | None = None,
-               logits_at: jax.Array | None = None, attend_len: int | None = None
-               ) -> tuple[jax.Array, KVCache | None]:
+               logits_at: jax.Array | None = None, attend_len: int | None = None,
+               cache_rows: attention.Rows | None = None) -> tuple[jax.Array, KVCache | None]:
     """tokens, positions: int32 [B, T]; valid: bool [B, T]. Returns (float32 logits [B, T, V],
     updated cache). See ``KVCache`` and the module docstring for the cache semantics.
     ``logits_at`` (int32 [B]) computes the logits of one position per row only, [B, V]: a
     sampler needs no more, and the LM head is a large part of a wide prefill chunk's cost.
     ``attend_len`` (static; with a cache) bounds attention to the cache's first slots when every
     row's tokens, these included, fit in them: attention over the whole cache otherwise
-    dominates the cost of a step while rows are short."""
+    dominates the cost of a step while rows are short. ``cache_rows`` (with a cache): the batch
+    is those rows of a larger cache (``attention.Rows``), read and written in place; the other
+    rows are untouched. None: batch row b is cache row b."""
     cfg = self.config
     noiser = IdentityNoiser() if noiser is None else noiser
     valid = valid.astype(bool)
@@ -339,10 +347,13 @@ class Qwen2ForCausalLM(nnx.Module):
       x, _ = jax.lax.scan(one_layer, x, (layers_state, layer_ids))
     else:
       S = cache.valid.shape[1]
-      slots = cache.index[:, None] + jnp.cumsum(valid, axis=1, dtype=jnp.int32) - 1
+      # Each batch row's cache index and valid slots (its cache row's, with ``cache_rows``).
+      row_index, row_valid = ((cache.index, cache.valid) if cache_rows is None else
+                              (cache_rows.take(cache.index), cache_rows.take(cache.valid)))
+      slots = row_index[:, None] + jnp.cumsum(valid, axis=1, dtype=jnp.int32) - 1
       write_slots = jnp.where(valid, slots, S)
       rows = jnp.arange(tokens.shape[0])[:, None]
-      cache_valid = cache.valid.at[rows, write_slots].set(True, mode="drop")
+      cache_valid = row_valid.at[rows, write_slots].set(True, mode="drop")
       span = S if attend_len is None else min(attend_len, S)
 
       # The cache rides in the scan's carry and each layer writes its new keys into it: a cache
@@ -354,7 +365,7 @@ class Qwen2ForCausalLM(nnx.Module):
         state, layer = scanned
         x, (k, v) = nnx.merge(layers_def, state)(
             x, positions, noiser, layer,
-            cached=(k, v, cache_valid, slots, write_slots, span, dtype))
+            cached=(k, v, cache_valid, slots, write_slots, span, dtype, cache_rows))
         return (x, k, v), None
 
       (x, cache_k, cache_v), _ = jax.lax.scan(one_layer, (x, cache.k, cache.v),
@@ -367,16 +378,21 @@ class Qwen2ForCausalLM(nnx.Module):
     else:
       logits = self.lm_head(x, noiser)
 
-    if cache is not None:
+    if cache is not None and cache_rows is None:
       cache = KVCache(k=cache_k, v=cache_v, index=cache.index + valid.sum(axis=1, dtype=jnp.int32),
                       valid=cache_valid, dtype=cache.dtype)
+    elif cache is not None:
+      cache = KVCache(k=cache_k, v=cache_v,
+                      index=cache_rows.advance(cache.index, valid.sum(axis=1, dtype=jnp.int32)),
+                      valid=cache_rows.mark(cache.valid, write_slots), dtype=cache.dtype)
     return logits.astype(jnp.float32), cache
 
 
 def forward(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array, positions: jax.Array,
             valid: jax.Array, cache: KVCache | None = None, noiser: Noiser | None = None,
-            logits_at: jax.Array | None = None, attend_len: int | None = None):
+            logits_at: jax.Array | None = None, attend_len: int | None = None,
+            cache_rows: attention.Rows | None = None):
   """Pure functional forward for use inside ``jax.jit``: ``nnx.merge`` then call."""
   model = nnx.merge(graphdef, params)
   return model(tokens, positions, valid, cache=cache, noiser=noiser, logits_at=logits_at,
-               attend_len=attend_len)
+               attend_len=attend_len, cache_rows=cache_rows)

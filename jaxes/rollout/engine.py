@@ -11,11 +11,21 @@ Each step makes one call per live policy version, covering all of that version's
 decoding rows feed one token, prefilling rows their next chunk. Shapes are fixed — ``[B, w]``
 for w in a short ladder ``1 … prefill_chunk`` (``Engine.widths``), the narrowest that holds the
 longest pending chunk — and attention reads only the shortest of three prefixes of the cache
-rows (``Engine.spans``) that holds every row of the call, so the step compiles at most twelve
-times for the life of the engine. Rows of other versions, parked or free rows are marked
-invalid, which leaves their cache rows untouched. A slot's policy is its member's perturbation
-of that version's parameters, applied in-graph by the noiser (``make_noiser``), which is
-rebuilt only when slot assignments change.
+rows (``Engine.spans``) that holds every row of the call. Rows of other versions, parked or free
+rows are marked invalid, which leaves their cache rows untouched. A slot's policy is its
+member's perturbation of that version's parameters, applied in-graph by the noiser
+(``make_noiser``), which is rebuilt only when slot assignments change.
+
+Row compaction (``compact=True``, the default): a call whose working rows fit in a quarter or a
+half of each data shard's ``B / D`` rows (``Engine.batches``) runs on those rows only, a batch
+of ``b`` rows per shard: the step reads each key block of just those cache rows and writes their
+new tokens' keys and values into the donated cache in place (``attention.Rows``), so parked,
+free and other-version rows cost nothing and no cache row is copied. A call that needs more
+rows runs the full-batch program above, unchanged. A version whose decoding and prefilling rows
+together would widen every decoding row is run as two calls (decoding at width 1, prefilling at
+its width) when that at least halves the positions computed. The step compiles at most
+``len(batches) * len(widths) * len(spans)`` programs for the life of the engine (36 for the
+paper config: 3 batches x 4 widths x 3 spans; 12 without compaction).
 
 Every sampled token comes with its log-prob under the distribution it was drawn from
 (``Turn.logprobs``): the behaviour log-probs a policy-gradient learner's importance ratio needs.
@@ -41,7 +51,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxes import sharding
-from jaxes.models import partition, qwen2
+from jaxes.models import attention, partition, qwen2
 from jaxes.rollout import sampling
 
 FREE, PREFILL, DECODE, PARKED = "free", "prefill", "decode", "parked"
@@ -83,10 +93,19 @@ class EngineStats:
   rows_total: int = 0            # sum over calls of B
   tokens_prefilled: int = 0
   tokens_decoded: int = 0
+  steps: int = 0                 # Engine.step calls that ran at least one engine call
+  rows_computed: int = 0         # sum over calls of the compiled batch (compaction: <= B)
+  positions_computed: int = 0    # sum over calls of batch x width: the token positions run
 
   @property
   def utilisation(self) -> float:
     return self.rows_busy / self.rows_total if self.rows_total else 0.0
+
+  @property
+  def useful_fraction(self) -> float:
+    """Tokens fed (prefilled or decoded) per position computed."""
+    done = self.tokens_prefilled + self.tokens_decoded
+    return done / self.positions_computed if self.positions_computed else 0.0
 
 
 def _step(graphdef, attend_len, params, noiser, cache, tokens, positions, valid, base_key, streams,
@@ -94,6 +113,21 @@ def _step(graphdef, attend_len, params, noiser, cache, tokens, positions, valid,
   last = jnp.maximum(valid.sum(axis=1) - 1, 0)
   last_logits, cache = qwen2.forward(graphdef, params, tokens, positions, valid, cache=cache,
                                      noiser=noiser, logits_at=last, attend_len=attend_len)
+  keys = sampling.row_keys(base_key, streams, counters)
+  return sampling.sample_with_logprob(last_logits, keys, temperature, top_p), cache
+
+
+def _rows_step(graphdef, layout, attend_len, params, noiser, cache, index, tokens, positions,
+               valid, base_key, streams, counters, temperature, top_p):
+  """``_step`` over some rows of the cache: ``index [n]`` (shard-local, see ``attention.Rows``;
+  ``layout`` its static mesh and axes); the per-row arguments are the batch's n rows."""
+  rows = attention.Rows(index, *layout)
+  if noiser is not None:
+    noiser = noiser.select_rows(rows.take)
+  last = jnp.maximum(valid.sum(axis=1) - 1, 0)
+  last_logits, cache = qwen2.forward(graphdef, params, tokens, positions, valid, cache=cache,
+                                     noiser=noiser, logits_at=last, attend_len=attend_len,
+                                     cache_rows=rows)
   keys = sampling.row_keys(base_key, streams, counters)
   return sampling.sample_with_logprob(last_logits, keys, temperature, top_p), cache
 
@@ -114,12 +148,15 @@ class Engine:
   for plain inference. ``params_by_version`` passed to ``step`` must hold every slot's version,
   each an ``nnx.State`` like ``nnx.split``'s (placed in the rule table's shardings if it is not).
   ``mesh``: a (data, fsdp, tensor) mesh (``jaxes.sharding.make_mesh``) whose ``data`` size divides
-  ``num_slots``; None = the first device. ``abstract``: allocate nothing (see ``programs``)."""
+  ``num_slots``; None = the first device. ``abstract``: allocate nothing (see ``programs``).
+  ``compact``: run a call on its working rows only when they fit a smaller compiled batch (see
+  the module docstring; the noiser then needs ``select_rows``, as
+  ``jaxes.es.noiser.PopulationNoiser`` has); False: every call runs all B rows."""
 
   def __init__(self, graphdef, model_config: qwen2.Qwen2Config, *, num_slots: int, max_len: int,
                prefill_chunk: int, max_new_tokens: int, stop_ids, im_end_id: int,
                make_noiser: Callable | None = None, seed: int = 0, mesh: Mesh | None = None,
-               rules=sharding.LOGICAL_RULES, abstract: bool = False):
+               rules=sharding.LOGICAL_RULES, abstract: bool = False, compact: bool = True):
     if max_len <= max_new_tokens:
       raise ValueError(f"max_len={max_len} must exceed max_new_tokens={max_new_tokens}")
     self.mesh = sharding.make_mesh(devices=jax.devices()[:1]) if mesh is None else mesh
@@ -128,6 +165,13 @@ class Engine:
       raise ValueError(f"num_slots={num_slots} is not divisible by the mesh's data={data}: "
                        f"every data shard must hold the same number of slots")
     self.num_slots, self.max_len, self.chunk = num_slots, max_len, prefill_chunk
+    self.shards, self.compact = data, compact
+    per_shard = num_slots // data
+    # Compiled rows per data shard, the last the full batch: a call runs on the smallest that
+    # holds its working rows. Halving twice: below a quarter the weights, read once per call
+    # whatever its rows, are most of a decode step's cost on an accelerator.
+    self.batches = sorted({per_shard} | ({max(per_shard >> k, 1) for k in (1, 2)} if compact
+                                         else set()))
     # Compiled call widths: a step whose longest pending chunk is short (an observation) runs
     # narrow instead of paying for a full prefill chunk on every row.
     self.widths = sorted({1} | {max(prefill_chunk >> k, 1) for k in range(3)})
@@ -173,6 +217,14 @@ class Engine:
                                        self.cache_shardings, rows, rows, rows, replicated, rows,
                                        rows, rows, rows),
                          out_shardings=((rows, rows), self.cache_shardings))
+    cache_spec = self.cache_shardings.k.spec
+    layout = (mesh, cache_spec[1], cache_spec[3])  # attention.Rows: batch and KV-head axes
+    self._rows_step = jax.jit(functools.partial(_rows_step, graphdef, layout),
+                              donate_argnames=("cache",), static_argnums=0,
+                              in_shardings=(self.param_shardings, self.noiser_shardings,
+                                            self.cache_shardings, rows, rows, rows, rows,
+                                            replicated, rows, rows, rows, rows),
+                              out_shardings=((rows, rows), self.cache_shardings))
     self._reset = jax.jit(_reset_rows, donate_argnames=("cache",),
                           in_shardings=(self.cache_shardings, rows),
                           out_shardings=self.cache_shardings)
@@ -188,8 +240,9 @@ class Engine:
 
   def programs(self) -> dict[str, Any]:
     """Every program this engine runs, lowered over abstract arguments (nothing allocated):
-    ``step[w=W,span=A]`` for each width and span, ``reset``, and ``noiser`` (its build) when
-    there is a noiser. ``.compile()`` each for its memory analysis."""
+    ``step[w=W,span=A]`` (all B rows) and ``step[b=N,w=W,span=A]`` (a compacted batch of N rows
+    in all, ``batches`` x data shards) for each width and span, ``reset``, and ``noiser`` (its
+    build) when there is a noiser. ``.compile()`` each for its memory analysis."""
     B = self.num_slots
     out = {}
     def rows(shape, dtype):
@@ -204,6 +257,16 @@ class Engine:
         out[f"step[w={w},span={span}]"] = self._step.lower(
             span, self.abstract_params, self.abstract_noiser, cache, rows((B, w), jnp.int32),
             rows((B, w), jnp.int32), rows((B, w), jnp.bool_), key, *per_slot)
+    for b in self.batches[:-1]:
+      n = b * self.shards
+      per_row = (rows((n,), jnp.uint32), rows((n,), jnp.int32), rows((n,), jnp.float32),
+                 rows((n,), jnp.float32))
+      for w in self.widths:
+        for span in self.spans:
+          out[f"step[b={n},w={w},span={span}]"] = self._rows_step.lower(
+              span, self.abstract_params, self.abstract_noiser, cache, rows((n,), jnp.int32),
+              rows((n, w), jnp.int32), rows((n, w), jnp.int32), rows((n, w), jnp.bool_), key,
+              *per_row)
     out["reset"] = self._reset.lower(cache, rows((B,), jnp.bool_))
     if self._make_noiser is not None:
       out["noiser"] = self._make_noiser.lower(self.abstract_params, slot_ids, slot_ids, slot_ids)
@@ -281,25 +344,76 @@ class Engine:
           params, *self._placed(versions, members, np.arange(self.num_slots, dtype=np.int32)))
     return self._noisers[version]
 
-  def _call(self, params, version, rows, tokens, positions, valid):
-    slots = self.slots
+  def _batch(self, rows: list[Slot]) -> int:
+    """Rows per data shard of the call over ``rows``: the smallest compiled batch that holds
+    every shard's rows (data shard d holds slots ``d * B/D ...``)."""
+    if not self.compact:
+      return self.batches[-1]
+    per_shard = self.num_slots // self.shards
+    counts = np.bincount([s.index // per_shard for s in rows], minlength=self.shards)
+    return next(b for b in self.batches if b >= counts.max())
+
+  def _layout(self, rows: list[Slot], b: int) -> tuple[np.ndarray, list[int]]:
+    """A compacted call's ``(index [D * b], batch position of each row)``: shard d's rows fill
+    batch positions ``d * b ...`` in slot order, ``index`` holding each one's row within its
+    shard (``attention.Rows``); padding positions read row 0 of their shard and write nothing."""
+    per_shard = self.num_slots // self.shards
+    index = np.zeros(self.shards * b, np.int32)
+    filled = np.zeros(self.shards, int)
+    where = []
+    for s in rows:
+      d = s.index // per_shard
+      i = d * b + filled[d]
+      index[i], filled[d] = s.index - d * per_shard, filled[d] + 1
+      where.append(i)
+    return index, where
+
+  def _call(self, params, version, rows: list[Slot], width: int) -> list[tuple[int, float]]:
+    """One engine call over ``rows`` (one version) at ``width``: the full-batch program when
+    they need every row of a shard, else the compacted one; each row's sampled token and its
+    log-prob."""
+    b = self._batch(rows)
+    full = b == self.batches[-1]
+    n = self.num_slots if full else b * self.shards
+    where = [s.index for s in rows] if full else None
+    if not full:
+      index, where = self._layout(rows, b)
+    tokens = np.zeros((n, width), np.int32)
+    valid = np.zeros((n, width), bool)
+    positions = np.zeros((n, width), np.int32)
+    streams, counters = np.zeros(n, np.uint32), np.zeros(n, np.int32)
+    temperature, top_p = np.zeros(n, np.float32), np.ones(n, np.float32)
+    if full:  # every slot's sampling state, as the full-batch engine always passed it
+      for s in self.slots:
+        streams[s.index], counters[s.index] = s.stream, s.sampled
+        temperature[s.index], top_p[s.index] = s.temperature, s.top_p
+    for s, i in zip(rows, where):
+      chunk = s.pending[:width] if s.state == PREFILL else s.generated[-1:]
+      tokens[i, :len(chunk)] = chunk
+      valid[i, :len(chunk)] = True
+      positions[i] = s.length + np.arange(width)
+      streams[i], counters[i], temperature[i], top_p[i] = s.stream, s.sampled, s.temperature, s.top_p
     params = self._place(version, params)
-    need = max(s.length for s in rows) + tokens.shape[1]
+    need = max(s.length for s in rows) + width
     span = next((a for a in self.spans if a >= need), self.max_len)
-    streams = np.array([s.stream for s in slots], np.uint32)
-    counters = np.array([s.sampled for s in slots], np.int32)
-    temperature = np.array([s.temperature for s in slots], np.float32)
-    top_p = np.array([s.top_p for s in slots], np.float32)
-    tokens, positions, valid, streams, counters, temperature, top_p = self._placed(
-        tokens, positions, valid, streams, counters, temperature, top_p)
-    (next_tokens, logprobs), self.cache = self._step(span, params, self._noiser(version, params), self.cache,
-                                         tokens, positions, valid, self.base_key, streams,
-                                         counters, temperature, top_p)
+    noiser = self._noiser(version, params)
+    per_row = self._placed(tokens, positions, valid)
+    sampling_state = self._placed(streams, counters, temperature, top_p)
+    if full:
+      (next_tokens, logprobs), self.cache = self._step(
+          span, params, noiser, self.cache, *per_row, self.base_key, *sampling_state)
+    else:
+      (next_tokens, logprobs), self.cache = self._rows_step(
+          span, params, noiser, self.cache, *self._placed(index), *per_row, self.base_key,
+          *sampling_state)
     self.stats.rows_busy += len(rows)
     self.stats.rows_total += self.num_slots
+    self.stats.rows_computed += n
+    self.stats.positions_computed += n * width
     if not next_tokens.is_fully_addressable:   # multi-process: every process reads every row
-      return tuple(multihost_utils.process_allgather((next_tokens, logprobs), tiled=True))
-    return np.asarray(next_tokens), np.asarray(logprobs)
+      next_tokens, logprobs = multihost_utils.process_allgather((next_tokens, logprobs), tiled=True)
+    next_tokens, logprobs = np.asarray(next_tokens), np.asarray(logprobs)
+    return [(next_tokens[i], logprobs[i]) for i in where]
 
   def _sampled(self, slot: Slot, token: int, logprob: float, finished: list) -> None:
     slot.generated.append(int(token))
@@ -315,49 +429,57 @@ class Engine:
     need = max([min(len(s.pending), self.chunk) for s in rows if s.state == PREFILL] or [1])
     return next(w for w in self.widths if w >= need)
 
+  def _positions(self, rows: list[Slot], width: int) -> int:
+    """Token positions a call over ``rows`` at ``width`` computes."""
+    return self._batch(rows) * self.shards * width
+
+  def _calls(self, rows: list[Slot]) -> list[list[Slot]]:
+    """One version's working rows as the calls that run them: all in one call, or (compacting)
+    the decoding rows apart from the prefilling ones when that at least halves the positions
+    computed."""
+    decoding = [s for s in rows if s.state == DECODE]
+    prefilling = [s for s in rows if s.state == PREFILL]
+    if not (self.compact and decoding and prefilling):
+      return [rows]
+    merged = self._positions(rows, self._width(rows))
+    split = self._positions(decoding, 1) + self._positions(prefilling, self._width(prefilling))
+    return [decoding, prefilling] if 2 * split <= merged else [rows]
+
   def step(self, params_by_version: dict) -> list[Turn]:
-    """Advances every working slot once: one call per live version in which decoding rows feed
-    their last token and prefilling rows their next prompt chunk (ragged rows in one batch, as
-    the cache allows). Returns the turns that finished."""
+    """Advances every working slot once: per live version one call (or two, see ``_calls``) in
+    which decoding rows feed their last token and prefilling rows their next prompt chunk
+    (ragged rows in one batch, as the cache allows). Returns the turns that finished."""
     if self.abstract:
       raise RuntimeError("an abstract engine has no arrays to run; lower its programs() instead")
     if self._to_reset.any():
       self.cache = self._reset(self.cache, *self._placed(self._to_reset))
       self._to_reset[:] = False
     finished: list[Turn] = []
-    B = self.num_slots
     working = [s for s in self.slots if s.state in (PREFILL, DECODE)]
+    self.stats.steps += bool(working)
     for version in sorted({s.version for s in working}):
-      rows = [s for s in working if s.version == version]
-      width = self._width(rows)
-      tokens = np.zeros((B, width), np.int32)
-      valid = np.zeros((B, width), bool)
-      positions = np.zeros((B, width), np.int32)
-      for s in rows:
-        chunk = s.pending[:width] if s.state == PREFILL else s.generated[-1:]
-        tokens[s.index, :len(chunk)] = chunk
-        valid[s.index, :len(chunk)] = True
-        positions[s.index] = s.length + np.arange(width)
-      out, logprobs = self._call(params_by_version[version], version, rows, tokens, positions, valid)
-      if any(s.state == PREFILL for s in rows):
-        self.stats.prefill_calls += 1
-      else:
-        self.stats.decode_calls += 1
-      for s in rows:
-        if s.state == DECODE:
-          s.length += 1
-          self.stats.tokens_decoded += 1
-          self._sampled(s, out[s.index], logprobs[s.index], finished)
-          continue
-        n = min(width, len(s.pending))
-        s.pending, s.length = s.pending[n:], s.length + n
-        self.stats.tokens_prefilled += n
-        if not s.pending:  # prompt done: its last logits gave the turn's first token
-          s.state, s.max_new = DECODE, min(self.max_new_tokens, self.max_len - s.length)
-          self._sampled(s, out[s.index], logprobs[s.index], finished)
+      for rows in self._calls([s for s in working if s.version == version]):
+        width = self._width(rows)
+        out = self._call(params_by_version[version], version, rows, width)
+        if any(s.state == PREFILL for s in rows):
+          self.stats.prefill_calls += 1
+        else:
+          self.stats.decode_calls += 1
+        for s, (token, logprob) in zip(rows, out):
+          if s.state == DECODE:
+            s.length += 1
+            self.stats.tokens_decoded += 1
+            self._sampled(s, token, logprob, finished)
+            continue
+          n = min(width, len(s.pending))
+          s.pending, s.length = s.pending[n:], s.length + n
+          self.stats.tokens_prefilled += n
+          if not s.pending:  # prompt done: its last logits gave the turn's first token
+            s.state, s.max_new = DECODE, min(self.max_new_tokens, self.max_len - s.length)
+            self._sampled(s, token, logprob, finished)
     return finished
 
   def compilations(self) -> int:
     """Programs compiled so far by this engine's jitted functions (fixed shapes: stays small)."""
-    fns = [self._step, self._reset] + ([self._make_noiser] if self._make_noiser else [])
+    fns = [self._step, self._rows_step, self._reset] + ([self._make_noiser] if self._make_noiser else [])
     return sum(f._cache_size() for f in fns)

@@ -1,0 +1,131 @@
+"""Row compaction in the rollout engine: a call runs on its working rows only, decodes what the
+full-batch path decodes (tokens and behaviour log-probs), and the programs stay few."""
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxes import es, sharding
+from jaxes.models import qwen2
+from jaxes.rollout.engine import DECODE, PARKED, PREFILL, Engine
+
+IM_END = 3
+SLOTS = 8
+
+
+@pytest.fixture(scope="module")
+def model():
+  cfg = qwen2.Qwen2Config.preset("tiny-gqa", vocab_size=64)
+  graphdef, params = nnx.split(qwen2.Qwen2ForCausalLM(cfg, rngs=nnx.Rngs(0)), nnx.Param)
+  return cfg, graphdef, params
+
+
+def _engine(model, strategy=None, run_key=None, **kw):
+  cfg, graphdef, _ = model
+  make_noiser = None
+  if strategy is not None:
+    def make_noiser(p, versions, members, row_group):
+      return strategy.member_noiser(p, versions, members, row_group, run_key=run_key)
+  args = dict(num_slots=SLOTS, max_len=64, prefill_chunk=8, max_new_tokens=4, stop_ids=[],
+              im_end_id=IM_END, make_noiser=make_noiser)
+  return Engine(graphdef, cfg, **{**args, **kw})
+
+
+def _schedule(engine, params_by_version):
+  """Two versions, greedy and sampled slots, ragged prompts; slots come back from their sandbox
+  at different steps (some stay parked while others work). Every turn's (tokens, log-probs)."""
+  rng = np.random.default_rng(3)
+  for slot in range(SLOTS - 1):                    # the last slot stays free
+    prompt = list(rng.integers(4, 64, size=int(rng.integers(2, 20))))
+    assert engine.start(slot, prompt, version=slot % 2, member=slot - 1, stream=slot,
+                        temperature=0.0 if slot < 4 else 0.8, top_p=0.9)
+  out = {slot: [] for slot in range(SLOTS - 1)}
+  waiting, step = {}, 0
+  while engine.busy() or waiting:
+    for slot, due in list(waiting.items()):
+      if due <= step:
+        del waiting[slot]
+        assert engine.continue_turn(slot, list(rng.integers(4, 64, size=1 + 2 * slot)))
+    for turn in engine.step(params_by_version):
+      out[turn.slot].append((turn.tokens, turn.logprobs))
+      if len(out[turn.slot]) < 3:
+        waiting[turn.slot] = step + 1 + turn.slot % 4   # its command runs for a few steps
+    step += 1
+  return out
+
+
+def test_compaction_decodes_the_full_batch_tokens_and_logprobs(model):
+  _, _, params = model
+  strategy = es.Strategy(population=8, sigma=0.3, learning_rate=0.1, mode="lowrank", rank=2)
+  state0 = strategy.init(params, jax.random.key(1))
+  state1, _ = strategy.update(state0, [(0, m, float(m)) for m in range(8)])
+  params_by_version = {0: state0.params, 1: state1.params}
+  full = _engine(model, strategy, state0.run_key, compact=False)
+  compact = _engine(model, strategy, state0.run_key)
+  before = _schedule(full, params_by_version)
+  after = _schedule(compact, params_by_version)
+  assert {s: [t for t, _ in turns] for s, turns in after.items()} == \
+         {s: [t for t, _ in turns] for s, turns in before.items()}
+  for slot in after:
+    for (_, lp_after), (_, lp_before) in zip(after[slot], before[slot]):
+      np.testing.assert_allclose(lp_after, lp_before, atol=1e-4)
+  assert any(lp != 0 for turns in after.values() for _, lps in turns for lp in lps)  # sampled
+  assert full.batches == [SLOTS] and compact.batches == [2, 4, 8]
+  # Compaction computes fewer positions for the same tokens.
+  assert compact.stats.positions_computed < full.stats.positions_computed
+  assert compact.stats.tokens_decoded == full.stats.tokens_decoded
+
+
+def test_a_call_runs_only_its_working_rows(model):
+  _, _, params = model
+  engine = _engine(model, max_new_tokens=6)
+  for slot in range(SLOTS):
+    assert engine.start(slot, [5 + slot, 6, 7], version=0, member=-1, stream=slot)
+  while engine.busy():
+    engine.step({0: params})
+  assert all(s.state == PARKED for s in engine.slots)
+
+  def one_step():
+    before = dict(vars(engine.stats))
+    engine.step({0: params})
+    return {k: v - before[k] for k, v in vars(engine.stats).items()}
+
+  # A short observation into one of 8 rows: 2 rows (the smallest batch) x its width, not 8.
+  engine.continue_turn(0, [9])
+  pending = len(engine.slots[0].pending)         # the turn's last token, im_end, the observation
+  width = next(w for w in engine.widths if w >= pending)
+  d = one_step()
+  assert (d["rows_computed"], d["positions_computed"], d["tokens_prefilled"]) == (2, 2 * width, pending)
+  assert engine.slots[0].state == DECODE
+  d = one_step()                                   # it decodes alone: 2 rows x 1
+  assert (d["rows_computed"], d["positions_computed"], d["tokens_decoded"]) == (2, 2, 1)
+  # Four more rows decoding and one prefilling a full chunk: the decoding rows run apart at
+  # width 1 (4 x 1) and the prefilling row at width 8 (2 x 8) instead of 8 x 8 together.
+  for slot in (1, 2, 3):
+    engine.continue_turn(slot, [9])
+  one_step()
+  engine.continue_turn(4, list(range(10, 17)))
+  assert [s.state for s in engine.slots[:5]] == [DECODE] * 4 + [PREFILL]
+  d = one_step()
+  assert d["prefill_calls"] + d["decode_calls"] == 2
+  assert (d["rows_computed"], d["positions_computed"]) == (4 + 2, 4 * 1 + 2 * 8)
+
+
+def test_program_count_is_batches_x_widths_x_spans(model):
+  """The paper config's engine shape (240 slots over data=2, 16384 tokens, chunk 512; a tiny
+  model, built abstract: nothing allocated): 3 batches per shard (a quarter, a half, all 120 rows) x 4 widths x 3
+  spans = 36 step programs; 12 without compaction. The full-batch programs keep their names."""
+  cfg, graphdef, _ = model
+  mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
+  args = dict(num_slots=240, max_len=16384, prefill_chunk=512, max_new_tokens=1024, stop_ids=[],
+              im_end_id=IM_END, mesh=mesh, abstract=True)
+  engine = Engine(graphdef, cfg, **args)
+  assert engine.batches == [30, 60, 120] and engine.widths == [1, 128, 256, 512]
+  assert engine.spans == [4096, 8192, 16384]
+  steps = [name for name in engine.programs() if name.startswith("step[")]
+  assert len(steps) == len(engine.batches) * len(engine.widths) * len(engine.spans) == 36
+  assert "step[w=512,span=16384]" in steps and "step[b=120,w=512,span=16384]" in steps
+  full = Engine(graphdef, cfg, compact=False, **args)
+  assert full.batches == [120]
+  assert sorted(n for n in full.programs() if n.startswith("step[")) == \
+         sorted(n for n in steps if "b=" not in n)

@@ -76,7 +76,7 @@ def test_report_matches_the_real_arrays_on_8_cpu_devices():
   assert per_device["optimizer_state"] == _device0_bytes(state.opt_state)
   assert per_device["temporaries"] > 0
   names = [p["name"] for p in report["programs"]]
-  assert len(names) == len(engine.widths) * len(engine.spans) + 3
+  assert len(names) == len(engine.batches) * len(engine.widths) * len(engine.spans) + 3
   assert {"reset", "noiser", "es_update"} <= set(names)
   assert report["peak_bytes_per_device"] == sum(per_device.values())
 

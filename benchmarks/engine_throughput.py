@@ -1,0 +1,174 @@
+"""Rollout engine throughput: row compaction (``Engine(compact=True)``, the default) against the
+full-batch path (``compact=False``: every call runs all B rows), side by side in one run. A
+compacted call runs the step on a quarter or a half of the rows (``attention.Rows``: its new
+keys/values written into the cache in place, its key blocks read for its rows only); a call
+that needs more rows runs the same full-batch program as ``compact=False``.
+
+Workloads, on one engine each, with a low-rank ES noiser (every slot its own member):
+
+* ``mix``: a realistic mix — a fraction of the slots work (decode turns of ``--turn`` tokens;
+  each finished turn is followed by a ``--obs``-token observation to prefill), the rest are
+  parked (a sandbox command running). Sync: one live version; Async-1: the working slots
+  alternate between two versions.
+* ``decode``: every working slot decodes (no turn ends while timing), all B slots or a quarter
+  (the others free).
+
+Each step is timed alone; steps during which the engine compiled are left out (their count is
+reported). Printed per workload and mode: tokens/s (prefilled + decoded tokens per second of
+engine steps), the useful-token fraction (tokens fed per position computed), engine calls per
+step. The last line is one JSON object with those and the ratios ``compact / full`` and
+``two_versions_vs_one``, ``quarter_rows_vs_full`` (step time), ``kv_bytes_in_use_vs_reserved``
+(the dense cache's use in the mix at the end of timing).
+
+  PYTHONPATH=. python benchmarks/engine_throughput.py --quick     # tiny model, a few minutes
+  PYTHONPATH=. nice -n 10 python benchmarks/engine_throughput.py  # ~22M parameters, 32 slots
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jaxes import es
+from jaxes.models import qwen2
+from jaxes.rollout.engine import PARKED, Engine
+
+IM_END = 3
+
+
+def build(quick: bool):
+  if quick:
+    cfg = qwen2.Qwen2Config(vocab_size=1024, hidden_size=128, intermediate_size=384, num_layers=2,
+                            num_heads=4, num_kv_heads=2, max_position_embeddings=4096)
+  else:
+    cfg = qwen2.Qwen2Config(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_layers=6,
+                            num_heads=8, num_kv_heads=2, max_position_embeddings=4096)
+  graphdef, params = nnx.split(qwen2.Qwen2ForCausalLM(cfg, rngs=nnx.Rngs(0)), nnx.Param)
+  return cfg, graphdef, params
+
+
+def run(args, cfg, graphdef, make_noiser, params_by_version, *, compact, versions, working,
+        observations):
+  """One workload on a fresh engine; per-step times and counters of the timed steps."""
+  B = args.slots
+  engine = Engine(graphdef, cfg, num_slots=B, max_len=args.max_len, prefill_chunk=args.chunk,
+                  max_new_tokens=args.turn if observations else args.max_len // 2, stop_ids=[],
+                  im_end_id=IM_END, make_noiser=make_noiser, compact=compact)
+  rng = np.random.default_rng(0)
+  active = set(range(0, B, B // working)) if working < B else set(range(B))
+  # The mix: every slot has had a turn, the idle ones stay parked. Decode: idle slots are free.
+  for i in (range(B) if observations else sorted(active)):
+    engine.start(i, list(rng.integers(4, cfg.vocab_size, size=args.prompt)),
+                 version=(i // (B // working)) % versions if i in active else 0, member=i,
+                 stream=i, temperature=0.7)
+  if observations:
+    while any(s.state != PARKED for s in engine.slots):
+      engine.step(params_by_version)
+    for i in active:
+      engine.continue_turn(i, list(rng.integers(4, cfg.vocab_size, size=args.obs)))
+
+  times, keep = [], []
+  base = None
+  for n in range(args.warm + args.steps):
+    if n == args.warm:
+      base = dict(vars(engine.stats))
+    compiled = engine.compilations()
+    t = time.perf_counter()
+    turns = engine.step(params_by_version)
+    dt = time.perf_counter() - t
+    if n >= args.warm:
+      times.append(dt)
+      keep.append(engine.compilations() == compiled)
+    for turn in turns:
+      if observations:
+        engine.continue_turn(turn.slot, list(rng.integers(4, cfg.vocab_size, size=args.obs)))
+  stats = {k: v - base[k] for k, v in vars(engine.stats).items()}
+  times, keep = np.array(times), np.array(keep)
+  tokens = stats["tokens_prefilled"] + stats["tokens_decoded"]
+  # Timed steps that compiled are left out of the time; tokens are scaled to the kept steps.
+  step_s = float(times[keep].mean()) if keep.any() else float("nan")
+  per_token_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_size * 4
+  return {
+    "step_ms": 1e3 * step_s,
+    "tokens_per_s": tokens / len(times) / step_s,
+    "useful_fraction": tokens / stats["positions_computed"],
+    "calls_per_step": (stats["prefill_calls"] + stats["decode_calls"]) / stats["steps"],
+    "rows_computed_per_step": stats["rows_computed"] / stats["steps"],
+    "timed_steps": int(keep.sum()), "steps_that_compiled": int((~keep).sum()),
+    "kv_bytes_in_use": sum(s.length for s in engine.slots) * per_token_bytes,
+    "kv_bytes_reserved": B * args.max_len * per_token_bytes,
+  }
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--quick", action="store_true", help="tiny model, few steps")
+  ap.add_argument("--slots", type=int, default=32)
+  ap.add_argument("--working", type=int, default=8, help="slots that work in the mix")
+  ap.add_argument("--max_len", type=int, default=512)
+  ap.add_argument("--chunk", type=int, default=64)
+  ap.add_argument("--prompt", type=int, default=48)
+  ap.add_argument("--obs", type=int, default=40)
+  ap.add_argument("--turn", type=int, default=12)
+  ap.add_argument("--warm", type=int, default=None)
+  ap.add_argument("--steps", type=int, default=None)
+  ap.add_argument("--noiser", choices=("lowrank", "none"), default="lowrank",
+                  help="every slot its own low-rank ES member, or plain inference")
+  args = ap.parse_args()
+  args.warm = args.warm if args.warm is not None else (12 if args.quick else 30)
+  args.steps = args.steps if args.steps is not None else (24 if args.quick else 40)
+  cfg, graphdef, params = build(args.quick)
+  n_params = sum(x.size for x in jax.tree.leaves(params))
+  strategy = es.Strategy(population=args.slots, sigma=0.02, learning_rate=0.1, mode="lowrank", rank=1)
+  state0 = strategy.init(params, jax.random.key(0))
+  state1, _ = strategy.update(state0, [(0, m, float(m % 5)) for m in range(args.slots)])
+  params_by_version = {0: state0.params, 1: state1.params}
+
+  def make_noiser(p, v, m, g):   # one function for every engine: they share its compiled build
+    return strategy.member_noiser(p, v, m, g, run_key=state0.run_key)
+  make_noiser = make_noiser if args.noiser == "lowrank" else None
+
+  workloads = {
+    "mix_sync": dict(versions=1, working=args.working, observations=True),
+    "mix_async1": dict(versions=2, working=args.working, observations=True),
+    "decode_all_rows": dict(versions=1, working=args.slots, observations=False),
+    "decode_quarter_rows": dict(versions=1, working=args.slots // 4, observations=False),
+  }
+  results = {}
+  for name, kw in workloads.items():
+    for compact in (False, True):   # side by side: full-batch path, then compaction
+      r = run(args, cfg, graphdef, make_noiser, params_by_version, compact=compact, **kw)
+      results.setdefault(name, {})["compact" if compact else "full"] = r
+      print(f"{name:20s} {'compact' if compact else 'full':8s} step {r['step_ms']:8.2f} ms  "
+            f"{r['tokens_per_s']:8.1f} tok/s  useful {r['useful_fraction']:.3f}  "
+            f"calls/step {r['calls_per_step']:.2f}  rows/step {r['rows_computed_per_step']:.1f}  "
+            f"(timed {r['timed_steps']}, compiled in {r['steps_that_compiled']})", flush=True)
+  for name, by in results.items():
+    by["compact_vs_full_tokens_per_s"] = by["compact"]["tokens_per_s"] / by["full"]["tokens_per_s"]
+    by["compact_vs_full_step_time"] = by["compact"]["step_ms"] / by["full"]["step_ms"]
+
+  def ratio(a, b, mode):
+    return results[a][mode]["step_ms"] / results[b][mode]["step_ms"]
+
+  mix = results["mix_sync"]["compact"]
+  summary = {
+    "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+    "backend": jax.default_backend(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    "params": int(n_params), "slots": args.slots, "working_in_mix": args.working,
+    "quick": args.quick, "noiser": args.noiser,
+    "two_versions_vs_one": {m: ratio("mix_async1", "mix_sync", m) for m in ("full", "compact")},
+    "quarter_rows_vs_full": {m: ratio("decode_quarter_rows", "decode_all_rows", m)
+                             for m in ("full", "compact")},
+    "kv_bytes_in_use_vs_reserved": mix["kv_bytes_in_use"] / mix["kv_bytes_reserved"],
+    "workloads": results,
+  }
+  print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+  main()

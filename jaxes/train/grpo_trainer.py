@@ -38,9 +38,9 @@ from jaxes.rl import batch as rl_batch
 from jaxes.rl import config as rl_config
 from jaxes.rl.grpo import GRPOLearner, LearnerState
 from jaxes.rollout.episodes import EpisodeSpec, EpisodeStream
-from jaxes.train import builders, checkpoint
+from jaxes.train import builders
 from jaxes.train.errors import ConfigError
-from jaxes.train.state import RunStateError, config_difference, config_values, version_zero_params
+from jaxes.train.state import config_values, restore_items, version_zero_params
 from jaxes.train.trainer import TrainEpisode, Trainer
 
 
@@ -117,20 +117,8 @@ class GRPOTrainer(Trainer):
 
   def _restore(self, ckpt) -> GRPORunState:
     abstract = self._abstract_learner()
-
-    def target(host):
-      return {"learner": abstract, **{f"old/{v}": abstract.params for v in host["old_versions"]}}
-
-    try:
-      step, items, host = ckpt.restore(target)
-    except checkpoint.CheckpointMismatch as e:
-      stored = ckpt.restore_host(e.step).get("config", {})
-      raise RunStateError(f"{e}; {config_difference(stored, config_values(self.config))}: revert "
-                          f"it, or start fresh with --restart or a new --workdir") from None
-    except checkpoint.NoRestorableCheckpoint as e:
-      raise RunStateError(str(e)) from None
-    learner = items["learner"]
-    params = {int(k.split("/", 1)[1]): v for k, v in items.items() if k.startswith("old/")}
+    step, learner, params, host = restore_items(ckpt, "learner", abstract, abstract.params,
+                                                self.config)
     controller = Controller.from_state_dict(host["controller"])
     params[controller.version] = learner.params
     return GRPORunState(learner, params, controller, host["evals"], host.get("timings", {}),

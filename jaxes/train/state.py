@@ -124,11 +124,15 @@ def es_shardings(parts: Parts, mesh):
   return None if mesh is None else multihost.es_state_shardings(abstract_es_state(parts), mesh, parts.model.config)
 
 
-def _restore(ckpt: checkpoint.Checkpointer, parts: Parts, config, shardings=None) -> RunState:
-  abstract = abstract_es_state(parts, shardings)
-
+def restore_items(ckpt: checkpoint.Checkpointer, name: str, abstract, abstract_params, config
+                  ) -> tuple[int, Any, dict[int, Any], dict]:
+  """The newest restorable checkpoint of a run: its step, the item ``name`` (restored into
+  ``abstract``'s shapes, dtypes and shardings), the parameters of each older version still live
+  (items ``old/<v>``, into ``abstract_params``) by version, and the host state. Shared by every
+  trainer. A checkpoint that does not match ``config`` or none that can be restored is a
+  ``RunStateError`` (one line: the differing config keys, and what to do)."""
   def target(host):
-    return {"es": abstract, **{f"old/{v}": abstract.params for v in host["old_versions"]}}
+    return {name: abstract, **{f"old/{v}": abstract_params for v in host["old_versions"]}}
 
   try:
     step, items, host = ckpt.restore(target)
@@ -138,8 +142,14 @@ def _restore(ckpt: checkpoint.Checkpointer, parts: Parts, config, shardings=None
                         f"start fresh with --restart or a new --workdir") from None
   except checkpoint.NoRestorableCheckpoint as e:
     raise RunStateError(str(e)) from None
-  es_state = dataclasses.replace(items["es"], version=int(items["es"].version))
-  params = {int(k.split("/", 1)[1]): v for k, v in items.items() if k.startswith("old/")}
+  old = {int(k.split("/", 1)[1]): v for k, v in items.items() if k.startswith("old/")}
+  return step, items[name], old, host
+
+
+def _restore(ckpt: checkpoint.Checkpointer, parts: Parts, config, shardings=None) -> RunState:
+  abstract = abstract_es_state(parts, shardings)
+  step, es_state, params, host = restore_items(ckpt, "es", abstract, abstract.params, config)
+  es_state = dataclasses.replace(es_state, version=int(es_state.version))
   params[int(es_state.version)] = es_state.params
   return RunState(es_state, params, Controller.from_state_dict(host["controller"]), host["evals"],
                   host.get("timings", {}), restored_from=step)

@@ -135,6 +135,7 @@ def cached(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, layer: jax.Arra
       return out
   return blockwise(q, read, visible, span, block)
 
+
 def _attend_rows(q, cache_k, cache_v, layer, row_valid, q_slots, index, span, dtype, block):
   """``cached`` for batch row i reading cache row ``index[i]``, all on one device: each key block
   is gathered for the batch's rows only (``[n, block, K, hd]``), never their whole rows."""
@@ -218,3 +219,49 @@ class Rows:
     cache = self._cache_spec()
     return self._local(fn, (P(b, None, h), cache, cache, P(), P(b), P(b), P(b)),
                        P(b, None, h))(q, cache_k, cache_v, layer, row_valid, q_slots, self.index)
+
+
+def causal(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array,
+           block: int | None = None) -> jax.Array:
+  """Causal self-attention of a whole sequence (the uncached forward): query t of row b sees
+  key s iff ``s <= t`` and ``valid[b, s]``. ``q [B, T, K, G, hd]``, ``k, v [B, T, K, hd]``,
+  ``valid`` bool [B, T].
+
+  Up to ``block`` tokens (default ``KV_BLOCK``): ``dense``. Longer: the queries in blocks of
+  ``block`` (T padded up to a multiple), each attending through ``blockwise`` to the keys up to
+  its end, under ``jax.checkpoint``, so neither the forward nor its gradient ever holds more than
+  one query block's float32 scores ``[B, K, G, block, T]``; the backward recomputes a block's
+  scores instead of keeping the ``[B, K, G, T, T]`` a dense softmax would. Equals ``dense`` up to
+  float rounding. (cuDNN's fused causal attention would be faster on GPU; not used here since
+  its padding mask must be a prefix per row, which this function does not assume.)
+  """
+  B, T, K, G, hd = q.shape
+  n = KV_BLOCK if block is None else block
+  if T <= n:
+    return dense(q, k, v, valid[:, None, :] & jnp.tril(jnp.ones((T, T), bool))[None])
+  blocks = -(-T // n)
+  pad = blocks * n - T
+  if pad:
+    q, k, v = (jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2)) for x in (q, k, v))
+    valid = jnp.pad(valid, ((0, 0), (0, pad)))
+
+  def read(start, m):
+    return (jax.lax.dynamic_slice_in_dim(k, start, m, axis=1),
+            jax.lax.dynamic_slice_in_dim(v, start, m, axis=1))
+
+  @jax.checkpoint
+  def query_block(i):
+    queries = i * n + jnp.arange(n)
+
+    def visible(start, m):
+      keys = start + jnp.arange(m)
+      return (jax.lax.dynamic_slice_in_dim(valid, start, m, axis=1)[:, None, :]
+              & (keys[None, :] <= queries[:, None])[None])
+
+    # Every query block scans all key blocks (the scan's length is static); those past its end
+    # are fully masked and add nothing but their flops.
+    return blockwise(jax.lax.dynamic_slice_in_dim(q, i * n, n, axis=1), read, visible,
+                     blocks * n, n)
+
+  out = jax.lax.map(query_block, jnp.arange(blocks))   # [blocks, B, n, K, G, hd]
+  return jnp.moveaxis(out, 0, 1).reshape(B, blocks * n, K, G, hd)[:, :T]

@@ -235,14 +235,15 @@ class Attention(nnx.Module):
     self.o_proj = Linear("layers/attn/o_proj", q_dim, d, ("heads", "embed"), bias=False, **common)
 
   def __call__(self, x, positions, noiser, layer, mask=None, cached=None):
-    """x: [B, T, d]. Without a cache, ``mask`` [B, T, T] says which of the T tokens each query
-    sees. With one, ``cached = (k, v, valid, slots, write_slots, span, dtype, rows)``: the
-    whole cache ``k, v [L, B, S, KVH, hd]`` as raw bits of ``dtype`` (this layer's keys are
-    written into it at ``write_slots``), ``valid [B, S]`` and ``slots [B, T]`` (each query's own
-    slot; it sees the valid slots up to it), and queries attend to the first ``span`` <= S slots
-    only (the caller knows no row holds more). ``rows`` (``attention.Rows``, or None: batch row
-    b is cache row b): the batch is those cache rows, ``valid`` is per batch row. Returns
-    (output, (k, v)) with the cache updated, or (output, None)."""
+    """x: [B, T, d]. Without a cache, ``mask`` [B, T] says which tokens are real; query t sees
+    the real ones up to t (``attention.causal``). With one, ``cached = (k, v, valid, slots,
+    write_slots, span, dtype, rows)``: the whole cache ``k, v [L, B, S, KVH, hd]`` as raw bits
+    of ``dtype`` (this layer's keys are written into it at ``write_slots``), ``valid [B, S]``
+    and ``slots [B, T]`` (each query's own slot; it sees the valid slots up to it), and queries
+    attend to the first ``span`` <= S slots only (the caller knows no row holds more). ``rows``
+    (``attention.Rows``, or None: batch row b is cache row b): the batch is those cache rows,
+    ``valid`` is per batch row. Returns (output, (k, v)) with the cache updated, or (output,
+    None)."""
     cfg = self.cfg
     B, T, _ = x.shape
     q = self.q_proj(x, noiser, layer).reshape(B, T, cfg.num_heads, cfg.head_size)
@@ -252,7 +253,7 @@ class Attention(nnx.Module):
     k = apply_rope(k, positions, cfg.rope_theta)
     q = q.reshape(B, T, cfg.num_kv_heads, cfg.num_groups, cfg.head_size)
     if cached is None:
-      out, kv = attention.dense(q, k, v, mask), None
+      out, kv = attention.causal(q, k, v, mask), None
     else:
       cache_k, cache_v, valid, slots, write_slots, span, dtype, cache_rows = cached
       # Written into the whole cache (the layer scan's carry, as raw bits) in place; invalid
@@ -317,7 +318,8 @@ class Qwen2ForCausalLM(nnx.Module):
   def __call__(self, tokens: jax.Array, positions: jax.Array, valid: jax.Array,
                cache: KVCache | None = None, noiser: Noiser | None = None,
                logits_at: jax.Array | None = None, attend_len: int | None = None,
-               cache_rows: attention.Rows | None = None) -> tuple[jax.Array, KVCache | None]:
+               cache_rows: attention.Rows | None = None, remat: bool = False
+               ) -> tuple[jax.Array, KVCache | None]:
     """tokens, positions: int32 [B, T]; valid: bool [B, T]. Returns (float32 logits [B, T, V],
     updated cache). See ``KVCache`` and the module docstring for the cache semantics.
     ``logits_at`` (int32 [B]) computes the logits of one position per row only, [B, V]: a
@@ -326,24 +328,24 @@ class Qwen2ForCausalLM(nnx.Module):
     row's tokens, these included, fit in them: attention over the whole cache otherwise
     dominates the cost of a step while rows are short. ``cache_rows`` (with a cache): the batch
     is those rows of a larger cache (``attention.Rows``), read and written in place; the other
-    rows are untouched. None: batch row b is cache row b."""
+    rows are untouched. None: batch row b is cache row b. ``remat`` (static; without a cache):
+    each layer under ``jax.checkpoint``, so a gradient holds one layer's activations at a time
+    (plus every layer's input) and recomputes the rest in the backward."""
     cfg = self.config
     noiser = IdentityNoiser() if noiser is None else noiser
     valid = valid.astype(bool)
     x = self.embed(tokens, noiser).astype(jnp.dtype(cfg.dtype))
 
-    T = tokens.shape[1]
     layers_def, layers_state = nnx.split(self.layers)
     layer_ids = jnp.arange(cfg.num_layers)
     if cache is None:
-      causal = jnp.tril(jnp.ones((T, T), bool))
-      mask = valid[:, None, :] & causal[None]
-
       def one_layer(x, scanned):
         state, layer = scanned
-        x, _ = nnx.merge(layers_def, state)(x, positions, noiser, layer, mask=mask)
+        x, _ = nnx.merge(layers_def, state)(x, positions, noiser, layer, mask=valid)
         return x, None
 
+      if remat:  # the backward keeps each layer's input only and recomputes the rest
+        one_layer = jax.checkpoint(one_layer, prevent_cse=False)
       x, _ = jax.lax.scan(one_layer, x, (layers_state, layer_ids))
     else:
       S = cache.valid.shape[1]
@@ -391,8 +393,8 @@ class Qwen2ForCausalLM(nnx.Module):
 def forward(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array, positions: jax.Array,
             valid: jax.Array, cache: KVCache | None = None, noiser: Noiser | None = None,
             logits_at: jax.Array | None = None, attend_len: int | None = None,
-            cache_rows: attention.Rows | None = None):
+            cache_rows: attention.Rows | None = None, remat: bool = False):
   """Pure functional forward for use inside ``jax.jit``: ``nnx.merge`` then call."""
   model = nnx.merge(graphdef, params)
   return model(tokens, positions, valid, cache=cache, noiser=noiser, logits_at=logits_at,
-               attend_len=attend_len, cache_rows=cache_rows)
+               attend_len=attend_len, cache_rows=cache_rows, remat=remat)

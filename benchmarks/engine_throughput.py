@@ -13,8 +13,9 @@ Workloads, on one engine each, with a low-rank ES noiser (every slot its own mem
 * ``decode``: every working slot decodes (no turn ends while timing), all B slots or a quarter
   (the others free).
 
-Each step is timed alone; steps during which the engine compiled are left out (their count is
-reported). Printed per workload and mode: tokens/s (prefilled + decoded tokens per second of
+The two modes' engines step alternately (same load on a shared machine), each step timed alone;
+the median step time is reported, steps during which an engine compiled left out (their count
+is reported). Printed per workload and mode: tokens/s (prefilled + decoded tokens per second of
 engine steps), the useful-token fraction (tokens fed per position computed), engine calls per
 step. The last line is one JSON object with those and the ratios ``compact / full`` and
 ``two_versions_vs_one``, ``quarter_rows_vs_full`` (step time), ``kv_bytes_in_use_vs_reserved``
@@ -52,9 +53,10 @@ def build(quick: bool):
   return cfg, graphdef, params
 
 
-def run(args, cfg, graphdef, make_noiser, params_by_version, *, compact, versions, working,
-        observations):
-  """One workload on a fresh engine; per-step times and counters of the timed steps."""
+def _engine(args, cfg, graphdef, make_noiser, params_by_version, *, compact, versions, working,
+            observations):
+  """A fresh engine in the workload's starting state, and the rng its observations come from
+  (seeded alike for both modes, so both run the same tokens)."""
   B = args.slots
   engine = Engine(graphdef, cfg, num_slots=B, max_len=args.max_len, prefill_chunk=args.chunk,
                   max_new_tokens=args.turn if observations else args.max_len // 2, stop_ids=[],
@@ -71,38 +73,51 @@ def run(args, cfg, graphdef, make_noiser, params_by_version, *, compact, version
       engine.step(params_by_version)
     for i in active:
       engine.continue_turn(i, list(rng.integers(4, cfg.vocab_size, size=args.obs)))
+  return engine, rng
 
-  times, keep = [], []
-  base = None
+
+def run(args, cfg, graphdef, make_noiser, params_by_version, **workload):
+  """One workload on two fresh engines (full batch, compaction) whose steps alternate, so both
+  see the same machine load; per mode the median step time and the counters of timed steps."""
+  observations = workload["observations"]
+  engines = {mode: _engine(args, cfg, graphdef, make_noiser, params_by_version,
+                           compact=mode == "compact", **workload) for mode in ("full", "compact")}
+  times = {mode: [] for mode in engines}
+  keep = {mode: [] for mode in engines}
+  base = {}
   for n in range(args.warm + args.steps):
-    if n == args.warm:
-      base = dict(vars(engine.stats))
-    compiled = engine.compilations()
-    t = time.perf_counter()
-    turns = engine.step(params_by_version)
-    dt = time.perf_counter() - t
-    if n >= args.warm:
-      times.append(dt)
-      keep.append(engine.compilations() == compiled)
-    for turn in turns:
-      if observations:
-        engine.continue_turn(turn.slot, list(rng.integers(4, cfg.vocab_size, size=args.obs)))
-  stats = {k: v - base[k] for k, v in vars(engine.stats).items()}
-  times, keep = np.array(times), np.array(keep)
-  tokens = stats["tokens_prefilled"] + stats["tokens_decoded"]
-  # Timed steps that compiled are left out of the time; tokens are scaled to the kept steps.
-  step_s = float(times[keep].mean()) if keep.any() else float("nan")
+    for mode, (engine, rng) in engines.items():
+      if n == args.warm:
+        base[mode] = dict(vars(engine.stats))
+      compiled = engine.compilations()
+      t = time.perf_counter()
+      turns = engine.step(params_by_version)
+      dt = time.perf_counter() - t
+      if n >= args.warm:
+        times[mode].append(dt)
+        keep[mode].append(engine.compilations() == compiled)
+      for turn in turns:
+        if observations:
+          engine.continue_turn(turn.slot, list(rng.integers(4, cfg.vocab_size, size=args.obs)))
+  out = {}
   per_token_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_size * 4
-  return {
-    "step_ms": 1e3 * step_s,
-    "tokens_per_s": tokens / len(times) / step_s,
-    "useful_fraction": tokens / stats["positions_computed"],
-    "calls_per_step": (stats["prefill_calls"] + stats["decode_calls"]) / stats["steps"],
-    "rows_computed_per_step": stats["rows_computed"] / stats["steps"],
-    "timed_steps": int(keep.sum()), "steps_that_compiled": int((~keep).sum()),
-    "kv_bytes_in_use": sum(s.length for s in engine.slots) * per_token_bytes,
-    "kv_bytes_reserved": B * args.max_len * per_token_bytes,
-  }
+  for mode, (engine, _) in engines.items():
+    stats = {k: v - base[mode][k] for k, v in vars(engine.stats).items()}
+    t, k = np.array(times[mode]), np.array(keep[mode])
+    tokens = stats["tokens_prefilled"] + stats["tokens_decoded"]
+    # Timed steps that compiled are left out of the time; the median resists load spikes.
+    step_s = float(np.median(t[k])) if k.any() else float("nan")
+    out[mode] = {
+      "step_ms": 1e3 * step_s,
+      "tokens_per_s": tokens / len(t) / step_s,
+      "useful_fraction": tokens / stats["positions_computed"],
+      "calls_per_step": (stats["prefill_calls"] + stats["decode_calls"]) / stats["steps"],
+      "rows_computed_per_step": stats["rows_computed"] / stats["steps"],
+      "timed_steps": int(k.sum()), "steps_that_compiled": int((~k).sum()),
+      "kv_bytes_in_use": sum(s.length for s in engine.slots) * per_token_bytes,
+      "kv_bytes_reserved": args.slots * args.max_len * per_token_bytes,
+    }
+  return out
 
 
 def main():
@@ -121,7 +136,7 @@ def main():
                   help="every slot its own low-rank ES member, or plain inference")
   args = ap.parse_args()
   args.warm = args.warm if args.warm is not None else (12 if args.quick else 30)
-  args.steps = args.steps if args.steps is not None else (24 if args.quick else 40)
+  args.steps = args.steps if args.steps is not None else (40 if args.quick else 60)
   cfg, graphdef, params = build(args.quick)
   n_params = sum(x.size for x in jax.tree.leaves(params))
   strategy = es.Strategy(population=args.slots, sigma=0.02, learning_rate=0.1, mode="lowrank", rank=1)
@@ -141,10 +156,9 @@ def main():
   }
   results = {}
   for name, kw in workloads.items():
-    for compact in (False, True):   # side by side: full-batch path, then compaction
-      r = run(args, cfg, graphdef, make_noiser, params_by_version, compact=compact, **kw)
-      results.setdefault(name, {})["compact" if compact else "full"] = r
-      print(f"{name:20s} {'compact' if compact else 'full':8s} step {r['step_ms']:8.2f} ms  "
+    results[name] = run(args, cfg, graphdef, make_noiser, params_by_version, **kw)
+    for mode, r in results[name].items():
+      print(f"{name:20s} {mode:8s} step {r['step_ms']:8.2f} ms  "
             f"{r['tokens_per_s']:8.1f} tok/s  useful {r['useful_fraction']:.3f}  "
             f"calls/step {r['calls_per_step']:.2f}  rows/step {r['rows_computed_per_step']:.1f}  "
             f"(timed {r['timed_steps']}, compiled in {r['steps_that_compiled']})", flush=True)

@@ -37,7 +37,6 @@ import re
 import sys
 import tempfile
 import time
-from typing import Any
 
 # Host devices must be configured before JAX initialises: `cpu:N` and the GPU estimates compile
 # over N fake host devices. Only when run as a program (a test process has its own devices).
@@ -66,7 +65,6 @@ if __name__ == "__main__":
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
 # Google Cloud's TPU system-architecture pages: per-chip HBM (decimal GB) and the topology of
 # each slice name (vN-C: C TensorCores; v5p and v4 chips are one megacore device of 2 cores).

@@ -13,7 +13,7 @@ import textwrap
 import pytest
 
 from helpers_sandboxes import sandbox  # noqa: F401  (the fixture: both backends)
-from jaxes.envs import check, generator, make_sandbox
+from jaxes.envs import check, generator
 from jaxes.envs.task import Task
 
 # Finds the final tests wherever the verifier might keep them (files, open fds of any process)

@@ -47,7 +47,7 @@ def _mount_points() -> dict[str, tuple[str, str]]:
   with open("/proc/self/mountinfo") as f:
     for line in f:
       left, _, right = line.partition(" - ")
-      fields, (fstype, _source, options) = left.split(), right.split()[:3]
+      fields, (fstype, _, options) = left.split(), right.split()[:3]
       root, point = fields[3], fields[4].replace("\\040", " ")
       if fstype == "cgroup2":
         found.setdefault("", (point, root))

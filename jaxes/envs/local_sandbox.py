@@ -568,7 +568,7 @@ class LocalHandle(SandboxHandle):
       return TestReport(False, 0, expected, res.timed_out, res.output)
     num_passed, num_failed, collected, status = verdict
     if status == final_tests.NO_PYTEST:
-      raise SandboxError(f"final tests need pytest, which the sandbox's python3 lacks "
+      raise SandboxError("final tests need pytest, which the sandbox's python3 lacks "
                          "(apt-get install python3-pytest)")
     if status != "ok":
       raise SandboxError(f"the verifier could not start ({status}): {res.output[-500:]}")

@@ -93,7 +93,7 @@ class EngineStats:
   rows_total: int = 0            # sum over calls of B
   tokens_prefilled: int = 0
   tokens_decoded: int = 0
-  steps: int = 0                 # Engine.step calls that ran at least one engine call
+  busy_steps: int = 0            # Engine.step calls that ran at least one engine call
   rows_computed: int = 0         # sum over calls of the compiled batch (compaction: <= B)
   positions_computed: int = 0    # sum over calls of batch x width: the token positions run
 
@@ -456,7 +456,7 @@ class Engine:
       self._to_reset[:] = False
     finished: list[Turn] = []
     working = [s for s in self.slots if s.state in (PREFILL, DECODE)]
-    self.stats.steps += bool(working)
+    self.stats.busy_steps += bool(working)
     for version in sorted({s.version for s in working}):
       for rows in self._calls([s for s in working if s.version == version]):
         width = self._width(rows)

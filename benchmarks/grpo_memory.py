@@ -12,13 +12,17 @@ donated, so its input and output buffers alias. ES update (``jaxes.es.update.app
 function ``Strategy.update`` runs): params + SGD state, the direction regenerated from keys
 (full-rank and low-rank). Both also need the rollout engine (params + KV cache), not counted.
 Also the gradient of one micro-batch's teacher-forced log-probs with and without the whole
-forward under ``jax.checkpoint``.
+forward under ``jax.checkpoint``. Every GRPO program is compiled twice: as the learner runs now
+(each layer under ``jax.checkpoint``, ``attention.causal`` blockwise over query blocks of
+``attention.KV_BLOCK`` when the sequence is longer) and as it ran before both (``--before``
+rows: no remat, one dense softmax over the whole sequence).
 
 Prints a table, then one JSON line with every number.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import platform
@@ -31,7 +35,7 @@ import optax
 from flax import nnx
 
 from jaxes.es import noise, update
-from jaxes.models import qwen2
+from jaxes.models import attention, qwen2
 from jaxes.rl import objective
 from jaxes.rl.batch import Batch
 from jaxes.rl.config import GRPOConfig
@@ -46,8 +50,25 @@ def analysis(compiled) -> dict:
   return out
 
 
-def grpo_memory(graphdef, params, rows, seq_len, micro_batches) -> dict:
-  learner = GRPOLearner(graphdef, GRPOConfig(micro_batches=micro_batches))
+@contextlib.contextmanager
+def attention_path(dense: bool, seq_len: int):
+  """The uncached forward's attention: one dense softmax over the whole sequence (``dense``:
+  the learner before ``attention.causal``'s query blocks), or the default."""
+  block = attention.KV_BLOCK
+  attention.KV_BLOCK = max(block, seq_len) if dense else block
+  try:
+    yield
+  finally:
+    attention.KV_BLOCK = block
+
+
+def grpo_memory(graphdef, params, rows, seq_len, micro_batches, before=False) -> dict:
+  with attention_path(before, seq_len):
+    return _grpo_memory(graphdef, params, rows, seq_len, micro_batches, remat=not before)
+
+
+def _grpo_memory(graphdef, params, rows, seq_len, micro_batches, remat) -> dict:
+  learner = GRPOLearner(graphdef, GRPOConfig(micro_batches=micro_batches, remat=remat))
   state = jax.eval_shape(learner.init, params)
   S = jax.ShapeDtypeStruct
   batch = Batch(S((rows, seq_len), jnp.int32), S((rows, seq_len), bool), S((rows, seq_len), bool),
@@ -56,11 +77,13 @@ def grpo_memory(graphdef, params, rows, seq_len, micro_batches) -> dict:
 
 
 def logprob_grad_memory(graphdef, params, rows, seq_len, remat) -> dict:
-  """Gradient of the teacher-forced log-probs of one micro-batch, with the whole forward under
-  ``jax.checkpoint`` or not: what remat can do from outside the model's layer scan."""
+  """Gradient of the teacher-forced log-probs of one micro-batch (dense attention), the whole
+  forward under ``jax.checkpoint`` (``remat="whole"``: what remat can do from outside the model's
+  layer scan), each layer under it (``"layers"``), or neither (None)."""
   def total(p, tokens, valid):
-    return objective.sequence_logprobs(graphdef, p, tokens, valid, 1.0, 1.0).sum()
-  fn = jax.jit(jax.grad(jax.checkpoint(total) if remat else total))
+    return objective.sequence_logprobs(graphdef, p, tokens, valid, 1.0, 1.0,
+                                       remat=remat == "layers").sum()
+  fn = jax.jit(jax.grad(jax.checkpoint(total) if remat == "whole" else total))
   S = jax.ShapeDtypeStruct
   return analysis(fn.lower(params, S((rows, seq_len), jnp.int32), S((rows, seq_len), bool)).compile())
 
@@ -110,13 +133,16 @@ def main():
     rows[f"es_update_{mode}"] = es_memory(params, args.population, mode)
     rows[f"es_update_{mode}"]["compile_s"] = time.perf_counter() - t
   for k in (int(x) for x in args.micro_batches.split(",")):
-    t = time.perf_counter()
-    rows[f"grpo_step_mb{k}"] = grpo_memory(graphdef, params, args.rows, args.seq_len, k)
-    rows[f"grpo_step_mb{k}"]["compile_s"] = time.perf_counter() - t
+    for before in (True, False):
+      name = f"grpo_step_mb{k}{'_before' if before else ''}"
+      t = time.perf_counter()
+      rows[name] = grpo_memory(graphdef, params, args.rows, args.seq_len, k, before)
+      rows[name]["compile_s"] = time.perf_counter() - t
   micro_rows = args.rows // max(int(x) for x in args.micro_batches.split(","))
-  for remat in (False, True):
-    rows[f"logprob_grad_{micro_rows}rows{'_remat' if remat else ''}"] = logprob_grad_memory(
-      graphdef, params, micro_rows, args.seq_len, remat)
+  with attention_path(True, args.seq_len):
+    for remat in (None, "whole", "layers"):
+      rows[f"logprob_grad_{micro_rows}rows{'_remat_' + remat if remat else ''}"] = logprob_grad_memory(
+        graphdef, params, micro_rows, args.seq_len, remat)
   gib = 2 ** 30
   print(f"{args.preset}{' (demo)' if args.demo else ''} {args.param_dtype}: params {param_bytes / gib:.3f} GiB; GRPO batch {args.rows} x "
         f"{args.seq_len} tokens; ES population {args.population}")

@@ -301,6 +301,22 @@ def test_micro_batches_equal_the_full_batch(model, aggregation):
       GRPOLearner(graphdef, GRPOConfig(micro_batches=3)).loss_and_grads(params, None, batch)
 
 
+def test_remat_equals_the_plain_learner(model):
+  """The learner's default (each layer under jax.checkpoint) gives the plain backward's loss,
+  gradients and metric sums up to float rounding."""
+  cfg, graphdef, params = model
+  episodes = random_episodes(6, n=4)
+  episodes = with_behaviour(episodes, logprobs_of(graphdef, params, episodes), [0.1, -0.3] * 2)
+  batch = build_batch(episodes, [1.0, 0.0, 0.4, 0.9], [0, 0, 1, 1], seq_len=SEQ)
+  assert GRPOConfig().remat
+  out = [GRPOLearner(graphdef, GRPOConfig(remat=r, micro_batches=2)).loss_and_grads(params, None, batch)
+         for r in (True, False)]
+  np.testing.assert_allclose(out[0][0], out[1][0], rtol=1e-5)
+  tree_close(out[0][1], out[1][1], rtol=1e-4, atol=1e-7)
+  for key in out[0][2]:
+    np.testing.assert_allclose(out[0][2][key], out[1][2][key], rtol=1e-5, atol=1e-7)
+
+
 def test_a_few_steps_reduce_the_loss_on_a_fixed_batch(model):
   cfg, graphdef, params = model
   episodes = random_episodes(4, n=8)
@@ -346,6 +362,7 @@ def test_config_validation():
          (dict(micro_batches=0), "micro_batches"), (dict(micro_batches=2.0), "micro_batches"),
          (dict(temperature=0.0), "temperature"), (dict(top_p=1.5), "top_p"),
          (dict(kl_coef=-1.0), "kl_coef"), (dict(master_weights="yes"), "master_weights"),
+         (dict(remat=1), "remat"),
          (dict(learning_rate="1e-5"), "learning_rate"), (dict(adam_b2=1.0), "adam_b2")]
   for kwargs, key in bad:
     with pytest.raises(ValueError, match=rf"^GRPOConfig\.{key}: "):

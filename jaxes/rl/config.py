@@ -41,6 +41,7 @@ class GRPOConfig:
   aggregation: str = "token"       # "token" or "sequence" mean over the sampled tokens
   micro_batches: int = 1           # the batch's rows are split into this many, grads summed
   master_weights: bool = True      # float32 master copy (and moments) when params are not f32
+  remat: bool = True               # each layer's activations recomputed in the backward
   temperature: float = 1.0         # of the sampling distribution the log-probs are under
   top_p: float = 1.0
 
@@ -80,8 +81,9 @@ class GRPOConfig:
       fail("advantage", f"must be one of {ADVANTAGES}")
     if self.aggregation not in AGGREGATIONS:
       fail("aggregation", f"must be one of {AGGREGATIONS}")
-    if not isinstance(self.master_weights, bool):
-      fail("master_weights", "must be a bool")
+    for key in ("master_weights", "remat"):
+      if not isinstance(getattr(self, key), bool):
+        fail(key, "must be a bool")
 
   @classmethod
   def from_dict(cls, d: Mapping[str, Any]) -> "GRPOConfig":

@@ -15,7 +15,6 @@ stale episodes) keeps its own ``jax.tree.map(jnp.copy, state.params)``.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import jax
@@ -80,15 +79,15 @@ class GRPOLearner:
   # -- the jitted computation ------------------------------------------------------------------
   def _micro_loss(self, params, ref_params, mb):
     c = self.config
-    logprobs = functools.partial(objective.sequence_logprobs, self.graphdef,
-                                 temperature=c.temperature, top_p=c.top_p)
-    # Activation memory is bounded by the micro-batch size. jax.checkpoint around this whole
-    # forward saves nothing (benchmarks/grpo_memory.py measured it): the backward of the layer
-    # scan still keeps every layer's residuals; remat per layer belongs inside qwen2's scan.
-    logp = logprobs(params, mb["tokens"], mb["valid"])
+    # Activation memory is bounded by the micro-batch size and, with ``remat``, by one layer's
+    # (qwen2's layer scan under jax.checkpoint; around the whole forward it saved nothing:
+    # benchmarks/grpo_memory.py). The reference forward has no backward, so no remat there.
+    logp = objective.sequence_logprobs(self.graphdef, params, mb["tokens"], mb["valid"],
+                                       c.temperature, c.top_p, remat=c.remat)
     ref_logp = None
     if ref_params is not None:
-      ref_logp = jax.lax.stop_gradient(logprobs(ref_params, mb["tokens"], mb["valid"]))
+      ref_logp = jax.lax.stop_gradient(objective.sequence_logprobs(
+          self.graphdef, ref_params, mb["tokens"], mb["valid"], c.temperature, c.top_p))
     return objective.clipped_objective(
       logp, mb["behaviour_logp"], mb["advantages"], mb["weights"], clip_low=c.clip_eps_low,
       clip_high=c.clip_eps_high, ref_logp=ref_logp, kl_coef=c.kl_coef)

@@ -50,13 +50,14 @@ def token_weights(sampled: jax.Array, aggregation: str) -> jax.Array:
 
 
 def sequence_logprobs(graphdef, params, tokens: jax.Array, valid: jax.Array, temperature: float,
-                      top_p: float) -> jax.Array:
+                      top_p: float, remat: bool = False) -> jax.Array:
   """float32 [N, S]: teacher-forced log-prob of ``tokens[:, t]`` given the tokens before it,
   under the sampling distribution (``sampling.token_logprobs``); column 0 is 0. At top_p 1 the
   nucleus is the whole vocabulary (up to tokens of probability below float rounding), so the
-  per-position sort over the vocabulary is skipped."""
+  per-position sort over the vocabulary is skipped. ``remat``: the model's layers under
+  ``jax.checkpoint`` (``qwen2.forward``), for a gradient that keeps one layer's activations."""
   positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-  logits, _ = qwen2.forward(graphdef, params, tokens, positions, valid)
+  logits, _ = qwen2.forward(graphdef, params, tokens, positions, valid, remat=remat)
   logits, targets = logits[:, :-1], tokens[:, 1:]
   if top_p >= 1.0:
     scaled = logits / temperature

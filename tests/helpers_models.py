@@ -23,6 +23,16 @@ def tiny_model(preset: str = "tiny-gqa", seed: int = 0, **overrides):
   return (cfg, *nnx.split(Qwen2ForCausalLM(cfg, rngs=nnx.Rngs(seed)), nnx.Param))
 
 
+def engine_noiser(strategy, run_key):
+  """An engine's ``make_noiser`` for ``strategy``'s members under ``run_key``; None without one."""
+  if strategy is None:
+    return None
+
+  def make_noiser(params, versions, members, row_group):
+    return strategy.member_noiser(params, versions, members, row_group, run_key=run_key)
+  return make_noiser
+
+
 def tiny_tokenizer(out_dir: str, vocab_size: int = 300):
   """A byte-level BPE with Qwen's special tokens and chat template, trained on a fixed corpus."""
   from jaxes import tokenization

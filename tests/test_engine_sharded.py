@@ -8,6 +8,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from helpers_models import engine_noiser
 from jaxes import es, sharding
 from jaxes.models import attention, qwen2
 from jaxes.rollout.engine import Engine
@@ -29,12 +30,8 @@ def model():
 
 def _engine(model, mesh, strategy=None, run_key=None, **kw):
   cfg, graphdef, _ = model
-  make_noiser = None
-  if strategy is not None:
-    def make_noiser(p, versions, members, row_group):
-      return strategy.member_noiser(p, versions, members, row_group, run_key=run_key)
   args = dict(num_slots=SLOTS, max_len=64, prefill_chunk=8, max_new_tokens=6, stop_ids=[],
-              im_end_id=IM_END, make_noiser=make_noiser, mesh=mesh)
+              im_end_id=IM_END, make_noiser=engine_noiser(strategy, run_key), mesh=mesh)
   return Engine(graphdef, cfg, **{**args, **kw})
 
 

@@ -3,10 +3,9 @@ full-batch path decodes (tokens and behaviour log-probs), and the programs stay 
 import jax
 import numpy as np
 import pytest
-from flax import nnx
 
+from helpers_models import engine_noiser, tiny_model
 from jaxes import es, sharding
-from jaxes.models import qwen2
 from jaxes.rollout.engine import DECODE, PARKED, PREFILL, Engine
 
 IM_END = 3
@@ -15,19 +14,13 @@ SLOTS = 8
 
 @pytest.fixture(scope="module")
 def model():
-  cfg = qwen2.Qwen2Config.preset("tiny-gqa", vocab_size=64)
-  graphdef, params = nnx.split(qwen2.Qwen2ForCausalLM(cfg, rngs=nnx.Rngs(0)), nnx.Param)
-  return cfg, graphdef, params
+  return tiny_model(vocab_size=64)
 
 
 def _engine(model, strategy=None, run_key=None, **kw):
   cfg, graphdef, _ = model
-  make_noiser = None
-  if strategy is not None:
-    def make_noiser(p, versions, members, row_group):
-      return strategy.member_noiser(p, versions, members, row_group, run_key=run_key)
   args = dict(num_slots=SLOTS, max_len=64, prefill_chunk=8, max_new_tokens=4, stop_ids=[],
-              im_end_id=IM_END, make_noiser=make_noiser)
+              im_end_id=IM_END, make_noiser=engine_noiser(strategy, run_key))
   return Engine(graphdef, cfg, **{**args, **kw})
 
 

@@ -4,8 +4,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
+from helpers_models import engine_noiser, tiny_model
 from jaxes import es
 from jaxes.models import qwen2
 from jaxes.rollout import sampling
@@ -16,9 +16,7 @@ IM_END = 3
 
 @pytest.fixture(scope="module")
 def model():
-  cfg = qwen2.Qwen2Config.preset("tiny-gqa", vocab_size=64)
-  graphdef, params = nnx.split(qwen2.Qwen2ForCausalLM(cfg, rngs=nnx.Rngs(0)), nnx.Param)
-  return cfg, graphdef, params
+  return tiny_model(vocab_size=64)
 
 
 PAD = 96
@@ -82,11 +80,7 @@ def test_each_slot_decodes_its_own_member_and_version(model):
   strategy = es.Strategy(population=4, sigma=0.3, learning_rate=0.1, mode="lowrank", rank=2)
   state0 = strategy.init(params, jax.random.key(1))
   state1, _ = strategy.update(state0, [(0, m, float(m)) for m in range(4)])
-  run_key = state0.run_key
-
-  def make_noiser(p, versions, members, row_group):
-    return strategy.member_noiser(p, versions, members, row_group, run_key=run_key)
-
+  make_noiser = engine_noiser(strategy, state0.run_key)
   engine = Engine(graphdef, cfg, num_slots=4, max_len=64, prefill_chunk=8, max_new_tokens=6,
                   stop_ids=[], im_end_id=IM_END, make_noiser=make_noiser)
   prompt = [7, 8, 9, 10, 11]

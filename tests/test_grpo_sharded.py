@@ -2,7 +2,6 @@
 optimizer state stay in the parameters' shardings, episode rows are split over data, and the
 step equals the same step on one device."""
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 

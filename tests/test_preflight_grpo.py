@@ -2,7 +2,6 @@
 device, the learner step's arguments are those rows, and ES's report for the same model and mesh
 stands beside it."""
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx

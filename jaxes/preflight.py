@@ -222,9 +222,16 @@ def plan(config, target: Target, log=print, only: str | None = None) -> dict:
   if config.train.algorithm != "grpo":
     return _plan(config, target, log, only, "es")
   report = _plan(config, target, log, only, "grpo")
-  report["es"] = _plan(config, target, log, only, "es")
+  try:
+    report["es"] = _plan(config, target, log, only, "es")
+  except NoProgramMatches:   # --only selected GRPO programs alone (e.g. 'grpo_step'): no ES side
+    return report
   report["es_over_grpo"] = report["es"]["peak_bytes_per_device"] / report["peak_bytes_per_device"]
   return report
+
+
+class NoProgramMatches(ValueError):
+  """``--only`` selected none of the run's programs."""
 
 
 def _learner_program(config, graphdef, params, mesh):
@@ -299,7 +306,11 @@ def _plan(config, target: Target, log, only: str | None, algorithm: str) -> dict
   else:
     step_lowered, state, batch = _learner_program(config, graphdef, params, mesh)
     lowered = {**engine.programs(), "grpo_step": step_lowered}
-  lowered = {k: v for k, v in lowered.items() if only is None or re.search(only, k)}
+  matching = {k: v for k, v in lowered.items() if only is None or re.search(only, k)}
+  if not matching:
+    raise NoProgramMatches(f"--only={only!r} matches none of the {algorithm} programs: "
+                           + ", ".join(sorted(lowered)))
+  lowered = matching
   for name, program in lowered.items():
     programs.append(_compile(name, program, replaces=noiser_bytes if name == "noiser" else 0))
     p = programs[-1]
@@ -473,7 +484,10 @@ def main(argv):
       raise SystemExit("preflight: say --topology=... (the config names no mesh.target)")
     target = resolve_topology(topology, FLAGS.device_memory_gib)
     log = (lambda *_: None) if FLAGS.json else (lambda m: print(m, file=sys.stderr, flush=True))
-    report = plan(config, target, log=log, only=FLAGS.only)
+    try:
+      report = plan(config, target, log=log, only=FLAGS.only)
+    except NoProgramMatches as e:
+      raise SystemExit(f"preflight: {e}")
   lines, fits = render(report, FLAGS.headroom)
   if FLAGS.json:
     print(json.dumps(report))

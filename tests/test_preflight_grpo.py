@@ -112,3 +112,14 @@ def test_grpo_config_is_checked_by_the_learners_rules():
   config.rollout.temperature = 0.0
   with pytest.raises(ConfigError, match="config.rollout.temperature"):
     preflight.validate_run(config, validate, ConfigError)
+
+
+@needs_8_devices
+def test_only_the_learner_step_sizes_grpo_alone_and_an_unmatched_only_names_the_programs():
+  config = tiny_grpo_config()
+  target = preflight.resolve_topology("cpu:8")
+  report = preflight.plan(config, target, log=lambda *_: None, only="grpo_step")
+  assert [p["name"] for p in report["programs"]] == ["grpo_step"] and "es" not in report
+  with pytest.raises(preflight.NoProgramMatches, match=r"--only='nothing' matches none of the grpo "
+                     r"programs: .*grpo_step"):
+    preflight.plan(config, target, log=lambda *_: None, only="nothing")

@@ -20,8 +20,9 @@ over `data` (the KV cache, 240 x 16384 tokens = 210 GiB in bf16, dominates), the
 
 `configs/paper.py:grpo[,TARGET]` is the paper's GRPO row: the same model, tasks, engine and
 evaluation, trained by `jaxes.rl` (GRPO) instead of ES; its preflight reports GRPO's per-device
-memory beside ES's on the same mesh (as built it does not fit 8xH100 or 8xH200: the learner's
-forward keeps dense attention scores for the backward; benchmarks/RESULTS.md).
+memory beside ES's on the same mesh. With the learner's per-layer remat and blockwise causal
+attention it needs 78 GiB per device on 8xH100 and 124 GiB on 8xH200 (CPU-compile estimates), so
+it does not fit either under the 90% headroom yet (benchmarks/RESULTS.md).
 """
 from jaxes.experiments.variants import apply_es_variant
 from jaxes.rl.config import default_config as grpo_defaults

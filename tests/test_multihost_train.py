@@ -23,6 +23,9 @@ from jaxes.train import checkpoint, metrics
 from jaxes.train.policy import load_policy
 
 LOCAL_SH = ROOT / "launch" / "local.sh"
+# The killed launch's heartbeat timeout: short, so the survivor notices the kill quickly. The other
+# launches keep the default (60 s): a process starved of CPU for 10 s on a loaded machine would
+# otherwise be declared dead.
 HEARTBEAT_S = 10
 UPDATES = 3
 # Records the engine's finished turns (slot, token ids) of every step, per process: the tokens
@@ -53,10 +56,18 @@ app.run(main)
 TIMING_KEYS = ("time", "episodes_per_s", "tokens_per_s", "seconds")
 
 
+def _failure(proc) -> str:
+  """A failed launch's story: its stderr, then each process's last lines (the tail of the mixed
+  stdout is mostly the survivor's stack once one process has died)."""
+  lines = proc.stdout.splitlines()
+  per_process = ["\n".join([l for l in lines if l.startswith(f"[p{i}]")][-40:]) for i in range(2)]
+  return proc.stderr[-3000:] + "\n" + "\n...\n".join(per_process)
+
+
 def _env(tmp, **extra):
   env = {k: v for k, v in os.environ.items()
          if not k.startswith(("JAX_", "SLURM_", "JAXES_", "XLA_FLAGS"))}
-  env.update(JAX_PLATFORMS="cpu", JAXES_HEARTBEAT_TIMEOUT_S=str(HEARTBEAT_S),
+  env.update(JAX_PLATFORMS="cpu",
              JAX_COMPILATION_CACHE_DIR=str(tmp / "jax-cache"),   # later launches reuse programs
              JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", PYTHONUNBUFFERED="1", **extra)
   return env
@@ -108,7 +119,7 @@ def _launch_two(tmp, config_file, workdir, timeout=1500):
 def runs(setup):
   tmp, config_file = setup
   two = _launch_two(tmp, config_file, tmp / "two")
-  assert two.returncode == 0, two.stderr[-4000:] + two.stdout[-4000:]
+  assert two.returncode == 0, _failure(two)
   (tmp / "one-turns").mkdir()
   one = subprocess.run(_command(tmp, config_file, tmp / "one"), cwd=ROOT, capture_output=True,
                        text=True, timeout=1500,
@@ -199,7 +210,7 @@ def _train_lines(workdir) -> int:
 def test_sigkill_one_process_stops_the_other_then_rerun_resumes(sync_setup):
   tmp, config_file = sync_setup
   whole = _launch_two(tmp, config_file, tmp / "sync")   # the uninterrupted run
-  assert whole.returncode == 0, whole.stderr[-4000:] + whole.stdout[-4000:]
+  assert whole.returncode == 0, _failure(whole)
   workdir = tmp / "killed"
   # Started as local.sh starts them, but by hand: local.sh would stop the survivor itself; here
   # the survivor must notice on its own (the coordination service's heartbeat).
@@ -211,6 +222,7 @@ def test_sigkill_one_process_stops_the_other_then_rerun_resumes(sync_setup):
   procs = [subprocess.Popen(_command(tmp, config_file, workdir), cwd=ROOT, stdout=logs[i],
                             stderr=subprocess.STDOUT,
                             env=_env(tmp, TURNS_DIR=str(tmp / "killed-turns"),
+                                     JAXES_HEARTBEAT_TIMEOUT_S=str(HEARTBEAT_S),
                                      JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
                                      JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i),
                                      XLA_FLAGS="--xla_force_host_platform_device_count=4"))
@@ -238,7 +250,7 @@ def test_sigkill_one_process_stops_the_other_then_rerun_resumes(sync_setup):
   assert not (workdir / "summary.json").exists()   # it was stopped mid-run
   # The same launch command again: resumes and ends where the uninterrupted run ended.
   again = _launch_two(tmp, config_file, workdir)
-  assert again.returncode == 0, again.stderr[-4000:] + again.stdout[-4000:]
+  assert again.returncode == 0, _failure(again)
   assert "resumed from checkpoint" in again.stdout
   _assert_params_equal(_params(workdir), _params(tmp / "sync"))
   versions = [r["version"] for r in metrics.read_metrics(str(workdir / "metrics.jsonl")) if "train" in r]

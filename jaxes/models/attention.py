@@ -123,17 +123,7 @@ def cached(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, layer: jax.Arra
       k, v = (jax.lax.bitcast_convert_type(c, dtype) for c in (k, v))
     return k, v
 
-  def visible(start, n):
-    keys = start + jnp.arange(n)
-    return (jax.lax.dynamic_slice_in_dim(cache_valid, start, n, axis=1)[:, None, :]
-            & (keys[None, None, :] <= q_slots[:, :, None]))
-
-  if jax.default_backend() == "gpu":
-    k, v = read(0, span)
-    out = _cudnn(q, k, v, visible(0, span))
-    if out is not None:
-      return out
-  return blockwise(q, read, visible, span, block)
+  return _attend(q, read, cache_valid, q_slots, span, block)
 
 
 def _attend_rows(q, cache_k, cache_v, layer, row_valid, q_slots, index, span, dtype, block):
@@ -146,12 +136,19 @@ def _attend_rows(q, cache_k, cache_v, layer, row_valid, q_slots, index, span, dt
       k, v = (jax.lax.bitcast_convert_type(c, dtype) for c in (k, v))
     return k, v
 
+  return _attend(q, read, row_valid, q_slots, span, block)
+
+
+def _attend(q, read, valid, q_slots, span, block):
+  """Attention of ``q`` to the keys ``read(start, n)`` returns: query t of row b sees slot s iff
+  ``valid[b, s]`` and ``s <= q_slots[b, t]``. cuDNN on the GPU (handed the whole span), else
+  ``blockwise``."""
   def visible(start, n):
     keys = start + jnp.arange(n)
-    return (jax.lax.dynamic_slice_in_dim(row_valid, start, n, axis=1)[:, None, :]
+    return (jax.lax.dynamic_slice_in_dim(valid, start, n, axis=1)[:, None, :]
             & (keys[None, None, :] <= q_slots[:, :, None]))
 
-  if jax.default_backend() == "gpu":  # as ``cached``: cuDNN takes one layer's span of these rows
+  if jax.default_backend() == "gpu":
     k, v = read(0, span)
     out = _cudnn(q, k, v, visible(0, span))
     if out is not None:

@@ -60,7 +60,7 @@ def _failure(proc) -> str:
   """A failed launch's story: its stderr, then each process's last lines (the tail of the mixed
   stdout is mostly the survivor's stack once one process has died)."""
   lines = proc.stdout.splitlines()
-  per_process = ["\n".join([l for l in lines if l.startswith(f"[p{i}]")][-40:]) for i in range(2)]
+  per_process = ["\n".join([line for line in lines if line.startswith(f"[p{i}]")][-40:]) for i in range(2)]
   return proc.stderr[-3000:] + "\n" + "\n...\n".join(per_process)
 
 

@@ -109,27 +109,22 @@ class EngineStats:
 
 
 def _step(graphdef, attend_len, params, noiser, cache, tokens, positions, valid, base_key, streams,
-          counters, temperature, top_p):
+          counters, temperature, top_p, cache_rows=None):
   last = jnp.maximum(valid.sum(axis=1) - 1, 0)
   last_logits, cache = qwen2.forward(graphdef, params, tokens, positions, valid, cache=cache,
-                                     noiser=noiser, logits_at=last, attend_len=attend_len)
+                                     noiser=noiser, logits_at=last, attend_len=attend_len,
+                                     cache_rows=cache_rows)
   keys = sampling.row_keys(base_key, streams, counters)
   return sampling.sample_with_logprob(last_logits, keys, temperature, top_p), cache
 
 
-def _rows_step(graphdef, layout, attend_len, params, noiser, cache, index, tokens, positions,
-               valid, base_key, streams, counters, temperature, top_p):
+def _rows_step(graphdef, layout, attend_len, params, noiser, cache, index, *per_row_and_sampling):
   """``_step`` over some rows of the cache: ``index [n]`` (shard-local, see ``attention.Rows``;
   ``layout`` its static mesh and axes); the per-row arguments are the batch's n rows."""
   rows = attention.Rows(index, *layout)
   if noiser is not None:
     noiser = noiser.select_rows(rows.take)
-  last = jnp.maximum(valid.sum(axis=1) - 1, 0)
-  last_logits, cache = qwen2.forward(graphdef, params, tokens, positions, valid, cache=cache,
-                                     noiser=noiser, logits_at=last, attend_len=attend_len,
-                                     cache_rows=rows)
-  keys = sampling.row_keys(base_key, streams, counters)
-  return sampling.sample_with_logprob(last_logits, keys, temperature, top_p), cache
+  return _step(graphdef, attend_len, params, noiser, cache, *per_row_and_sampling, cache_rows=rows)
 
 
 def _reset_rows(cache: qwen2.KVCache, rows: jax.Array) -> qwen2.KVCache:

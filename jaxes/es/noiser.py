@@ -34,12 +34,13 @@ import jax.numpy as jnp
 from jaxes.es import keys, noise
 
 
-def _is_vector(spec: noise.LeafSpec) -> bool:
+def is_vector(spec: noise.LeafSpec) -> bool:
   return len(spec.layer_shape) <= 1
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["row_group", "factors", "values"], meta_fields=["specs"])
+                   data_fields=["row_group", "factors", "values", "steps", "step_rows"],
+                   meta_fields=["specs"])
 @dataclasses.dataclass(frozen=True)
 class PopulationNoiser:
   row_group: jax.Array  # [B] int32
@@ -47,6 +48,9 @@ class PopulationNoiser:
   values: dict          # full leaf -> perturbed values in the parameter dtype: vectors per row
                         # [B, (L,) n], matrices per group [G, (L,) ...]
   specs: tuple          # LeafSpec per parameter leaf
+  steps: dict | None = None      # lowrank leaf -> (a [K, (L,) in, R], b [K, (L,) out, R]): K
+                                 # low-rank version steps, shared by all rows (``with_steps``)
+  step_rows: jax.Array | None = None   # [B, K] float32: 1 where row b adds step k, else 0
 
   # -- helpers -------------------------------------------------------------------------------
   def _spec(self, name: str, layer) -> noise.LeafSpec:
@@ -80,7 +84,7 @@ class PopulationNoiser:
     spec = self._spec(name, layer)
     if spec.kind == "frozen":
       return value.astype(like.dtype)
-    if spec.kind != "full" or not _is_vector(spec):
+    if spec.kind != "full" or not is_vector(spec):
       raise ValueError(f"parameter {name!r} ({spec.kind}, shape {spec.shape}) used as a vector")
     rows = self._at_layer(self.values[name], layer).astype(like.dtype)
     return rows.reshape((rows.shape[0],) + (1,) * (like.ndim - rows.ndim) + rows.shape[1:])
@@ -89,10 +93,45 @@ class PopulationNoiser:
     """This noiser for a batch made of some of its rows: ``take(x [B, ...]) -> [n, ...]``
     picks them from each per-row leaf (the rollout engine runs only its working rows);
     per-group weights stay as they are, found through the taken ``row_group``."""
-    kinds = {spec.name: _is_vector(spec) for spec in self.specs}
+    kinds = {spec.name: is_vector(spec) for spec in self.specs}
     return PopulationNoiser(take(self.row_group), jax.tree.map(take, self.factors),
                             {name: take(v) if kinds[name] else v for name, v in self.values.items()},
-                            self.specs)
+                            self.specs, self.steps,
+                            None if self.step_rows is None else take(self.step_rows))
+
+  def with_vectors_of(self, noisers: tuple, owner: jax.Array) -> "PopulationNoiser":
+    """This noiser with row b's per-row vector values taken from ``(self, *noisers)[owner[b]]``:
+    noisers built for the same rows from other versions' parameters, so that each row's biases
+    and norm gains are its own version's. Low-rank factors depend on keys only and stay this
+    noiser's; per-group full matrices have no per-row layout and are refused."""
+    values = {}
+    for spec in self.specs:
+      if spec.name not in self.values:
+        continue
+      if not is_vector(spec):
+        raise ValueError(f"parameter {spec.name!r} is a full-rank matrix: its rows cannot be "
+                         f"taken from another version's noiser")
+      value = self.values[spec.name]
+      mask = owner.reshape((-1,) + (1,) * (value.ndim - 1))
+      for k, other in enumerate(noisers, start=1):
+        value = jnp.where(mask == k, other.values[spec.name], value)
+      values[spec.name] = value
+    return dataclasses.replace(self, values=values)
+
+  def with_steps(self, steps: dict, step_rows: jax.Array) -> "PopulationNoiser":
+    """This noiser with K low-rank parameter steps added to the base matmul of every low-rank
+    leaf: row b computes with ``theta + sum_k step_rows[b, k] * a_k @ b_k.T`` (``steps[name] =
+    (a [K, (L,) in, R], b [K, (L,) out, R])``, e.g. ``jaxes.es.update.lowrank_step`` stacked), so
+    rows of a version a few SGD steps on from the parameters passed run in the same call."""
+    return dataclasses.replace(self, steps=steps, step_rows=step_rows)
+
+  def _step_weights(self, like_ndim: int) -> jax.Array:
+    """``step_rows`` as ``[B, 1 ..., K, 1]`` against ``[B, ..., K, R]`` activations."""
+    w = self.step_rows
+    return w.reshape(w.shape[:1] + (1,) * (like_ndim - 3) + w.shape[1:] + (1,))
+
+  def _step_factors(self, name: str, layer, dtype):
+    return tuple(self._at_layer(f, layer).astype(dtype) for f in self.steps[name])
 
   # -- the hook ------------------------------------------------------------------------------
   def dense(self, x, kernel, bias, *, name, layer=None, bias_name=None):
@@ -107,6 +146,10 @@ class PopulationNoiser:
       if spec.kind == "lowrank":
         a, b = (self._at_layer(f, layer).astype(x.dtype) for f in self.factors[name])
         y = y + jnp.einsum("b...r,bor->b...o", jnp.einsum("b...i,bir->b...r", x, a), b)
+        if self.steps is not None:
+          sa, sb = self._step_factors(name, layer, x.dtype)
+          h = jnp.einsum("b...i,kir->b...kr", x, sa)
+          y = y + jnp.einsum("b...kr,kor->b...o", h * self._step_weights(h.ndim).astype(x.dtype), sb)
     if bias is None:
       return y
     if bias_name is None:
@@ -124,6 +167,10 @@ class PopulationNoiser:
       a, b = self.factors[name]
       rows = jnp.arange(ids.shape[0]).reshape((-1,) + (1,) * (ids.ndim - 1))
       corr = jnp.einsum("b...r,bdr->b...d", a[rows, ids], b)
+      if self.steps is not None:
+        sa, sb = self.steps[name]
+        h = jnp.moveaxis(sa[:, ids], 0, -2)          # [K, B, ...] rows of the steps -> [B, ..., K, R]
+        corr = corr + jnp.einsum("b...kr,kdr->b...d", h * self._step_weights(h.ndim), sb)
       out = (out.astype(jnp.float32) + corr).astype(table.dtype)
     return out
 
@@ -138,6 +185,10 @@ class PopulationNoiser:
     if spec.kind == "lowrank":
       a, b = (f.astype(x.dtype) for f in self.factors[name])
       y = y + jnp.einsum("b...r,bvr->b...v", jnp.einsum("b...d,bdr->b...r", x, b), a)
+      if self.steps is not None:
+        sa, sb = self._step_factors(name, None, x.dtype)
+        h = jnp.einsum("b...d,kdr->b...kr", x, sb)
+        y = y + jnp.einsum("b...kr,kvr->b...v", h * self._step_weights(h.ndim).astype(x.dtype), sa)
     return y
 
   def scale(self, x, scale, *, name, layer=None):
@@ -170,5 +221,5 @@ def build(params, run_key: jax.Array, versions: jax.Array, members: jax.Array,
       per_group = jax.vmap(
           lambda k, s: (leaf.astype(jnp.float32) + s * noise.full_noise(k, spec)).astype(leaf.dtype)
       )(mkeys, group_scale)
-      values[spec.name] = per_group[row_group] if _is_vector(spec) else per_group
+      values[spec.name] = per_group[row_group] if is_vector(spec) else per_group
   return PopulationNoiser(row_group, factors, values, tuple(specs))

@@ -136,6 +136,7 @@ class Strategy:
         raise ValueError("learning_rate / weight_decay must be unset when optimizer is an optax "
                          "transformation (it carries its own)")
       tx = self.optimizer
+      plain_sgd = False   # an opaque transformation: its update is not known to be a plain step
     else:
       if self.optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS} or an optax.GradientTransformation, "
@@ -145,6 +146,7 @@ class Strategy:
       if not self.weight_decay >= 0:
         raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay!r}")
       tx = _named_optimizer(self.optimizer, float(self.learning_rate), float(self.weight_decay))
+      plain_sgd = self.optimizer == "sgd" and self.weight_decay == 0
     if self.nonfinite not in NONFINITE:
       raise ValueError(f"nonfinite must be one of {NONFINITE}, got {self.nonfinite!r}")
     sw = self.staleness_weighting
@@ -161,6 +163,9 @@ class Strategy:
     self._cfg = noise.NoiseConfig(self.mode, int(self.rank), bool(self.antithetic),
                                   bool(self.perturb_vectors), self.scanned, self.frozen)
     self._tx = tx
+    # theta_{v+1} - theta_v is the scaled noise sum itself only for an SGD this strategy built,
+    # without weight decay (no momentum, no state): then it is low-rank wherever the noise is.
+    self._plain_sgd = plain_sgd
     self._apply, self._perturb, self._build_noiser = _compiled(self._cfg, tx)
 
   @property
@@ -213,37 +218,11 @@ class Strategy:
     of the applied change, float32) and ``zero_step`` (all weights zero: params unchanged).
     """
     v_now = int(state.version)
-    kept, bad, seen = [], [], set()
-    for i, res in enumerate(results):
-      try:
-        version, m, fitness = int(res[0]), int(res[1]), float(res[2])
-      except (TypeError, ValueError, IndexError) as e:
-        raise ValueError(f"result {i} must be (version, member, fitness), got {res!r}") from e
-      self._check_member(state, version, m, allow_unperturbed=False)
-      if (version, m) in seen:
-        raise ValueError(f"duplicate result for (version={version}, member={m})")
-      seen.add((version, m))
-      (kept if math.isfinite(fitness) else bad).append((version, m, fitness))
-    if bad and self.nonfinite == "error":
-      raise ValueError(f"non-finite fitness for (version, member, fitness) {bad[:8]}"
-                       f"{' ...' if len(bad) > 8 else ''}; set nonfinite='exclude' to drop them")
-
-    n = len(kept)
-    versions = np.array([r[0] for r in kept], np.int32)
-    members = np.array([r[1] for r in kept], np.int32)
+    kept, bad, staleness, keyed, n = self._cohort(state, results)
     fitness = np.array([r[2] for r in kept], np.float64)
-    staleness = v_now - versions
-    weights = (np.asarray(self.shaping(fitness), np.float64) if callable(self.shaping)
-               else shaping.shape(fitness, self.shaping))
-    weights = weights * np.array([self.sigma_at(int(v)) for v in versions]) / self.sigma
-    weights = weights * self._staleness_weights(staleness)
-
-    keyed = update.combine_pairs(versions, members, weights, self.antithetic)
-    pad = self._padded_size(len(keyed[0])) - len(keyed[0])
     new_params, new_opt, norm = self._apply(
-        state.params, state.opt_state, state.run_key,
-        *(jnp.asarray(np.pad(x, (0, pad))) for x in keyed[:2]),
-        jnp.asarray(np.pad(keyed[2], (0, pad)), jnp.float32), jnp.int32(n))
+        state.params, state.opt_state, state.run_key, *(jnp.asarray(x) for x in keyed[:3]),
+        jnp.int32(n))
     new_state = ESState(new_params, new_opt, state.key, v_now + 1)
     hist = np.bincount(staleness, minlength=1) if n else np.zeros(1, np.int64)
     metrics = {
@@ -271,7 +250,67 @@ class Strategy:
     versions = jnp.asarray(versions, jnp.int32)
     return self._build_noiser(params, run_key, versions, members, row_group, self.sigma_at(versions))
 
+  # -- a version as its predecessor plus a low-rank step (the rollout engine's merged calls) --
+  @property
+  def steps_are_lowrank(self) -> bool:
+    """True when ``update``'s change to every low-rank matrix is itself low-rank and regenerable
+    from the cohort: low-rank mode and an SGD this strategy built from ``optimizer="sgd"``
+    without weight decay (any other transformation, Adam above all, is not)."""
+    return self.mode == "lowrank" and self._plain_sgd
+
+  def cohort(self, state: ESState, results: Sequence[tuple[int, int, float]]):
+    """``(versions, members, weights, count)``, host arrays: the noise keys and weights that
+    ``update(state, results)`` steps along (the argument of ``version_step``'s function)."""
+    _, _, _, keyed, n = self._cohort(state, results)
+    return (*keyed, np.int32(n))
+
+  def version_step(self, params, run_key: jax.Array):
+    """``step(versions, members, weights, count) -> {name: (a, b)}`` (jittable), the change
+    ``update`` makes to each low-rank matrix as factors, ``a @ b.T`` (``update.lowrank_step``),
+    for a cohort as ``cohort`` returns it, or None when the change is not low-rank: not
+    ``steps_are_lowrank``, or a matrix is perturbed full-rank. ``params`` gives the shapes."""
+    specs = tuple(noise.plan(params, self._cfg))
+    if not self.steps_are_lowrank or any(s.kind == "full" and not noiser.is_vector(s) for s in specs):
+      return None
+    return functools.partial(update.lowrank_step, specs, run_key, cfg=self._cfg,
+                             learning_rate=float(self.learning_rate))
+
   # -- helpers -------------------------------------------------------------------------------
+  def _cohort(self, state: ESState, results):
+    """The checked results of an update, as ``(kept, bad, staleness, keyed, n)``: ``keyed`` the
+    (versions, members, weights) of the noise keys, float32 weights, padded with zero weights to
+    ``_padded_size`` (one compiled shape), and ``n`` the results counted."""
+    v_now = int(state.version)
+    kept, bad, seen = [], [], set()
+    for i, res in enumerate(results):
+      try:
+        version, m, fitness = int(res[0]), int(res[1]), float(res[2])
+      except (TypeError, ValueError, IndexError) as e:
+        raise ValueError(f"result {i} must be (version, member, fitness), got {res!r}") from e
+      self._check_member(state, version, m, allow_unperturbed=False)
+      if (version, m) in seen:
+        raise ValueError(f"duplicate result for (version={version}, member={m})")
+      seen.add((version, m))
+      (kept if math.isfinite(fitness) else bad).append((version, m, fitness))
+    if bad and self.nonfinite == "error":
+      raise ValueError(f"non-finite fitness for (version, member, fitness) {bad[:8]}"
+                       f"{' ...' if len(bad) > 8 else ''}; set nonfinite='exclude' to drop them")
+
+    n = len(kept)
+    versions = np.array([r[0] for r in kept], np.int32)
+    members = np.array([r[1] for r in kept], np.int32)
+    fitness = np.array([r[2] for r in kept], np.float64)
+    staleness = v_now - versions
+    weights = (np.asarray(self.shaping(fitness), np.float64) if callable(self.shaping)
+               else shaping.shape(fitness, self.shaping))
+    weights = weights * np.array([self.sigma_at(int(v)) for v in versions]) / self.sigma
+    weights = weights * self._staleness_weights(staleness)
+
+    keyed = update.combine_pairs(versions, members, weights, self.antithetic)
+    pad = self._padded_size(len(keyed[0])) - len(keyed[0])
+    keyed = tuple(np.pad(x, (0, pad)) for x in keyed)
+    return kept, bad, staleness, (keyed[0], keyed[1], keyed[2].astype(np.float32)), n
+
   def _check_member(self, state: ESState, version: int, m: int, allow_unperturbed: bool) -> None:
     if not 0 <= version <= int(state.version):
       raise ValueError(f"version {version} is outside [0, {int(state.version)}] (the state's version)")

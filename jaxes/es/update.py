@@ -109,3 +109,27 @@ def perturb(params, run_key: jax.Array, version: jax.Array, member: jax.Array, s
          (p.astype(jnp.float32) + scale * noise.leaf_noise(mkey, spec, cfg.rank)).astype(p.dtype)
          for spec, p in zip(specs, leaves)]
   return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def lowrank_step(specs, run_key: jax.Array, versions: jax.Array, members: jax.Array,
+                 weights: jax.Array, count: jax.Array, *, cfg: noise.NoiseConfig,
+                 learning_rate: float) -> dict:
+  """``apply``'s change to every low-rank leaf under plain SGD (``tx = optax.sgd(learning_rate)``),
+  left as factors: ``{name: (a [(L,) in, N*r], b [(L,) out, N*r])}`` float32 with ``a @ b.T =
+  (learning_rate / count) * sum_i w_i eps_i`` on that leaf (``direction``'s sum, not multiplied
+  out). ``specs``: ``noise.plan`` of the parameters (static). Jittable; N*r*(in + out) floats per
+  matrix, what the noiser holds for N rows."""
+  signed = weights.astype(jnp.float32) * keys.member_sign(members, cfg.antithetic)
+  scale = signed * (learning_rate / jnp.maximum(count, 1).astype(jnp.float32) / np.sqrt(cfg.rank))
+  mkeys = jax.vmap(lambda v, m: keys.member_key(run_key, v, m, cfg.antithetic))(versions, members)
+
+  def by_column(f):  # [N, (L,) n, r] -> [(L,) n, N*r]
+    f = jnp.moveaxis(f, 0, -2)
+    return f.reshape(f.shape[:-2] + (-1,))
+
+  out = {}
+  for spec in specs:
+    if spec.kind == "lowrank":
+      a, b = jax.vmap(lambda k: noise.lowrank_factors(k, spec, cfg.rank))(mkeys)
+      out[spec.name] = (by_column(a * scale.reshape((-1,) + (1,) * (a.ndim - 1))), by_column(b))
+  return out

@@ -27,6 +27,17 @@ its width) when that at least halves the positions computed. The step compiles a
 ``len(batches) * len(widths) * len(spans)`` programs for the life of the engine (36 for the
 paper config: 3 batches x 4 widths x 3 spans; 12 without compaction).
 
+All live versions in one call (``version_steps=``, see ``VersionSteps``): when version v is
+version v-1 plus a low-rank step (ES in low-rank mode with plain SGD: the update's change to each
+matrix is ``a @ b.T``, regenerated from the cohort's keys and weights, ``add_step``), rows of
+versions ``base ... base + max_steps`` run in one call on the oldest live version's parameters:
+each matmul is the base's, plus the steps the row's version has on top of it (``(x @ a_k) @
+b_k.T``, shared by the rows), plus the row's own perturbation; biases and norm gains, tiny, are
+taken per row from the row's own version's parameters. When the oldest version retires the base
+moves to the next one the caller passes. Versions without their steps, or further apart, run in
+calls of their own as above. The programs with steps compile apart from those without (at most
+twice the step programs), so a step with one live version runs the programs above unchanged.
+
 Every sampled token comes with its log-prob under the distribution it was drawn from
 (``Turn.logprobs``): the behaviour log-probs a policy-gradient learner's importance ratio needs.
 
@@ -85,6 +96,26 @@ class Turn:
   tag: Any
 
 
+@dataclasses.dataclass(frozen=True)
+class VersionSteps:
+  """How the engine learns that a version is its predecessor plus a low-rank step.
+
+  ``make(versions[N], members[N], weights[N], count) -> {name: (a, b)}`` (jittable): the change
+  to each low-rank matrix, ``a [(L,) in, R] @ b [(L,) out, R].T``, of the update that consumed the
+  cohort (``jaxes.es.Strategy.version_step``; its argument is ``Strategy.cohort``'s). ``cohort``:
+  N, the cohort's padded size (one compiled shape). ``max_steps``: the most steps a call adds on
+  top of its base (static: each is a slot of the compiled programs; an async run's
+  ``max_staleness``)."""
+  make: Callable
+  cohort: int
+  max_steps: int = 1
+
+  def __post_init__(self):
+    if int(self.cohort) < 1 or int(self.max_steps) < 1:
+      raise ValueError(f"VersionSteps needs cohort >= 1 and max_steps >= 1, got cohort="
+                       f"{self.cohort}, max_steps={self.max_steps}")
+
+
 @dataclasses.dataclass
 class EngineStats:
   prefill_calls: int = 0
@@ -96,6 +127,7 @@ class EngineStats:
   busy_steps: int = 0            # Engine.step calls that ran at least one engine call
   rows_computed: int = 0         # sum over calls of the compiled batch (compaction: <= B)
   positions_computed: int = 0    # sum over calls of batch x width: the token positions run
+  multi_version_calls: int = 0   # calls whose rows belong to more than one version (steps)
 
   @property
   def utilisation(self) -> float:
@@ -127,6 +159,29 @@ def _rows_step(graphdef, layout, attend_len, params, noiser, cache, index, *per_
   return _step(graphdef, attend_len, params, noiser, cache, *per_row_and_sampling, cache_rows=rows)
 
 
+def _versions_step(graphdef, attend_len, params, noiser, steps, step_rows, cache, *per_row_and_sampling):
+  """``_step`` for rows of several versions: ``steps`` (K stacked low-rank steps, shared) added on
+  top of ``params`` per row as ``step_rows [B, K]`` says (``PopulationNoiser.with_steps``)."""
+  return _step(graphdef, attend_len, params, noiser.with_steps(steps, step_rows), cache,
+               *per_row_and_sampling)
+
+
+def _versions_rows_step(graphdef, layout, attend_len, params, noiser, steps, step_rows, cache, index,
+                        *per_row_and_sampling):
+  """``_rows_step`` for rows of several versions (``step_rows [n, K]``: the batch's rows)."""
+  rows = attention.Rows(index, *layout)
+  noiser = noiser.select_rows(rows.take).with_steps(steps, step_rows)
+  return _step(graphdef, attend_len, params, noiser, cache, *per_row_and_sampling, cache_rows=rows)
+
+
+def _stack_steps(*steps):
+  return jax.tree.map(lambda *xs: jnp.stack(xs), *steps)
+
+
+def _merge_noisers(base, others, owner):
+  return base.with_vectors_of(others, owner)
+
+
 def _reset_rows(cache: qwen2.KVCache, rows: jax.Array) -> qwen2.KVCache:
   return dataclasses.replace(cache, index=jnp.where(rows, 0, cache.index),
                              valid=jnp.where(rows[:, None], False, cache.valid))
@@ -146,12 +201,15 @@ class Engine:
   ``num_slots``; None = the first device. ``abstract``: allocate nothing (see ``programs``).
   ``compact``: run a call on its working rows only when they fit a smaller compiled batch (see
   the module docstring; the noiser then needs ``select_rows``, as
-  ``jaxes.es.noiser.PopulationNoiser`` has); False: every call runs all B rows."""
+  ``jaxes.es.noiser.PopulationNoiser`` has); False: every call runs all B rows.
+  ``version_steps``: run rows of consecutive versions in one call (``VersionSteps``, ``add_step``;
+  the noiser then needs ``with_steps`` and ``with_vectors_of``); None: one call per version."""
 
   def __init__(self, graphdef, model_config: qwen2.Qwen2Config, *, num_slots: int, max_len: int,
                prefill_chunk: int, max_new_tokens: int, stop_ids, im_end_id: int,
                make_noiser: Callable | None = None, seed: int = 0, mesh: Mesh | None = None,
-               rules=sharding.LOGICAL_RULES, abstract: bool = False, compact: bool = True):
+               rules=sharding.LOGICAL_RULES, abstract: bool = False, compact: bool = True,
+               version_steps: VersionSteps | None = None):
     if max_len <= max_new_tokens:
       raise ValueError(f"max_len={max_len} must exceed max_new_tokens={max_new_tokens}")
     self.mesh = sharding.make_mesh(devices=jax.devices()[:1]) if mesh is None else mesh
@@ -223,9 +281,48 @@ class Engine:
     self._reset = jax.jit(_reset_rows, donate_argnames=("cache",),
                           in_shardings=(self.cache_shardings, rows),
                           out_shardings=self.cache_shardings)
-    self._noisers: dict[int, Any] = {}
+    self.version_steps = version_steps
+    if version_steps is not None:
+      if make_noiser is None:
+        raise ValueError("version_steps needs a noiser (make_noiser): the steps are added through it")
+      self._replicated = replicated
+      self._init_version_steps(graphdef, layout)
+    self._noisers: dict[Any, Any] = {}   # version, or a call's versions (a tuple) -> noiser
+    self._steps: dict[int, Any] = {}     # version v -> the low-rank step from v - 1 to v
+    self._stacked: dict[tuple, Any] = {}  # the steps a call adds, stacked
     self._in_place: dict[int, tuple] = {}  # version -> (params as given, params in place)
     self._to_reset = np.zeros(num_slots, bool)
+
+  def _init_version_steps(self, graphdef, layout) -> None:
+    vs, rows, replicated = self.version_steps, self.rows, self._replicated
+    K, N = int(vs.max_steps), int(vs.cohort)
+    cohort = (jax.ShapeDtypeStruct((N,), jnp.int32, sharding=replicated),) * 2 + (
+        jax.ShapeDtypeStruct((N,), jnp.float32, sharding=replicated),
+        jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated))
+    self._cohort_shapes = cohort
+    one = jax.eval_shape(vs.make, *cohort)
+    # Steps are shared by every row: replicated like the parameters they add to on one device,
+    # and like the noiser's leaves that have no per-row axis (``_noiser_leaf_sharding``).
+    self._step_shapes = _abstract(one, jax.tree.map(lambda _: replicated, one))
+    self._stacked_shapes = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct((K,) + x.shape, x.dtype, sharding=replicated), one)
+    self._make_step = jax.jit(vs.make, in_shardings=replicated, out_shardings=replicated)
+    self._zero_step = None
+    self._stack = jax.jit(_stack_steps, out_shardings=replicated)
+    self._merge = jax.jit(_merge_noisers, in_shardings=(self.noiser_shardings,
+                                                        (self.noiser_shardings,) * K, rows),
+                          out_shardings=self.noiser_shardings)
+    self._versions_step = jax.jit(
+        functools.partial(_versions_step, graphdef), donate_argnames=("cache",), static_argnums=0,
+        in_shardings=(self.param_shardings, self.noiser_shardings, replicated, rows,
+                      self.cache_shardings, rows, rows, rows, replicated, rows, rows, rows, rows),
+        out_shardings=((rows, rows), self.cache_shardings))
+    self._versions_rows_step = jax.jit(
+        functools.partial(_versions_rows_step, graphdef, layout), donate_argnames=("cache",),
+        static_argnums=0,
+        in_shardings=(self.param_shardings, self.noiser_shardings, replicated, rows,
+                      self.cache_shardings, rows, rows, rows, rows, replicated, rows, rows, rows, rows),
+        out_shardings=((rows, rows), self.cache_shardings))
 
   def _noiser_leaf_sharding(self, leaf) -> NamedSharding:
     """Noiser leaves with one entry per slot live with their rows (over ``data``); anything else
@@ -237,7 +334,9 @@ class Engine:
     """Every program this engine runs, lowered over abstract arguments (nothing allocated):
     ``step[w=W,span=A]`` (all B rows) and ``step[b=N,w=W,span=A]`` (a compacted batch of N rows
     in all, ``batches`` x data shards) for each width and span, ``reset``, and ``noiser`` (its
-    build) when there is a noiser. ``.compile()`` each for its memory analysis."""
+    build) when there is a noiser; with ``version_steps`` also ``step[w=W,span=A,steps=K]`` and
+    ``step[b=N,w=W,span=A,steps=K]`` (rows of several versions), ``version_step`` (a step's
+    build), ``stack_steps`` and ``merge_noisers``. ``.compile()`` each for its memory analysis."""
     B = self.num_slots
     out = {}
     def rows(shape, dtype):
@@ -265,6 +364,30 @@ class Engine:
     out["reset"] = self._reset.lower(cache, rows((B,), jnp.bool_))
     if self._make_noiser is not None:
       out["noiser"] = self._make_noiser.lower(self.abstract_params, slot_ids, slot_ids, slot_ids)
+    if self.version_steps is None:
+      return out
+    K = int(self.version_steps.max_steps)
+    steps = self._stacked_shapes
+    for b in self.batches:
+      n = b * self.shards
+      full = b == self.batches[-1]
+      per_row = (rows((n,), jnp.uint32), rows((n,), jnp.int32), rows((n,), jnp.float32),
+                 rows((n,), jnp.float32))
+      for w in self.widths:
+        for span in self.spans:
+          tokens = (rows((n, w), jnp.int32), rows((n, w), jnp.int32), rows((n, w), jnp.bool_), key)
+          head = (span, self.abstract_params, self.abstract_noiser, steps,
+                  rows((n, K), jnp.float32), cache)
+          if full:
+            out[f"step[w={w},span={span},steps={K}]"] = self._versions_step.lower(
+                *head, *tokens, *per_row)
+          else:
+            out[f"step[b={n},w={w},span={span},steps={K}]"] = self._versions_rows_step.lower(
+                *head, rows((n,), jnp.int32), *tokens, *per_row)
+    out["version_step"] = self._make_step.lower(*self._cohort_shapes)
+    out["stack_steps"] = self._stack.lower(*(self._step_shapes,) * K)
+    out["merge_noisers"] = self._merge.lower(self.abstract_noiser, (self.abstract_noiser,) * K,
+                                             slot_ids)
     return out
 
   # -- slot management (host) -------------------------------------------------------------------
@@ -305,6 +428,19 @@ class Engine:
     slot.pending, slot.generated, slot.logprobs, slot.state = tokens, [], [], PREFILL
     return True
 
+  def add_step(self, version: int, versions, members, weights, count) -> bool:
+    """Register that ``version`` is ``version - 1`` plus the low-rank step of the update that
+    consumed this cohort (host arrays, ``Strategy.cohort``): rows of ``version`` may then run in
+    a call based on an older live version. False (nothing registered; such rows keep calls of
+    their own) without ``version_steps`` or when the cohort is not ``VersionSteps.cohort`` long."""
+    vs = self.version_steps
+    if vs is None or self.abstract or len(versions) != int(vs.cohort):
+      return False
+    cohort = (np.asarray(versions, np.int32), np.asarray(members, np.int32),
+              np.asarray(weights, np.float32), np.asarray(count, np.int32))
+    self._steps[int(version)] = self._make_step(*self._on_every_device(*cohort))
+    return True
+
   def release(self, index: int) -> None:
     if self.slots[index].state != FREE:
       self.slots[index] = Slot(index)
@@ -319,6 +455,13 @@ class Engine:
       return arrays
     return tuple(jax.make_array_from_callback(x.shape, self.rows, lambda index, x=x.copy(): x[index])
                  for x in arrays)
+
+  def _on_every_device(self, *arrays: np.ndarray) -> tuple:
+    """Host arrays as replicated arguments (``_placed``'s counterpart for arrays without rows)."""
+    if self._replicated.is_fully_addressable:
+      return arrays
+    return tuple(jax.make_array_from_callback(x.shape, self._replicated,
+                                              lambda index, x=x.copy(): x[index]) for x in arrays)
 
   def _place(self, version: int, params):
     """``params`` in the rule table's shardings, moved once per version (a new object is placed
@@ -338,6 +481,53 @@ class Engine:
       self._noisers[version] = self._make_noiser(
           params, *self._placed(versions, members, np.arange(self.num_slots, dtype=np.int32)))
     return self._noisers[version]
+
+  def _versions_noiser(self, base: int, versions: tuple, params_by_version: dict):
+    """The noiser of a call over rows of ``versions`` (base first): every row's perturbation,
+    and its vectors from its own version's noiser (``with_vectors_of``). Built when slot
+    assignments change, like the per-version ones; those of the newer versions are not kept."""
+    if versions not in self._noisers:
+      K = int(self.version_steps.max_steps)
+      noiser = self._noiser(base, self._place(base, params_by_version[base]))
+      others = [noiser] * K
+      for v in versions[1:]:
+        others[v - base - 1] = self._make_noiser(
+            self._place(v, params_by_version[v]), *self._placed(
+                np.array([s.version for s in self.slots], np.int32),
+                np.array([s.member if s.state != FREE else -1 for s in self.slots], np.int32),
+                np.arange(self.num_slots, dtype=np.int32)))
+      owner = np.array([s.version - base if s.state != FREE and s.version in versions else 0
+                        for s in self.slots], np.int32)
+      self._noisers[versions] = self._merge(noiser, tuple(others), *self._placed(owner))
+    return self._noisers[versions]
+
+  def _stacked_steps(self, base: int, newest: int):
+    """Steps ``base + 1 ... newest`` stacked into the K slots of the programs (zeros after)."""
+    key = (base, newest)
+    if key not in self._stacked:
+      if self._zero_step is None:   # a cohort of zero weights: a step of zeros, same program
+        N = int(self.version_steps.cohort)
+        self._zero_step = self._make_step(*self._on_every_device(
+            np.zeros(N, np.int32), np.zeros(N, np.int32), np.zeros(N, np.float32), np.int32(1)))
+      K = int(self.version_steps.max_steps)
+      self._stacked[key] = self._stack(*(self._steps[base + k] if base + k <= newest
+                                         else self._zero_step for k in range(1, K + 1)))
+    return self._stacked[key]
+
+  def _groups(self, versions: list[int]) -> list[tuple[int, ...]]:
+    """Live versions (sorted) as the groups whose rows share calls: a version joins the group of
+    the oldest one before it when every step between them is registered and there are at most
+    ``max_steps`` of them."""
+    groups: list[tuple[int, ...]] = []
+    for v in versions:
+      if groups and self.version_steps is not None:
+        base = groups[-1][0]
+        if v - base <= self.version_steps.max_steps and all(
+            u in self._steps for u in range(base + 1, v + 1)):
+          groups[-1] += (v,)
+          continue
+      groups.append((v,))
+    return groups
 
   def _batch(self, rows: list[Slot]) -> int:
     """Rows per data shard of the call over ``rows``: the smallest compiled batch that holds
@@ -363,10 +553,14 @@ class Engine:
       where.append(i)
     return index, where
 
-  def _call(self, params, version, rows: list[Slot], width: int) -> list[tuple[int, float]]:
-    """One engine call over ``rows`` (one version) at ``width``: the full-batch program when
-    they need every row of a shard, else the compacted one; each row's sampled token and its
-    log-prob."""
+  def _call(self, params_by_version: dict, group: tuple, rows: list[Slot], width: int
+            ) -> list[tuple[int, float]]:
+    """One engine call over ``rows`` (of the versions ``group``, the first the base) at
+    ``width``: the full-batch program when they need every row of a shard, else the compacted
+    one; rows of newer versions add their steps (``_versions_step``). Each row's sampled token
+    and its log-prob."""
+    version = group[0]
+    params = params_by_version[version]
     b = self._batch(rows)
     full = b == self.batches[-1]
     n = self.num_slots if full else b * self.shards
@@ -391,13 +585,29 @@ class Engine:
     params = self._place(version, params)
     need = max(s.length for s in rows) + width
     span = next((a for a in self.spans if a >= need), self.max_len)
-    noiser = self._noiser(version, params)
     per_row = self._placed(tokens, positions, valid)
     sampling_state = self._placed(streams, counters, temperature, top_p)
-    if full:
+    newest = max(s.version for s in rows)
+    if newest > version:   # rows of several versions: the base's weights plus each row's steps
+      step_rows = np.zeros((n, int(self.version_steps.max_steps)), np.float32)
+      for s, i in zip(rows, where):
+        step_rows[i, :s.version - version] = 1.0
+      noiser = self._versions_noiser(version, group, params_by_version)
+      head = (span, params, noiser, self._stacked_steps(version, newest),
+              *self._placed(step_rows), self.cache)
+      if full:
+        (next_tokens, logprobs), self.cache = self._versions_step(
+            *head, *per_row, self.base_key, *sampling_state)
+      else:
+        (next_tokens, logprobs), self.cache = self._versions_rows_step(
+            *head, *self._placed(index), *per_row, self.base_key, *sampling_state)
+      self.stats.multi_version_calls += 1
+    elif full:
+      noiser = self._noiser(version, params)
       (next_tokens, logprobs), self.cache = self._step(
           span, params, noiser, self.cache, *per_row, self.base_key, *sampling_state)
     else:
+      noiser = self._noiser(version, params)
       (next_tokens, logprobs), self.cache = self._rows_step(
           span, params, noiser, self.cache, *self._placed(index), *per_row, self.base_key,
           *sampling_state)
@@ -443,7 +653,8 @@ class Engine:
   def step(self, params_by_version: dict) -> list[Turn]:
     """Advances every working slot once: per live version one call (or two, see ``_calls``) in
     which decoding rows feed their last token and prefilling rows their next prompt chunk
-    (ragged rows in one batch, as the cache allows). Returns the turns that finished."""
+    (ragged rows in one batch, as the cache allows); with ``version_steps``, per group of
+    versions a step apart (``_groups``). Returns the turns that finished."""
     if self.abstract:
       raise RuntimeError("an abstract engine has no arrays to run; lower its programs() instead")
     if self._to_reset.any():
@@ -452,10 +663,14 @@ class Engine:
     finished: list[Turn] = []
     working = [s for s in self.slots if s.state in (PREFILL, DECODE)]
     self.stats.busy_steps += bool(working)
-    for version in sorted({s.version for s in working}):
-      for rows in self._calls([s for s in working if s.version == version]):
+    if self._steps and params_by_version:   # steps up to the oldest version passed are done with
+      oldest = min(params_by_version)
+      self._steps = {v: x for v, x in self._steps.items() if v > oldest}
+      self._stacked = {k: x for k, x in self._stacked.items() if k[0] >= oldest}
+    for group in self._groups(sorted({s.version for s in working})):
+      for rows in self._calls([s for s in working if s.version in group]):
         width = self._width(rows)
-        out = self._call(params_by_version[version], version, rows, width)
+        out = self._call(params_by_version, group, rows, width)
         if any(s.state == PREFILL for s in rows):
           self.stats.prefill_calls += 1
         else:
@@ -477,4 +692,6 @@ class Engine:
   def compilations(self) -> int:
     """Programs compiled so far by this engine's jitted functions (fixed shapes: stays small)."""
     fns = [self._step, self._rows_step, self._reset] + ([self._make_noiser] if self._make_noiser else [])
+    if self.version_steps is not None:
+      fns += [self._versions_step, self._versions_rows_step, self._make_step, self._stack, self._merge]
     return sum(f._cache_size() for f in fns)

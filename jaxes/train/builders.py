@@ -20,7 +20,7 @@ from jaxes.controller import ControllerConfig
 from jaxes.envs import generator, make_sandbox, protocol, webshop
 from jaxes.experiments.latency import LatencySandbox
 from jaxes.models import hf, qwen2
-from jaxes.rollout.engine import Engine
+from jaxes.rollout.engine import Engine, VersionSteps
 from jaxes.rollout.episodes import EpisodeRunner
 from jaxes.train import warmstart
 from jaxes.train.errors import ConfigError
@@ -269,7 +269,20 @@ def build_engine(config, model: Model, tokenizer, strategy: es.Strategy | None =
   return Engine(model.graphdef, model.config, num_slots=r.num_slots, max_len=r.max_len,
                 prefill_chunk=r.prefill_chunk, max_new_tokens=r.max_new_tokens, stop_ids=stop,
                 im_end_id=im_end, make_noiser=None if strategy is None else make_noiser,
-                seed=config.seed, mesh=mesh)
+                seed=config.seed, mesh=mesh,
+                version_steps=version_steps(config, model, strategy, run_key))
+
+
+def version_steps(config, model: Model, strategy: es.Strategy | None, run_key) -> VersionSteps | None:
+  """An async ES run whose updates are low-rank steps (``Strategy.steps_are_lowrank``: low-rank
+  mode, plain SGD) runs the rows of all its live versions in one engine call, up to
+  ``max_staleness`` steps from the oldest (the trainer registers each update, ``Engine.add_step``);
+  None otherwise (a call per version)."""
+  c = config.controller
+  if strategy is None or c.mode != "async" or c.max_staleness < 1:
+    return None
+  make = strategy.version_step(model.abstract_params, run_key)
+  return None if make is None else VersionSteps(make, strategy.population, int(c.max_staleness))
 
 
 def build_runner(config, engine: Engine, tokenizer, sandbox, owned=None, exchange=None) -> EpisodeRunner:

@@ -191,7 +191,10 @@ class Trainer:
   def _apply(self, update) -> tuple[dict, list]:
     state, t = self.state, time.perf_counter()
     results = sorted(update.results)  # a deterministic order: float sums do not depend on arrival
-    new_es, es_metrics = self.parts.strategy.update(state.es, results)
+    strategy = self.parts.strategy
+    new_es, es_metrics = strategy.update(state.es, results)
+    if self.runner.engine.version_steps is not None:  # rows of the new version may join older calls
+      self.runner.engine.add_step(int(new_es.version), *strategy.cohort(state.es, results))
     if int(new_es.version) != state.controller.version:
       raise RuntimeError(f"ES version {int(new_es.version)} != controller version {state.controller.version}")
     state.advance(new_es, keep=set(state.controller.live_versions()) | self.runner.live_versions())

@@ -14,8 +14,9 @@ function ``Strategy.update`` runs): params + SGD state, the direction regenerate
 Also the gradient of one micro-batch's teacher-forced log-probs with and without the whole
 forward under ``jax.checkpoint``. Every GRPO program is compiled twice: as the learner runs now
 (each layer under ``jax.checkpoint``, ``attention.causal`` blockwise over query blocks of
-``attention.KV_BLOCK`` when the sequence is longer) and as it ran before both (``--before``
-rows: no remat, one dense softmax over the whole sequence).
+``attention.KV_BLOCK`` when the sequence is longer, log-probs ``grpo.logprob_chunk`` positions
+at a time) and as it ran before all three (``_before`` rows: no remat, one dense softmax over
+the whole sequence, the whole [rows, seq_len, vocab] logits at once).
 
 Prints a table, then one JSON line with every number.
 """
@@ -64,11 +65,12 @@ def attention_path(dense: bool, seq_len: int):
 
 def grpo_memory(graphdef, params, rows, seq_len, micro_batches, before=False) -> dict:
   with attention_path(before, seq_len):
-    return _grpo_memory(graphdef, params, rows, seq_len, micro_batches, remat=not before)
+    return _grpo_memory(graphdef, params, rows, seq_len, micro_batches, remat=not before,
+                        chunk=0 if before else GRPOConfig.logprob_chunk)
 
 
-def _grpo_memory(graphdef, params, rows, seq_len, micro_batches, remat) -> dict:
-  learner = GRPOLearner(graphdef, GRPOConfig(micro_batches=micro_batches, remat=remat))
+def _grpo_memory(graphdef, params, rows, seq_len, micro_batches, remat, chunk) -> dict:
+  learner = GRPOLearner(graphdef, GRPOConfig(micro_batches=micro_batches, remat=remat, logprob_chunk=chunk))
   state = jax.eval_shape(learner.init, params)
   S = jax.ShapeDtypeStruct
   batch = Batch(S((rows, seq_len), jnp.int32), S((rows, seq_len), bool), S((rows, seq_len), bool),

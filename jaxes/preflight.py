@@ -235,32 +235,17 @@ class NoProgramMatches(ValueError):
 
 
 def _learner_program(config, graphdef, params, mesh):
-  """The GRPO learner step lowered over an abstract learner state sharded like the parameters
-  (params, float32 master and AdamW moments per the rule table: over fsdp/tensor) and a batch
-  of ``group_size x tasks_per_update`` episode rows of ``seq_len`` tokens over ``data``; with
-  the abstract state."""
-  import optax
+  """The GRPO learner step lowered over the abstract learner state a run places
+  (``GRPOLearner.abstract_state``: params per the rule table, over fsdp/tensor; the float32
+  master and AdamW moments also over data with ``grpo.optimizer_over_data``) and a batch of
+  ``group_size x tasks_per_update`` episode rows of ``seq_len`` tokens over ``data``; with the
+  abstract state."""
   from jaxes.rl import config as rl_config
   from jaxes.rl.batch import Batch
-  from jaxes.rl.grpo import GRPOLearner, LearnerState
+  from jaxes.rl.grpo import GRPOLearner
   learner = GRPOLearner(graphdef, rl_config.from_run_config(config))
-  shapes = jax.eval_shape(learner.init, params)
-  shardings = jax.tree.map(lambda p: p.sharding, params)
   P = jax.sharding.PartitionSpec
-  rep = jax.sharding.NamedSharding(mesh, P())
-
-  def like_params(tree):
-    return None if tree is None else jax.tree.map(
-        lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), tree, shardings)
-
-  # Parameter-shaped subtrees of the optimizer state (AdamW's moments) are sharded like the
-  # parameters, as ``init``'s zeros_like leaves them; counters are replicated.
-  opt_state = optax.tree_map_params(
-      learner.tx, lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
-      shapes.opt_state, shardings,
-      transform_non_params=lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep))
-  state = LearnerState(params, like_params(shapes.master), opt_state, like_params(shapes.ref_params),
-                       jax.ShapeDtypeStruct((), jnp.int32, sharding=rep))
+  state = learner.abstract_state(params, jax.tree.map(lambda p: p.sharding, params))
   g = config.grpo
   rows, seq = g.group_size * g.tasks_per_update, g.seq_len or config.rollout.max_len
   over_data = jax.sharding.NamedSharding(mesh, P("data"))

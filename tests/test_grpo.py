@@ -362,7 +362,8 @@ def test_config_validation():
          (dict(micro_batches=0), "micro_batches"), (dict(micro_batches=2.0), "micro_batches"),
          (dict(temperature=0.0), "temperature"), (dict(top_p=1.5), "top_p"),
          (dict(kl_coef=-1.0), "kl_coef"), (dict(master_weights="yes"), "master_weights"),
-         (dict(remat=1), "remat"),
+         (dict(remat=1), "remat"), (dict(logprob_chunk=-1), "logprob_chunk"),
+         (dict(logprob_chunk=True), "logprob_chunk"),
          (dict(learning_rate="1e-5"), "learning_rate"), (dict(adam_b2=1.0), "adam_b2")]
   for kwargs, key in bad:
     with pytest.raises(ValueError, match=rf"^GRPOConfig\.{key}: "):

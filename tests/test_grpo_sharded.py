@@ -1,6 +1,6 @@
-"""The GRPO learner on an 8-device CPU mesh (data x fsdp x tensor = 2 x 2 x 2): parameters and
-optimizer state stay in the parameters' shardings, episode rows are split over data, and the
-step equals the same step on one device."""
+"""The GRPO learner on an 8-device CPU mesh (data x fsdp x tensor = 2 x 2 x 2): parameters stay
+in their shardings, the optimizer state is also split over data, episode rows are split over
+data, and the step equals the same step on one device."""
 import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
@@ -36,9 +36,12 @@ def test_sharded_step_keeps_shardings_and_equals_one_device():
   got = jax.tree.map(lambda x: x.sharding, state.params)
   for w, g, x in zip(jax.tree.leaves(want), jax.tree.leaves(got), jax.tree.leaves(state.params)):
     assert g.is_equivalent_to(w, x.ndim), (w, g)
+  # AdamW's moments: the parameter's sharding, also split over data (grpo.optimizer_over_data).
   mu = state.opt_state[1][0].mu
   for w, g, x in zip(jax.tree.leaves(want), jax.tree.leaves(jax.tree.map(lambda x: x.sharding, mu)), jax.tree.leaves(mu)):
-    assert g.is_equivalent_to(w, x.ndim), (w, g)
+    assert g.is_equivalent_to(learner.learner_sharding(w, x), x.ndim), (w, g)
+    assert "data" in jax.tree.leaves(tuple(g.spec)) and not g.is_equivalent_to(w, x.ndim), (w, g)
+    assert np.prod(g.shard_shape(x.shape)) * 2 == np.prod(w.shard_shape(x.shape))  # half per device
 
   one = jax.devices()[0]
   local = jax.tree.map(lambda x: jax.device_put(np.asarray(x), one), params)

@@ -65,9 +65,12 @@ def test_grpo_report_matches_a_real_learner_state_and_its_compiled_step():
   learner = GRPOLearner(graphdef, rl_config.from_run_config(config))
   state = learner.init(params)
   assert rows["parameters"] == _device0_bytes(nnx.to_pure_dict(params))
-  assert rows["master_weights"] == _device0_bytes(state.master) == 2 * rows["parameters"]  # f32 of bf16
+  # float32 of bf16, split over the 4 data shards too (grpo.optimizer_over_data)
+  assert rows["master_weights"] == _device0_bytes(state.master) == 2 * rows["parameters"] // 4
+  assert {x.sharding for x in jax.tree.leaves(state.params)} & {
+      x.sharding for x in jax.tree.leaves(state.master)} == set()
   assert rows["optimizer_state"] == _device0_bytes(state.opt_state)
-  assert rows["optimizer_state"] >= 4 * rows["parameters"]  # two float32 moments (+ counters)
+  assert rows["optimizer_state"] >= 4 * rows["parameters"] // 4  # two float32 moments (+ counters)
 
   # The batch over data: 8 rows x 64 tokens of int32 + bool + bool + float32, and [8] rewards, groups.
   over_data = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))

@@ -318,8 +318,8 @@ class Qwen2ForCausalLM(nnx.Module):
   def __call__(self, tokens: jax.Array, positions: jax.Array, valid: jax.Array,
                cache: KVCache | None = None, noiser: Noiser | None = None,
                logits_at: jax.Array | None = None, attend_len: int | None = None,
-               cache_rows: attention.Rows | None = None, remat: bool = False
-               ) -> tuple[jax.Array, KVCache | None]:
+               cache_rows: attention.Rows | None = None, remat: bool = False,
+               head: bool = True) -> tuple[jax.Array, KVCache | None]:
     """tokens, positions: int32 [B, T]; valid: bool [B, T]. Returns (float32 logits [B, T, V],
     updated cache). See ``KVCache`` and the module docstring for the cache semantics.
     ``logits_at`` (int32 [B]) computes the logits of one position per row only, [B, V]: a
@@ -330,7 +330,9 @@ class Qwen2ForCausalLM(nnx.Module):
     is those rows of a larger cache (``attention.Rows``), read and written in place; the other
     rows are untouched. None: batch row b is cache row b. ``remat`` (static; without a cache):
     each layer under ``jax.checkpoint``, so a gradient holds one layer's activations at a time
-    (plus every layer's input) and recomputes the rest in the backward."""
+    (plus every layer's input) and recomputes the rest in the backward. ``head=False`` (static):
+    the final-normed hidden states [B, T, d] in place of the logits, for a caller that applies
+    the LM head (``lm_logits``) to a few positions at a time."""
     cfg = self.config
     noiser = IdentityNoiser() if noiser is None else noiser
     valid = valid.astype(bool)
@@ -375,10 +377,7 @@ class Qwen2ForCausalLM(nnx.Module):
     if logits_at is not None:
       x = x[jnp.arange(x.shape[0]), logits_at]
     x = self.final_norm(x, noiser)
-    if self.lm_head is None:
-      logits = self.embed.attend(x, noiser)
-    else:
-      logits = self.lm_head(x, noiser)
+    out = self.lm_logits(x, noiser) if head else x
 
     if cache is not None and cache_rows is None:
       cache = KVCache(k=cache_k, v=cache_v, index=cache.index + valid.sum(axis=1, dtype=jnp.int32),
@@ -387,14 +386,20 @@ class Qwen2ForCausalLM(nnx.Module):
       cache = KVCache(k=cache_k, v=cache_v,
                       index=cache_rows.advance(cache.index, valid.sum(axis=1, dtype=jnp.int32)),
                       valid=cache_rows.mark(cache.valid, write_slots), dtype=cache.dtype)
-    return logits.astype(jnp.float32), cache
+    return out, cache
+
+  def lm_logits(self, x: jax.Array, noiser: Noiser | None = None) -> jax.Array:
+    """float32 logits [..., V] of final-normed hidden states [..., d]: the LM head."""
+    noiser = IdentityNoiser() if noiser is None else noiser
+    logits = self.embed.attend(x, noiser) if self.lm_head is None else self.lm_head(x, noiser)
+    return logits.astype(jnp.float32)
 
 
 def forward(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array, positions: jax.Array,
             valid: jax.Array, cache: KVCache | None = None, noiser: Noiser | None = None,
             logits_at: jax.Array | None = None, attend_len: int | None = None,
-            cache_rows: attention.Rows | None = None, remat: bool = False):
+            cache_rows: attention.Rows | None = None, remat: bool = False, head: bool = True):
   """Pure functional forward for use inside ``jax.jit``: ``nnx.merge`` then call."""
   model = nnx.merge(graphdef, params)
   return model(tokens, positions, valid, cache=cache, noiser=noiser, logits_at=logits_at,
-               attend_len=attend_len, cache_rows=cache_rows, remat=remat)
+               attend_len=attend_len, cache_rows=cache_rows, remat=remat, head=head)

@@ -42,6 +42,8 @@ class GRPOConfig:
   micro_batches: int = 1           # the batch's rows are split into this many, grads summed
   master_weights: bool = True      # float32 master copy (and moments) when params are not f32
   remat: bool = True               # each layer's activations recomputed in the backward
+  logprob_chunk: int = 1024        # LM head + log-softmax this many positions at a time; 0 = all
+  optimizer_over_data: bool = True  # master, moments, gradient sums also split over mesh.data
   temperature: float = 1.0         # of the sampling distribution the log-probs are under
   top_p: float = 1.0
 
@@ -73,7 +75,7 @@ class GRPOConfig:
       fail("temperature", "must be > 0 (GRPO needs sampled episodes; greedy has no log-probs)")
     if not 0 < number("top_p") <= 1:
       fail("top_p", "must be in (0, 1]")
-    for key in ("warmup_steps", "micro_batches"):
+    for key in ("warmup_steps", "micro_batches", "logprob_chunk"):
       v = getattr(self, key)
       if isinstance(v, bool) or not isinstance(v, int) or v < (1 if key == "micro_batches" else 0):
         fail(key, f"must be an int >= {1 if key == 'micro_batches' else 0}")
@@ -81,7 +83,7 @@ class GRPOConfig:
       fail("advantage", f"must be one of {ADVANTAGES}")
     if self.aggregation not in AGGREGATIONS:
       fail("aggregation", f"must be one of {AGGREGATIONS}")
-    for key in ("master_weights", "remat"):
+    for key in ("master_weights", "remat", "optimizer_over_data"):
       if not isinstance(getattr(self, key), bool):
         fail(key, "must be a bool")
 

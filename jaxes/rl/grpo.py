@@ -11,10 +11,16 @@ updates (its moments are float32 too); the forward runs on the params cast from 
 copies what it is given; ``step`` donates ``state`` (so a step holds one copy of the params and
 moments, not two): a caller that needs an older version's params afterwards (an engine decoding
 stale episodes) keeps its own ``jax.tree.map(jnp.copy, state.params)``.
+
+On a mesh, what only the learner reads (the master, AdamW's moments, the running gradient sums)
+is also split over ``data`` (``learner_sharding``, ZeRO-2) unless ``optimizer_over_data`` is off:
+the params stay where the engine decodes with them, and each update gathers them once.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from typing import Any
 
 import jax
@@ -56,7 +62,17 @@ class GRPOLearner:
     self.loss_and_grads = jax.jit(self._loss_and_grads)
 
   def init(self, params, ref_params=None) -> LearnerState:
-    """``ref_params``: the KL reference (default: a copy of ``params``) when ``kl_coef`` > 0."""
+    """``ref_params``: the KL reference (default: a copy of ``params``) when ``kl_coef`` > 0.
+    With params on one mesh, every leaf is placed as ``abstract_state`` says."""
+    state = self._fresh(params, ref_params)
+    shardings = [getattr(x, "sharding", None) for x in jax.tree.leaves(params)]  # (tracers have none)
+    if shardings and all(isinstance(sh, NamedSharding) for sh in shardings) and \
+        len({sh.mesh for sh in shardings}) == 1:
+      target = self.abstract_state(params, jax.tree.map(lambda x: x.sharding, params))
+      state = jax.tree.map(lambda x, t: jax.device_put(x, t.sharding), state, target)
+    return state
+
+  def _fresh(self, params, ref_params=None) -> LearnerState:
     c = self.config
     params = jax.tree.map(jnp.copy, params)
     master = None
@@ -67,33 +83,72 @@ class GRPOLearner:
     else:
       ref_params = None
     opt_state = self.tx.init(params if master is None else master)
-    state = LearnerState(params, master, opt_state, ref_params, jnp.zeros((), jnp.int32))
-    meshes = {x.sharding.mesh for x in jax.tree.leaves(params)
-              if isinstance(getattr(x, "sharding", None), NamedSharding)}  # (tracers have none)
-    if len(meshes) == 1:  # counters made on the default device join the params' mesh, replicated
-      replicated = NamedSharding(meshes.pop(), PartitionSpec())
-      state = jax.tree.map(lambda x: x if isinstance(x.sharding, NamedSharding)
-                           else jax.device_put(x, replicated), state)
-    return state
+    return LearnerState(params, master, opt_state, ref_params, jnp.zeros((), jnp.int32))
+
+  def abstract_state(self, params, shardings) -> LearnerState:
+    """The state ``init`` makes from ``params`` (arrays or ``jax.ShapeDtypeStruct``s) placed by
+    the parameters' ``shardings`` (``NamedSharding``s on one mesh), as ShapeDtypeStructs: params
+    and the reference in their parameter's sharding; the float32 master and AdamW's moments in
+    ``learner_sharding`` of it; counters replicated. What a restore targets and the preflight
+    sizes."""
+    shapes = jax.eval_shape(self._fresh, params)
+    mesh = jax.tree.leaves(shardings)[0].mesh
+    replicated = NamedSharding(mesh, PartitionSpec())
+    learner_only = jax.tree.map(self.learner_sharding, shardings, params)
+
+    def put(x, sharding=replicated):
+      return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+    def like(tree, sh):
+      return None if tree is None else jax.tree.map(put, tree, sh)
+
+    opt_state = optax.tree_map_params(self.tx, put, shapes.opt_state, learner_only,
+                                      transform_non_params=put)
+    return LearnerState(like(shapes.params, shardings), like(shapes.master, learner_only), opt_state,
+                        like(shapes.ref_params, shardings), put(shapes.step))
+
+  def learner_sharding(self, sharding, param) -> NamedSharding:
+    """Where the learner keeps what only it reads of a parameter (float32 master, AdamW moments,
+    gradient sums): with ``optimizer_over_data``, the parameter's ``sharding`` also split over
+    ``data`` on its first dimension that divides evenly, unsharded dimensions first (ZeRO-2:
+    every data shard holds and updates 1/data of it; the update then gathers the new params
+    once). Else, or when ``data`` is 1, already used or divides no dimension: ``sharding``."""
+    n = sharding.mesh.shape.get("data", 1) if isinstance(sharding, NamedSharding) else 1
+    if not self.config.optimizer_over_data or n == 1:
+      return sharding
+    shape = param.shape
+    spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
+    names = [() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in spec]
+    if any("data" in a for a in names):
+      return sharding
+    for i in sorted(range(len(shape)), key=lambda i: spec[i] is not None):
+      split = math.prod(sharding.mesh.shape[a] for a in names[i]) * n
+      if shape[i] % split == 0:
+        entry = "data" if spec[i] is None else (*names[i], "data")
+        return NamedSharding(sharding.mesh, PartitionSpec(*spec[:i], entry, *spec[i + 1:]))
+    return sharding
 
   # -- the jitted computation ------------------------------------------------------------------
   def _micro_loss(self, params, ref_params, mb):
     c = self.config
     # Activation memory is bounded by the micro-batch size and, with ``remat``, by one layer's
     # (qwen2's layer scan under jax.checkpoint; around the whole forward it saved nothing:
-    # benchmarks/grpo_memory.py). The reference forward has no backward, so no remat there.
+    # benchmarks/grpo_memory.py); the logits by ``logprob_chunk`` positions' worth. The
+    # reference forward has no backward, so no remat there.
     logp = objective.sequence_logprobs(self.graphdef, params, mb["tokens"], mb["valid"],
-                                       c.temperature, c.top_p, remat=c.remat)
+                                       c.temperature, c.top_p, remat=c.remat, chunk=c.logprob_chunk)
     ref_logp = None
     if ref_params is not None:
       ref_logp = jax.lax.stop_gradient(objective.sequence_logprobs(
-          self.graphdef, ref_params, mb["tokens"], mb["valid"], c.temperature, c.top_p))
+          self.graphdef, ref_params, mb["tokens"], mb["valid"], c.temperature, c.top_p,
+          chunk=c.logprob_chunk))
     return objective.clipped_objective(
       logp, mb["behaviour_logp"], mb["advantages"], mb["weights"], clip_low=c.clip_eps_low,
       clip_high=c.clip_eps_high, ref_logp=ref_logp, kl_coef=c.kl_coef)
 
-  def _loss_and_grads(self, params, ref_params, batch: Batch):
-    """(loss, float32 grads, metric sums) over the whole batch, one micro-batch at a time."""
+  def _loss_and_grads(self, params, ref_params, batch: Batch, grad_shardings=None):
+    """(loss, float32 grads, metric sums) over the whole batch, one micro-batch at a time;
+    the running gradient sums in ``grad_shardings`` (a tree like ``params``) when given."""
     c = self.config
     k = c.micro_batches
     if batch.num_rows % k:
@@ -108,19 +163,22 @@ class GRPOLearner:
     micro = jax.tree.map(lambda x: x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1), rows)
     grad_fn = jax.value_and_grad(self._micro_loss, has_aux=True)
 
+    def placed(tree):  # sums split over data shards: each micro-batch's gradient reduce-scattered
+      return tree if grad_shardings is None else jax.lax.with_sharding_constraint(tree, grad_shardings)
+
     def one(carry, mb):
       grads, loss, sums = carry
       (l, s), g = grad_fn(params, ref_params, mb)
-      grads = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g)
+      grads = placed(jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g))
       return (grads, loss + l, jax.tree.map(jnp.add, sums, s)), None
 
-    zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), params)
+    zeros = placed(jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), params))
     sums0 = dict.fromkeys(("pg_loss", "kl", "clip_fraction", "ratio"), jnp.float32(0))
     (grads, loss, sums), _ = jax.lax.scan(one, (zeros, jnp.float32(0), sums0), micro)
     return loss, grads, sums
 
-  def _step_impl(self, state: LearnerState, batch: Batch):
-    loss, grads, sums = self._loss_and_grads(state.params, state.ref_params, batch)
+  def _step_impl(self, state: LearnerState, batch: Batch, grad_shardings=None):
+    loss, grads, sums = self._loss_and_grads(state.params, state.ref_params, batch, grad_shardings)
     target = state.params if state.master is None else state.master
     grads = jax.tree.map(lambda g, t: g.astype(t.dtype), grads, target)
     updates, opt_state = self.tx.update(grads, state.opt_state, target)
@@ -143,7 +201,12 @@ class GRPOLearner:
     key = (treedef, shardings)
     if key not in self._steps:
       out = None if None in shardings else (jax.tree.unflatten(treedef, shardings), None)
-      self._steps[key] = jax.jit(self._step_impl, donate_argnums=0, out_shardings=out)
+      grad_shardings = None
+      if all(isinstance(getattr(x, "sharding", None), NamedSharding)
+             for x in jax.tree.leaves(state.params)):
+        grad_shardings = jax.tree.map(lambda x: self.learner_sharding(x.sharding, x), state.params)
+      self._steps[key] = jax.jit(functools.partial(self._step_impl, grad_shardings=grad_shardings),
+                                 donate_argnums=0, out_shardings=out)
     return self._steps[key]
 
   def lower(self, state: LearnerState, batch: Batch) -> jax.stages.Lowered:

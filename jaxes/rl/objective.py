@@ -7,10 +7,13 @@ their sums gives the full batch's value exactly (up to float rounding).
 """
 from __future__ import annotations
 
+import functools
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
-from jaxes.models import qwen2
 from jaxes.rl.config import ADVANTAGES, AGGREGATIONS
 from jaxes.rollout import sampling
 
@@ -50,22 +53,56 @@ def token_weights(sampled: jax.Array, aggregation: str) -> jax.Array:
 
 
 def sequence_logprobs(graphdef, params, tokens: jax.Array, valid: jax.Array, temperature: float,
-                      top_p: float, remat: bool = False) -> jax.Array:
+                      top_p: float, remat: bool = False, chunk: int = 0) -> jax.Array:
   """float32 [N, S]: teacher-forced log-prob of ``tokens[:, t]`` given the tokens before it,
-  under the sampling distribution (``sampling.token_logprobs``); column 0 is 0. At top_p 1 the
-  nucleus is the whole vocabulary (up to tokens of probability below float rounding), so the
-  per-position sort over the vocabulary is skipped. ``remat``: the model's layers under
-  ``jax.checkpoint`` (``qwen2.forward``), for a gradient that keeps one layer's activations."""
+  under the sampling distribution (``sampling.token_logprobs``); column 0 is 0. ``remat``: the
+  model's layers under ``jax.checkpoint`` (``Qwen2ForCausalLM``'s ``remat``), for a gradient that
+  keeps one layer's activations. ``chunk`` > 0: the LM head and log-softmax run ``chunk`` positions at a
+  time (``chunked_logprobs``), so the float32 logits [N, S, V] never exist whole."""
   positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-  logits, _ = qwen2.forward(graphdef, params, tokens, positions, valid, remat=remat)
-  logits, targets = logits[:, :-1], tokens[:, 1:]
+  model = nnx.merge(graphdef, params)
+  hidden, _ = model(tokens, positions, valid, remat=remat, head=False)
+  logp = chunked_logprobs(model.lm_logits, hidden[:, :-1], tokens[:, 1:], temperature, top_p, chunk)
+  return jnp.pad(logp, ((0, 0), (1, 0)))
+
+
+def chunked_logprobs(head: Callable[[jax.Array], jax.Array], hidden: jax.Array, targets: jax.Array,
+                     temperature: float, top_p: float, chunk: int = 0) -> jax.Array:
+  """float32 [B, T]: log-prob of ``targets`` [B, T] under the sampling distribution of
+  ``head(hidden)`` (float32 logits [B, T, V] of hidden states [B, T, d]).
+
+  ``chunk`` > 0 and < T: ``chunk`` positions at a time (T padded up to a multiple), each under
+  ``jax.checkpoint`` in a ``lax.map``, so forward and backward hold one chunk's [B, chunk, V]
+  logits and the backward recomputes them; equal to the whole-sequence path (``chunk`` 0) up to
+  float rounding. Every chunk keeps the whole vocabulary, so its log-softmax is exact as it
+  stands; with the head sharded over ``tensor`` the vocabulary reduction stays a collective
+  across the shards. (jax-cce's fused linear cross-entropy chunks the vocabulary instead: it
+  would slice a ``tensor``-sharded head across its shards, and it has no top-p nucleus.)"""
+  if not chunk or chunk >= targets.shape[1]:
+    return _picked_logprobs(head(hidden), targets, temperature, top_p)
+  B, T = targets.shape
+  n = -(-T // chunk)
+  pad = n * chunk - T  # padded positions: finite logits of zero hidden states, sliced off below
+  hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(B, n, chunk, -1).swapaxes(0, 1)
+  targets = jnp.pad(targets, ((0, 0), (0, pad))).reshape(B, n, chunk).swapaxes(0, 1)
+
+  @functools.partial(jax.checkpoint, prevent_cse=False)  # in a loop: no CSE to prevent
+  def one(xs):
+    h, t = xs
+    return _picked_logprobs(head(h), t, temperature, top_p)
+
+  logp = jax.lax.map(one, (hidden, targets))  # [n, B, chunk]
+  return logp.swapaxes(0, 1).reshape(B, n * chunk)[:, :T]
+
+
+def _picked_logprobs(logits, targets, temperature, top_p):
+  # At top_p 1 the nucleus is the whole vocabulary (up to tokens of probability below float
+  # rounding), so the per-position sort over the vocabulary is skipped.
   if top_p >= 1.0:
     scaled = logits / temperature
     picked = jnp.take_along_axis(scaled, targets[..., None], axis=-1)[..., 0]
-    logp = picked - jax.nn.logsumexp(scaled, axis=-1)
-  else:
-    logp = sampling.token_logprobs(logits, targets, jnp.float32(temperature), jnp.float32(top_p))
-  return jnp.pad(logp, ((0, 0), (1, 0)))
+    return picked - jax.nn.logsumexp(scaled, axis=-1)
+  return sampling.token_logprobs(logits, targets, jnp.float32(temperature), jnp.float32(top_p))
 
 
 def clipped_objective(logp: jax.Array, behaviour_logp: jax.Array, advantages: jax.Array,

@@ -30,7 +30,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from jaxes.controller import Controller, Job
 from jaxes.models import partition
@@ -98,22 +97,9 @@ class GRPOTrainer(Trainer):
     return GRPORunState(learner, {0: learner.params}, controller, [], timings, {})
 
   def _abstract_learner(self) -> LearnerState:
-    """The learner state's shapes, each leaf where a fresh start puts it: parameter-shaped
-    leaves (params, master, moments, reference) in their parameter's sharding, counters
-    replicated."""
-    shapes = jax.eval_shape(self.learner.init, self.parts.model.abstract_params)
-    replicated = self.host.replicated
-
-    def put(x, sharding=replicated):
-      return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-
-    def like_params(tree):
-      return None if tree is None else jax.tree.map(put, tree, self._param_shardings)
-
-    opt_state = optax.tree_map_params(self.learner.tx, put, shapes.opt_state, self._param_shardings,
-                                      transform_non_params=put)
-    return LearnerState(like_params(shapes.params), like_params(shapes.master), opt_state,
-                        like_params(shapes.ref_params), put(shapes.step))
+    """The learner state's shapes, each leaf where a fresh start puts it
+    (``GRPOLearner.abstract_state``)."""
+    return self.learner.abstract_state(self.parts.model.abstract_params, self._param_shardings)
 
   def _restore(self, ckpt) -> GRPORunState:
     abstract = self._abstract_learner()

@@ -20,9 +20,10 @@ over `data` (the KV cache, 240 x 16384 tokens = 210 GiB in bf16, dominates), the
 
 `configs/paper.py:grpo[,TARGET]` is the paper's GRPO row: the same model, tasks, engine and
 evaluation, trained by `jaxes.rl` (GRPO) instead of ES; its preflight reports GRPO's per-device
-memory beside ES's on the same mesh. With the learner's per-layer remat and blockwise causal
-attention it needs 78 GiB per device on 8xH100 and 124 GiB on 8xH200 (CPU-compile estimates), so
-it does not fit either under the 90% headroom yet (benchmarks/RESULTS.md).
+memory beside ES's on the same mesh. With the learner's per-layer remat, blockwise causal
+attention, chunked log-probs and its float32 state split over data it needs 61.4 GiB per device
+on 8xH100 (82.5%) and 72.5 GiB on 8xH200 (55.2%), CPU-compile estimates: both fit under the 90%
+headroom (benchmarks/RESULTS.md, "GRPO at 7B fits").
 """
 from jaxes.experiments.variants import apply_es_variant
 from jaxes.rl.config import default_config as grpo_defaults

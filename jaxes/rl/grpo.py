@@ -63,14 +63,15 @@ class GRPOLearner:
 
   def init(self, params, ref_params=None) -> LearnerState:
     """``ref_params``: the KL reference (default: a copy of ``params``) when ``kl_coef`` > 0.
-    With params on one mesh, every leaf is placed as ``abstract_state`` says."""
-    state = self._fresh(params, ref_params)
+    With params on one mesh, every leaf is made where ``abstract_state`` places it, by one
+    jitted program (so also on a mesh that spans processes)."""
     shardings = [getattr(x, "sharding", None) for x in jax.tree.leaves(params)]  # (tracers have none)
-    if shardings and all(isinstance(sh, NamedSharding) for sh in shardings) and \
-        len({sh.mesh for sh in shardings}) == 1:
-      target = self.abstract_state(params, jax.tree.map(lambda x: x.sharding, params))
-      state = jax.tree.map(lambda x, t: jax.device_put(x, t.sharding), state, target)
-    return state
+    if not (shardings and all(isinstance(sh, NamedSharding) for sh in shardings) and
+            len({sh.mesh for sh in shardings}) == 1):
+      return self._fresh(params, ref_params)
+    target = self.abstract_state(params, jax.tree.map(lambda x: x.sharding, params))
+    return jax.jit(self._fresh, out_shardings=jax.tree.map(lambda t: t.sharding, target))(
+        params, ref_params)
 
   def _fresh(self, params, ref_params=None) -> LearnerState:
     c = self.config

@@ -4,6 +4,10 @@ compacted call runs the step on a quarter or a half of the rows (``attention.Row
 keys/values written into the cache in place, its key blocks read for its rows only); a call
 that needs more rows runs the same full-batch program as ``compact=False``.
 
+Async workloads also run a third engine, "merged": compaction plus ``Engine(version_steps=)``,
+which runs the rows of both live versions in one call (version 1 as version 0 plus the low-rank
+SGD step of the update that made it, ``Engine.add_step``) instead of a call per version.
+
 Workloads, on one engine each, with a low-rank ES noiser (every slot its own member):
 
 * ``mix``: a realistic mix — a fraction of the slots work (decode turns of ``--turn`` tokens;
@@ -18,7 +22,8 @@ the median step time is reported, steps during which an engine compiled left out
 is reported). Printed per workload and mode: tokens/s (prefilled + decoded tokens per second of
 engine steps), the useful-token fraction (tokens fed per position computed), engine calls per
 step. The last line is one JSON object with those and the ratios ``compact / full`` and
-``two_versions_vs_one``, ``quarter_rows_vs_full`` (step time), ``kv_bytes_in_use_vs_reserved``
+``two_versions_vs_one`` (per mode; "merged": the merged Async-1 step over the compact sync
+step), ``quarter_rows_vs_full`` (step time), ``kv_bytes_in_use_vs_reserved``
 (the dense cache's use in the mix at the end of timing).
 
   PYTHONPATH=. python benchmarks/engine_throughput.py --quick     # tiny model, a few minutes
@@ -37,7 +42,7 @@ from flax import nnx
 
 from jaxes import es
 from jaxes.models import qwen2
-from jaxes.rollout.engine import PARKED, Engine
+from jaxes.rollout.engine import PARKED, Engine, VersionSteps
 
 IM_END = 3
 
@@ -54,13 +59,17 @@ def build(quick: bool):
 
 
 def _engine(args, cfg, graphdef, make_noiser, params_by_version, *, compact, versions, working,
-            observations):
+            observations, steps=None):
   """A fresh engine in the workload's starting state, and the rng its observations come from
-  (seeded alike for both modes, so both run the same tokens)."""
+  (seeded alike for every mode, so all run the same tokens). ``steps``: ``(VersionSteps, cohort
+  of the update 0 -> 1)`` for the merged mode."""
   B = args.slots
   engine = Engine(graphdef, cfg, num_slots=B, max_len=args.max_len, prefill_chunk=args.chunk,
                   max_new_tokens=args.turn if observations else args.max_len // 2, stop_ids=[],
-                  im_end_id=IM_END, make_noiser=make_noiser, compact=compact)
+                  im_end_id=IM_END, make_noiser=make_noiser, compact=compact,
+                  version_steps=None if steps is None else steps[0])
+  if steps is not None:
+    assert engine.add_step(1, *steps[1])
   rng = np.random.default_rng(0)
   active = set(range(0, B, B // working)) if working < B else set(range(B))
   # The mix: every slot has had a turn, the idle ones stay parked. Decode: idle slots are free.
@@ -76,12 +85,15 @@ def _engine(args, cfg, graphdef, make_noiser, params_by_version, *, compact, ver
   return engine, rng
 
 
-def run(args, cfg, graphdef, make_noiser, params_by_version, **workload):
-  """One workload on two fresh engines (full batch, compaction) whose steps alternate, so both
-  see the same machine load; per mode the median step time and the counters of timed steps."""
+def run(args, cfg, graphdef, make_noiser, params_by_version, steps, **workload):
+  """One workload on fresh engines (full batch, compaction; with two versions also merged)
+  whose steps alternate, so all see the same machine load; per mode the median step time and
+  the counters of timed steps."""
   observations = workload["observations"]
+  modes = ("full", "compact", "merged") if workload["versions"] > 1 and steps else ("full", "compact")
   engines = {mode: _engine(args, cfg, graphdef, make_noiser, params_by_version,
-                           compact=mode == "compact", **workload) for mode in ("full", "compact")}
+                           compact=mode != "full", steps=steps if mode == "merged" else None,
+                           **workload) for mode in modes}
   times = {mode: [] for mode in engines}
   keep = {mode: [] for mode in engines}
   base = {}
@@ -112,6 +124,7 @@ def run(args, cfg, graphdef, make_noiser, params_by_version, **workload):
       "tokens_per_s": tokens / len(t) / step_s,
       "useful_fraction": tokens / stats["positions_computed"],
       "calls_per_step": (stats["prefill_calls"] + stats["decode_calls"]) / stats["busy_steps"],
+      "multi_version_calls": stats["multi_version_calls"],
       "rows_computed_per_step": stats["rows_computed"] / stats["busy_steps"],
       "timed_steps": int(k.sum()), "steps_that_compiled": int((~k).sum()),
       "kv_bytes_in_use": sum(s.length for s in engine.slots) * per_token_bytes,
@@ -141,8 +154,13 @@ def main():
   n_params = sum(x.size for x in jax.tree.leaves(params))
   strategy = es.Strategy(population=args.slots, sigma=0.02, learning_rate=0.1, mode="lowrank", rank=1)
   state0 = strategy.init(params, jax.random.key(0))
-  state1, _ = strategy.update(state0, [(0, m, float(m % 5)) for m in range(args.slots)])
+  results = [(0, m, float(m % 5)) for m in range(args.slots)]
+  state1, _ = strategy.update(state0, results)
   params_by_version = {0: state0.params, 1: state1.params}
+  steps = None
+  if args.noiser == "lowrank":   # version 1 = version 0 + the step of that update
+    steps = (VersionSteps(strategy.version_step(params, state0.run_key), strategy.population, 1),
+             strategy.cohort(state0, results))
 
   def make_noiser(p, v, m, g):   # one function for every engine: they share its compiled build
     return strategy.member_noiser(p, v, m, g, run_key=state0.run_key)
@@ -156,7 +174,7 @@ def main():
   }
   results = {}
   for name, kw in workloads.items():
-    results[name] = run(args, cfg, graphdef, make_noiser, params_by_version, **kw)
+    results[name] = run(args, cfg, graphdef, make_noiser, params_by_version, steps, **kw)
     for mode, r in results[name].items():
       print(f"{name:20s} {mode:8s} step {r['step_ms']:8.2f} ms  "
             f"{r['tokens_per_s']:8.1f} tok/s  useful {r['useful_fraction']:.3f}  "
@@ -165,6 +183,8 @@ def main():
   for name, by in results.items():
     by["compact_vs_full_tokens_per_s"] = by["compact"]["tokens_per_s"] / by["full"]["tokens_per_s"]
     by["compact_vs_full_step_time"] = by["compact"]["step_ms"] / by["full"]["step_ms"]
+    if "merged" in by:
+      by["merged_vs_compact_step_time"] = by["merged"]["step_ms"] / by["compact"]["step_ms"]
 
   def ratio(a, b, mode):
     return results[a][mode]["step_ms"] / results[b][mode]["step_ms"]
@@ -175,7 +195,9 @@ def main():
     "backend": jax.default_backend(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     "params": int(n_params), "slots": args.slots, "working_in_mix": args.working,
     "quick": args.quick, "noiser": args.noiser,
-    "two_versions_vs_one": {m: ratio("mix_async1", "mix_sync", m) for m in ("full", "compact")},
+    "two_versions_vs_one": {
+        **{m: ratio("mix_async1", "mix_sync", m) for m in ("full", "compact")},
+        **({"merged": results["mix_async1"]["merged"]["step_ms"] / mix["step_ms"]} if steps else {})},
     "quarter_rows_vs_full": {m: ratio("decode_quarter_rows", "decode_all_rows", m)
                              for m in ("full", "compact")},
     "kv_bytes_in_use_vs_reserved": mix["kv_bytes_in_use"] / mix["kv_bytes_reserved"],

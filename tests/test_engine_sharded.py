@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 from helpers_models import engine_noiser
 from jaxes import es, sharding
 from jaxes.models import attention, qwen2
-from jaxes.rollout.engine import Engine
+from jaxes.rollout.engine import Engine, VersionSteps
 
 pytestmark = pytest.mark.skipif(
   jax.device_count() < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
@@ -36,7 +36,8 @@ def _engine(model, mesh, strategy=None, run_key=None, **kw):
 
 
 def _decode(engine, params_by_version, jobs):
-  """Two turns per slot with ragged prompts and observations; every turn's tokens by slot."""
+  """Two turns per slot with ragged prompts and observations (each slot's its own, whatever
+  order the turns end in); every turn's tokens by slot."""
   rng = np.random.default_rng(0)
   for slot, (version, member) in jobs.items():
     prompt = list(rng.integers(4, 64, size=int(rng.integers(2, 20))))
@@ -48,7 +49,8 @@ def _decode(engine, params_by_version, jobs):
       out[turn.slot].append(turn.tokens)
       if turn.slot not in second:
         second.add(turn.slot)
-        assert engine.continue_turn(turn.slot, list(rng.integers(4, 64, size=1 + turn.slot)))
+        observation = np.random.default_rng(100 + turn.slot).integers(4, 64, size=1 + turn.slot)
+        assert engine.continue_turn(turn.slot, list(observation))   # whatever order turns end in
   return out
 
 
@@ -75,6 +77,36 @@ def test_sharded_engine_decodes_the_single_device_tokens(model, mode, mesh_name)
   if len(engine.batches) > 1:  # data4: some calls ran compacted (data8: one slot per shard)
     assert engine.stats.rows_computed < engine.stats.rows_total
   assert len({tuple(t[0]) for t in single.values()}) > 2  # the members decode different text
+
+
+def test_sharded_engine_runs_both_versions_in_one_call_with_the_single_device_tokens(model):
+  """Version 1 as version 0 plus its low-rank step (``VersionSteps``) on data=4 x tensor=2:
+  the tokens of the one-device engine that runs a call per version; the programs with steps
+  update the cache in place too."""
+  _, _, params = model
+  strategy = es.Strategy(population=8, sigma=0.3, learning_rate=0.1, mode="lowrank", rank=2)
+  state0 = strategy.init(params, jax.random.key(1))
+  results = [(0, m, float(m)) for m in range(8)]
+  state1, _ = strategy.update(state0, results)
+  params_by_version = {0: state0.params, 1: state1.params}
+  jobs = {s: (s % 2, s - 2) for s in range(SLOTS)}
+  single = _decode(_engine(model, None, strategy, state0.run_key, compact=False),
+                   params_by_version, jobs)
+  mesh = sharding.make_mesh(data=4, tensor=2)
+  steps = VersionSteps(strategy.version_step(params, state0.run_key), 8, 1)
+  engine = _engine(model, mesh, strategy, state0.run_key, version_steps=steps)
+  assert engine.add_step(1, *strategy.cohort(state0, results))
+  assert _decode(engine, params_by_version, jobs) == single
+  assert engine.stats.multi_version_calls > 0
+
+  abstract = _engine(model, mesh, strategy, state0.run_key, max_len=4096, abstract=True,
+                     version_steps=steps)
+  cache_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract.cache)) // 8
+  programs = abstract.programs()
+  for name in ("step[w=8,span=4096,steps=1]", "step[b=4,w=1,span=1024,steps=1]"):
+    stats = programs[name].compile().memory_analysis()
+    assert stats.alias_size_in_bytes >= cache_bytes, name
+    assert stats.temp_size_in_bytes < cache_bytes / 4, (name, stats.temp_size_in_bytes, cache_bytes)
 
 
 @pytest.mark.parametrize("mesh_name", sorted(MESHES))

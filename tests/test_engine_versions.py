@@ -113,7 +113,8 @@ def _schedule(engine, params_by_version, versions):
     for slot, due in list(waiting.items()):
       if due <= step:
         del waiting[slot]
-        assert engine.continue_turn(slot, list(rng.integers(4, 64, size=1 + slot)))
+        observation = np.random.default_rng(100 * slot + step).integers(4, 64, size=1 + slot)
+        assert engine.continue_turn(slot, list(observation))  # whatever order turns ended in
     for turn in engine.step(params_by_version):
       out[turn.slot].append((turn.tokens, turn.logprobs))
       if len(out[turn.slot]) < 2:

@@ -301,8 +301,8 @@ class Engine:
         jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated))
     self._cohort_shapes = cohort
     one = jax.eval_shape(vs.make, *cohort)
-    # Steps are shared by every row: replicated like the parameters they add to on one device,
-    # and like the noiser's leaves that have no per-row axis (``_noiser_leaf_sharding``).
+    # Steps are shared by every row: replicated, as the noiser's leaves without a per-slot axis
+    # are (``_noiser_leaf_sharding``); their [B, K] row weights live with the rows.
     self._step_shapes = _abstract(one, jax.tree.map(lambda _: replicated, one))
     self._stacked_shapes = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct((K,) + x.shape, x.dtype, sharding=replicated), one)

@@ -19,7 +19,12 @@ same tokens (streams are keyed by job), so under the deterministic schedule
 is no update log: an update's input is its batch (KBs per episode), not a few numbers, so
 updates after the newest checkpoint are recomputed instead of replayed.
 
-One process (any number of its devices) for now: a multi-process run is refused at start.
+Multi-process runs work as the ES trainer's (``multihost``): every process runs this same
+controller; the runner exchanges the owned slots' sandbox results once per engine tick, so every
+process knows every finished episode's tokens (``EpisodeStream``) and builds the same batch; the
+learner state, params and batch live on the one global mesh (the batch split over ``data``), so
+the learner step is one SPMD program; the primary alone writes the run's files, and orbax saves
+each process's shards.
 """
 from __future__ import annotations
 
@@ -30,7 +35,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxes import distributed
 from jaxes.controller import Controller, Job
 from jaxes.models import partition
 from jaxes.rl import batch as rl_batch
@@ -38,7 +45,6 @@ from jaxes.rl import config as rl_config
 from jaxes.rl.grpo import GRPOLearner, LearnerState
 from jaxes.rollout.episodes import EpisodeSpec, EpisodeStream
 from jaxes.train import builders
-from jaxes.train.errors import ConfigError
 from jaxes.train.state import config_values, restore_items, version_zero_params
 from jaxes.train.trainer import TrainEpisode, Trainer
 
@@ -81,9 +87,6 @@ class GRPOTrainer(Trainer):
   # -- state ------------------------------------------------------------------------------------
   def _initial_state(self, ckpt, update_log, transcripts) -> GRPORunState:
     c, host = self.config, self.host
-    if host.multi_process:
-      raise ConfigError("train.algorithm='grpo': the GRPO trainer runs on one process (any number "
-                        "of its devices) for now; launch it without jax.distributed")
     self.learner = GRPOLearner(self.parts.model.graphdef, rl_config.from_run_config(c))
     self._param_shardings = partition.param_shardings(self.parts.model.config, host.mesh)
     if ckpt.steps():
@@ -92,7 +95,7 @@ class GRPOTrainer(Trainer):
       return state
     update_log.truncate_to(0)   # not used by GRPO; a fresh start sets earlier records aside
     params, timings = version_zero_params(c, self.parts, transcripts, self.log)
-    learner = self.learner.init(jax.device_put(params, self._param_shardings))
+    learner = self.learner.init(distributed.place(params, self._param_shardings))
     controller = Controller(builders.controller_config(c), num_tasks=len(self.parts.train_tasks))
     return GRPORunState(learner, {0: learner.params}, controller, [], timings, {})
 
@@ -151,8 +154,8 @@ class GRPOTrainer(Trainer):
     sums: dict[str, float] = {}
     for _ in range(c.grpo.updates_per_batch):
       state.learner, step_metrics = self.learner.step(state.learner, batch)
-      for k, v in jax.device_get(step_metrics).items():
-        sums[k] = sums.get(k, 0.0) + float(v)
+      for k, v in step_metrics.items():   # replicated scalars: this process's copy
+        sums[k] = sums.get(k, 0.0) + float(np.asarray(v.addressable_data(0)))
     state.params_by_version[state.version] = state.learner.params
     for v in [v for v in state.params_by_version if v not in keep | {state.version}]:
       del state.params_by_version[v]
@@ -189,8 +192,17 @@ class GRPOTrainer(Trainer):
     for g, r in zip(groups, rewards):
       by_group.setdefault(g, []).append(r)
     group_std = float(np.mean([np.std(r) for r in by_group.values()])) if by_group else 0.0
-    return rl_batch.build_batch(episodes, rewards, groups, seq_len=c.grpo.seq_len or c.rollout.max_len,
-                                num_rows=c.grpo.tasks_per_update * c.grpo.group_size), group_std
+    batch = rl_batch.build_batch(episodes, rewards, groups, seq_len=c.grpo.seq_len or c.rollout.max_len,
+                                 num_rows=c.grpo.tasks_per_update * c.grpo.group_size)
+    return distributed.place(batch, self._batch_sharding(batch.num_rows)), group_std
+
+  def _batch_sharding(self, rows: int) -> NamedSharding:
+    """Rows split over ``data`` in contiguous blocks (each data shard trains its own rows; the
+    learner's micro-batches interleave them), or replicated when ``data`` does not divide them.
+    The same placement on one process as on several, so both run the same step program."""
+    mesh = self.host.mesh
+    split = rows % mesh.shape.get("data", 1) == 0
+    return NamedSharding(mesh, PartitionSpec("data") if split else PartitionSpec())
 
   def _forget(self, version: int) -> None:
     """Drops kept episodes of groups that can no longer be consumed (older than the bound on

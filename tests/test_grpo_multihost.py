@@ -1,0 +1,105 @@
+"""The GRPO trainer for real as 2 JAX processes x 2 CPU devices (`launch/local.sh`: gloo
+collectives, loopback coordinator) against 1 process x 4 devices: `python -m jaxes.train` on the
+same tiny async GRPO run (warm start, sampled groups with staleness, greedy held-out evaluation)
+must write the same metrics lines (timings aside), end with the same parameters and write its
+metrics and summary once.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from helpers_train import ROOT, build_tiny_tokenizer, tiny_config, write_config_file
+from jaxes.train import metrics
+from jaxes.train.policy import load_policy
+
+UPDATES = 2
+# Timings and rates differ between runs; everything else in a metrics line must not.
+TIMING_KEYS = ("time", "episodes_per_s", "tokens_per_s", "seconds", "update_s",
+               "learner_tokens_per_s")
+
+
+def _env(tmp, **extra):
+  env = {k: v for k, v in os.environ.items()
+         if not k.startswith(("JAX_", "SLURM_", "JAXES_", "XLA_FLAGS"))}
+  env.update(JAX_PLATFORMS="cpu",
+             JAX_COMPILATION_CACHE_DIR=str(tmp / "jax-cache"),   # a rerun reuses programs
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", PYTHONUNBUFFERED="1", **extra)
+  return env
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+  tmp = tmp_path_factory.mktemp("grpo_multihost")
+  tokenizer = build_tiny_tokenizer(str(tmp / "tok"))
+  # data 2 x fsdp 2: each process owns the sandboxes of half the slots, the batch's 4 rows are
+  # split over data, params and moments over fsdp (and the moments over data too).
+  config = tiny_config(tokenizer, **{
+      "train.algorithm": "grpo", "controller.mode": "async", "controller.max_staleness": 1,
+      "rollout.temperature": 0.5, "rollout.sandbox_steps": 2, "rollout.num_slots": 8,
+      "mesh.data": -1, "mesh.fsdp": 2, "warmstart.steps": 60, "warmstart.learning_rate": 1e-2,
+      "env.partial_credit": True, "eval.num_tasks": 1, "grpo.group_size": 2,
+      "grpo.tasks_per_update": 2, "grpo.micro_batches": 2, "grpo.learning_rate": 3e-3,
+      "train.num_updates": UPDATES, "train.checkpoint_every": 1, "train.plot": False})
+  config_file = write_config_file(config, tmp / "config.py")
+
+  def command(workdir):
+    return [sys.executable, "-m", "jaxes.train", f"--config={config_file}", f"--workdir={workdir}"]
+
+  two = subprocess.run(["bash", str(ROOT / "launch" / "local.sh"), "--devices", "2", "2", "--",
+                        *command(tmp / "two")], cwd=ROOT, env=_env(tmp), capture_output=True,
+                       text=True, timeout=900)
+  assert two.returncode == 0, two.stderr[-3000:] + two.stdout[-5000:]
+  one = subprocess.run(command(tmp / "one"), cwd=ROOT, capture_output=True, text=True, timeout=900,
+                       env=_env(tmp, XLA_FLAGS="--xla_force_host_platform_device_count=4"))
+  assert one.returncode == 0, one.stderr[-4000:]
+  return tmp, two
+
+
+def _strip(record):
+  if isinstance(record, dict):
+    return {k: _strip(v) for k, v in record.items() if k not in TIMING_KEYS}
+  return record
+
+
+def test_two_processes_train_like_one_process_of_four_devices(runs):
+  tmp, _ = runs
+  lines = {}
+  for name in ("two", "one"):
+    lines[name] = [_strip(r) for r in metrics.read_metrics(str(tmp / name / "metrics.jsonl"))]
+  # The learner's metrics are cross-device sums (their order can depend on the process split).
+  for name in lines:
+    lines[name] = [({**r, "grpo": {k: round(v, 5) if isinstance(v, float) else v
+                                   for k, v in r["grpo"].items()}} if "grpo" in r else r)
+                   for r in lines[name]]
+  assert lines["two"] == lines["one"]
+  train = [r for r in lines["two"] if "train" in r]
+  assert [r["version"] for r in train] == list(range(1, UPDATES + 1))
+  assert all(r["grpo"]["episodes"] > 0 for r in train), train
+  assert any(sum(r["staleness_hist"][1:]) for r in train), "no stale group: the comparison is vacuous"
+  two, one = load_policy(str(tmp / "two")).params, load_policy(str(tmp / "one")).params
+  moved = False
+  for x, y in zip(jax.tree.leaves(two), jax.tree.leaves(one), strict=True):
+    x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
+    np.testing.assert_allclose(x, y, rtol=0, atol=1e-6 * float(np.abs(y).max()))
+  start = load_policy(str(tmp / "one"), version=0).params
+  moved = any(not np.array_equal(np.asarray(a), np.asarray(b))
+              for a, b in zip(jax.tree.leaves(start), jax.tree.leaves(one)))
+  assert moved, "the parameters never moved: the comparison is vacuous"
+
+
+def test_metrics_summary_and_logs_are_written_once(runs):
+  tmp, two = runs
+  records = metrics.read_metrics(str(tmp / "two" / "metrics.jsonl"))
+  assert [r["version"] for r in records if "train" in r] == list(range(1, UPDATES + 1))
+  assert [r["version"] for r in records if "train" not in r] == [0]   # the initial evaluation
+  summary = json.loads((tmp / "two" / "summary.json").read_text())
+  assert summary["version"] == UPDATES and summary["algorithm"] == "grpo"
+  out = two.stdout.splitlines()
+  assert any(line.startswith("[p0] {") for line in out)
+  assert not [line for line in out if line.startswith("[p1] {")], "\n".join(out[-80:])
+  assert not any(line.startswith("[p1] held-out eval") for line in out)

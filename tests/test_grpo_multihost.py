@@ -1,8 +1,8 @@
 """The GRPO trainer for real as 2 JAX processes x 2 CPU devices (`launch/local.sh`: gloo
 collectives, loopback coordinator) against 1 process x 4 devices: `python -m jaxes.train` on the
 same tiny async GRPO run (warm start, sampled groups with staleness, greedy held-out evaluation)
-must write the same metrics lines (timings aside), end with the same parameters and write its
-metrics and summary once.
+must write the same metrics lines (timings aside; the learner's loss, grad norm and ratio
+exactly), end with the same parameters bit for bit and write its metrics and summary once.
 """
 import json
 import os
@@ -71,21 +71,17 @@ def test_two_processes_train_like_one_process_of_four_devices(runs):
   lines = {}
   for name in ("two", "one"):
     lines[name] = [_strip(r) for r in metrics.read_metrics(str(tmp / name / "metrics.jsonl"))]
-  # The learner's metrics are cross-device sums (their order can depend on the process split).
-  for name in lines:
-    lines[name] = [({**r, "grpo": {k: round(v, 5) if isinstance(v, float) else v
-                                   for k, v in r["grpo"].items()}} if "grpo" in r else r)
-                   for r in lines[name]]
   assert lines["two"] == lines["one"]
   train = [r for r in lines["two"] if "train" in r]
   assert [r["version"] for r in train] == list(range(1, UPDATES + 1))
   assert all(r["grpo"]["episodes"] > 0 for r in train), train
+  assert any(r["grpo"]["grad_norm"] > 0 for r in train), "no group taught anything: vacuous"
   assert any(sum(r["staleness_hist"][1:]) for r in train), "no stale group: the comparison is vacuous"
+  # Bit for bit: the same compiled programs on the same mesh (data 2 x fsdp 2), whichever way
+  # its devices are split into processes, and a warm start summed in a fixed order (docs/multihost.md).
   two, one = load_policy(str(tmp / "two")).params, load_policy(str(tmp / "one")).params
-  moved = False
   for x, y in zip(jax.tree.leaves(two), jax.tree.leaves(one), strict=True):
-    x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
-    np.testing.assert_allclose(x, y, rtol=0, atol=1e-6 * float(np.abs(y).max()))
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
   start = load_policy(str(tmp / "one"), version=0).params
   moved = any(not np.array_equal(np.asarray(a), np.asarray(b))
               for a, b in zip(jax.tree.leaves(start), jax.tree.leaves(one)))

@@ -17,9 +17,10 @@ Workloads, on one engine each, with a low-rank ES noiser (every slot its own mem
 * ``decode``: every working slot decodes (no turn ends while timing), all B slots or a quarter
   (the others free).
 
-The two modes' engines step alternately (same load on a shared machine), each step timed alone;
-the median step time is reported, steps during which an engine compiled left out (their count
-is reported). Printed per workload and mode: tokens/s (prefilled + decoded tokens per second of
+The engines of the sync and Async-1 mixes (all modes) step alternately, as do those of the two
+decode workloads (same load on a shared machine, so the ratios compare like with like), each step
+timed alone; the median step time is reported, steps during which an engine compiled left out
+(their count is reported). Printed per workload and mode: tokens/s (prefilled + decoded tokens per second of
 engine steps), the useful-token fraction (tokens fed per position computed), engine calls per
 step. The last line is one JSON object with those and the ratios ``compact / full`` and
 ``two_versions_vs_one`` (per mode; "merged": the merged Async-1 step over the compact sync
@@ -85,41 +86,44 @@ def _engine(args, cfg, graphdef, make_noiser, params_by_version, *, compact, ver
   return engine, rng
 
 
-def run(args, cfg, graphdef, make_noiser, params_by_version, steps, **workload):
-  """One workload on fresh engines (full batch, compaction; with two versions also merged)
-  whose steps alternate, so all see the same machine load; per mode the median step time and
-  the counters of timed steps."""
-  observations = workload["observations"]
-  modes = ("full", "compact", "merged") if workload["versions"] > 1 and steps else ("full", "compact")
-  engines = {mode: _engine(args, cfg, graphdef, make_noiser, params_by_version,
-                           compact=mode != "full", steps=steps if mode == "merged" else None,
-                           **workload) for mode in modes}
-  times = {mode: [] for mode in engines}
-  keep = {mode: [] for mode in engines}
+def run(args, cfg, graphdef, make_noiser, params_by_version, steps, workloads):
+  """Workloads whose ratios are reported (sync and Async-1 mixes; all and a quarter of the rows
+  decoding), each on fresh engines per mode (full batch, compaction; with two versions also
+  merged), all stepping alternately so every engine sees the same machine load; per (workload,
+  mode) the median step time and the counters of timed steps."""
+  engines = {}
+  for name, workload in workloads.items():
+    modes = ("full", "compact") + (("merged",) if workload["versions"] > 1 and steps else ())
+    for mode in modes:
+      engines[name, mode] = _engine(args, cfg, graphdef, make_noiser, params_by_version,
+                                    compact=mode != "full",
+                                    steps=steps if mode == "merged" else None, **workload)
+  times = {key: [] for key in engines}
+  keep = {key: [] for key in engines}
   base = {}
   for n in range(args.warm + args.steps):
-    for mode, (engine, rng) in engines.items():
+    for key, (engine, rng) in engines.items():
       if n == args.warm:
-        base[mode] = dict(vars(engine.stats))
+        base[key] = dict(vars(engine.stats))
       compiled = engine.compilations()
       t = time.perf_counter()
       turns = engine.step(params_by_version)
       dt = time.perf_counter() - t
       if n >= args.warm:
-        times[mode].append(dt)
-        keep[mode].append(engine.compilations() == compiled)
+        times[key].append(dt)
+        keep[key].append(engine.compilations() == compiled)
       for turn in turns:
-        if observations:
+        if workloads[key[0]]["observations"]:
           engine.continue_turn(turn.slot, list(rng.integers(4, cfg.vocab_size, size=args.obs)))
-  out = {}
+  out = {name: {} for name in workloads}
   per_token_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_size * 4
-  for mode, (engine, _) in engines.items():
-    stats = {k: v - base[mode][k] for k, v in vars(engine.stats).items()}
-    t, k = np.array(times[mode]), np.array(keep[mode])
+  for (name, mode), (engine, _) in engines.items():
+    stats = {k: v - base[name, mode][k] for k, v in vars(engine.stats).items()}
+    t, k = np.array(times[name, mode]), np.array(keep[name, mode])
     tokens = stats["tokens_prefilled"] + stats["tokens_decoded"]
     # Timed steps that compiled are left out of the time; the median resists load spikes.
     step_s = float(np.median(t[k])) if k.any() else float("nan")
-    out[mode] = {
+    out[name][mode] = {
       "step_ms": 1e3 * step_s,
       "tokens_per_s": tokens / len(t) / step_s,
       "useful_fraction": tokens / stats["positions_computed"],
@@ -173,8 +177,10 @@ def main():
     "decode_quarter_rows": dict(versions=1, working=args.slots // 4, observations=False),
   }
   results = {}
-  for name, kw in workloads.items():
-    results[name] = run(args, cfg, graphdef, make_noiser, params_by_version, steps, **kw)
+  for pair in (("mix_sync", "mix_async1"), ("decode_all_rows", "decode_quarter_rows")):
+    results.update(run(args, cfg, graphdef, make_noiser, params_by_version, steps,
+                       {name: workloads[name] for name in pair}))
+  for name in workloads:
     for mode, r in results[name].items():
       print(f"{name:20s} {mode:8s} step {r['step_ms']:8.2f} ms  "
             f"{r['tokens_per_s']:8.1f} tok/s  useful {r['useful_fraction']:.3f}  "

@@ -7,8 +7,9 @@ Builds the run abstractly (shapes and shardings only: nothing is allocated) on a
 topology's devices, ahead-of-time compiles every program the run executes — each engine step
 (width x attention span), the cache reset, the noiser build, the ES update; held-out evaluation
 runs the same step programs with member -1 — and prints per device: parameters, the KV cache,
-noiser state, optimizer state, the older parameter versions kept alive for in-flight episodes,
-and each program's compiled temporaries, against the device's memory. The peak is the resident
+noiser state, the low-rank steps between live versions (an async low-rank SGD run decodes the
+rows of all its versions in one call), optimizer state, the older parameter versions kept alive
+for in-flight episodes, and each program's compiled temporaries, against the device's memory. The peak is the resident
 state plus the largest program's temporaries and non-donated outputs. Exit 0 iff the peak is
 at most ``headroom`` of the device memory, else 1 with a line naming the biggest consumer and
 what to change. The last line is one JSON object.
@@ -274,13 +275,16 @@ def _plan(config, target: Target, log, only: str | None, algorithm: str) -> dict
   def make_noiser(params, versions, members, row_group):
     return strategy.member_noiser(params, versions, members, row_group, run_key=run_key)
 
-  graphdef = builders.build_model(config, vocab).graphdef
+  model = builders.build_model(config, vocab)
+  graphdef = model.graphdef
   r = config.rollout
   # GRPO decodes the current policy's unperturbed rows: an engine without a noiser.
   engine = Engine(graphdef, cfg, num_slots=r.num_slots, max_len=r.max_len,
                   prefill_chunk=r.prefill_chunk, max_new_tokens=r.max_new_tokens, stop_ids=[],
                   im_end_id=0, make_noiser=make_noiser if algorithm == "es" else None,
-                  seed=config.seed, mesh=mesh, abstract=True)
+                  seed=config.seed, mesh=mesh, abstract=True,
+                  version_steps=builders.version_steps(config, model, strategy, run_key)
+                  if algorithm == "es" else None)
   params = engine.abstract_params
   versions = live_versions(config)
   noiser_bytes = _bytes_per_device(engine.abstract_noiser) if algorithm == "es" else 0
@@ -309,7 +313,10 @@ def _plan(config, target: Target, log, only: str | None, algorithm: str) -> dict
     "kv_cache": _bytes_per_device(engine.cache),
   }
   if algorithm == "es":
+    # Rows of all live versions in one call: the merged noiser takes the place of the newer
+    # versions' own, and the low-rank steps between versions are held beside it.
     resident |= {"noiser_state": versions * noiser_bytes,
+                 "version_steps": _bytes_per_device(engine.abstract_version_steps()),
                  "optimizer_state": _bytes_per_device(opt_state)}
   else:  # the engine decodes with the learner's params: one copy serves both
     resident |= {"master_weights": _bytes_per_device(state.master),
@@ -339,6 +346,8 @@ ADVICE = {
   "old_versions": "shard the model over mesh.fsdp / mesh.tensor, or lower controller.max_staleness",
   "noiser_state": "use es.mode=lowrank (full-rank noise materialises member weights) or fewer "
                   "slots per device (mesh.data)",
+  "version_steps": "lower es.population or controller.max_staleness (each low-rank step between "
+                   "live versions holds population x rank x (in + out) floats per matrix)",
   "optimizer_state": "use es.optimizer=sgd (stateless) or shard the model over mesh.fsdp",
   "temporaries": "lower rollout.prefill_chunk (the widest step's activations) or shard more",
   "master_weights": "shard the model over mesh.fsdp / mesh.tensor, or grpo.master_weights=False",

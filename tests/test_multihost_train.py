@@ -7,7 +7,6 @@ parameters either way, write its metrics once, stop when one process is SIGKILLe
 from the same launch command to the parameters of the uninterrupted run.
 """
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -18,7 +17,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers_train import ROOT, build_tiny_tokenizer, tiny_config, write_config_file
+from helpers_train import ROOT, build_tiny_tokenizer, launch_env, tiny_config, write_config_file
 from jaxes.train import checkpoint, metrics
 from jaxes.train.policy import load_policy
 
@@ -64,15 +63,6 @@ def _failure(proc) -> str:
   return proc.stderr[-3000:] + "\n" + "\n...\n".join(per_process)
 
 
-def _env(tmp, **extra):
-  env = {k: v for k, v in os.environ.items()
-         if not k.startswith(("JAX_", "SLURM_", "JAXES_", "XLA_FLAGS"))}
-  env.update(JAX_PLATFORMS="cpu",
-             JAX_COMPILATION_CACHE_DIR=str(tmp / "jax-cache"),   # later launches reuse programs
-             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", PYTHONUNBUFFERED="1", **extra)
-  return env
-
-
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
   tmp = tmp_path_factory.mktemp("multihost")
@@ -111,7 +101,7 @@ def _launch_two(tmp, config_file, workdir, timeout=1500):
   turns = workdir.parent / f"{workdir.name}-turns"
   turns.mkdir(exist_ok=True)
   return subprocess.run(["bash", str(LOCAL_SH), "2", "--", *_command(tmp, config_file, workdir)],
-                        cwd=ROOT, env=_env(tmp, TURNS_DIR=str(turns)), capture_output=True,
+                        cwd=ROOT, env=launch_env(tmp, TURNS_DIR=str(turns)), capture_output=True,
                         text=True, timeout=timeout)
 
 
@@ -123,7 +113,7 @@ def runs(setup):
   (tmp / "one-turns").mkdir()
   one = subprocess.run(_command(tmp, config_file, tmp / "one"), cwd=ROOT, capture_output=True,
                        text=True, timeout=1500,
-                       env=_env(tmp, TURNS_DIR=str(tmp / "one-turns"),
+                       env=launch_env(tmp, TURNS_DIR=str(tmp / "one-turns"),
                                 XLA_FLAGS="--xla_force_host_platform_device_count=8"))
   assert one.returncode == 0, one.stderr[-4000:]
   return tmp, two, one
@@ -221,7 +211,7 @@ def test_sigkill_one_process_stops_the_other_then_rerun_resumes(sync_setup):
   logs = [open(tmp / f"killed-{i}.log", "w") for i in range(2)]   # files: a full pipe would block
   procs = [subprocess.Popen(_command(tmp, config_file, workdir), cwd=ROOT, stdout=logs[i],
                             stderr=subprocess.STDOUT,
-                            env=_env(tmp, TURNS_DIR=str(tmp / "killed-turns"),
+                            env=launch_env(tmp, TURNS_DIR=str(tmp / "killed-turns"),
                                      JAXES_HEARTBEAT_TIMEOUT_S=str(HEARTBEAT_S),
                                      JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
                                      JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i),

@@ -9,8 +9,8 @@ topology's devices, ahead-of-time compiles every program the run executes — ea
 runs the same step programs with member -1 — and prints per device: parameters, the KV cache,
 noiser state, the low-rank steps between live versions (an async low-rank SGD run decodes the
 rows of all its versions in one call), optimizer state, the older parameter versions kept alive
-for in-flight episodes, and each program's compiled temporaries, against the device's memory. The peak is the resident
-state plus the largest program's temporaries and non-donated outputs. Exit 0 iff the peak is
+for in-flight episodes, and each program's compiled temporaries, against the device's memory.
+The peak is the resident state plus the largest program's temporaries and non-donated outputs. Exit 0 iff the peak is
 at most ``headroom`` of the device memory, else 1 with a line naming the biggest consumer and
 what to change. The last line is one JSON object.
 

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
+
 from jaxes.models.qwen2 import Qwen2Config
 
 TOKENIZER_CORPUS = [
@@ -31,6 +33,18 @@ def engine_noiser(strategy, run_key):
   def make_noiser(params, versions, members, row_group):
     return strategy.member_noiser(params, versions, members, row_group, run_key=run_key)
   return make_noiser
+
+
+def assert_same_turns(got: dict, want: dict, atol: float = 1e-4) -> None:
+  """Two engines' turns per slot (``{slot: [(tokens, log-probs), ...]}``): the same tokens, the
+  log-probs within ``atol``, and some sampled (nonzero) log-probs, so the comparison is not of
+  greedy rows alone."""
+  assert {s: [t for t, _ in turns] for s, turns in got.items()} == \
+         {s: [t for t, _ in turns] for s, turns in want.items()}
+  for slot in got:
+    for (_, lp_got), (_, lp_want) in zip(got[slot], want[slot]):
+      np.testing.assert_allclose(lp_got, lp_want, atol=atol)
+  assert any(lp != 0 for turns in got.values() for _, lps in turns for lp in lps)
 
 
 def tiny_tokenizer(out_dir: str, vocab_size: int = 300):

@@ -33,6 +33,24 @@ NO_SOLUTION = "NO_SOLUTION"       # oracle asked for a task that has none
 TASK_ERROR = "TASK_ERROR"         # the backend cannot run this task (e.g. files outside /home/user)
 
 
+def read_replay(spec: str, named: str) -> list | dict:
+  """The outputs of ``--agent replay:FILE``: a JSON list of model outputs (strings), or an object
+  mapping ``named`` (task or goal) names to such lists; anything else exits with one line."""
+  path = spec[len("replay:"):]
+  try:
+    with open(path, encoding="utf-8") as f:
+      data = json.load(f)
+  except (OSError, json.JSONDecodeError) as e:
+    raise SystemExit(f"--agent {spec}: cannot read {path}: {e}")
+  lists = [data] if isinstance(data, list) else list(data.values()) if isinstance(data, dict) else None
+  # A string value would be played as one-character turns: reject anything but lists of strings.
+  if lists is None or not all(isinstance(v, list) and all(isinstance(o, str) for o in v)
+                              for v in lists):
+    raise SystemExit(f"--agent {spec}: {path} must hold a JSON list of model outputs "
+                     f"(strings) or an object mapping {named} names to such lists")
+  return data
+
+
 def make_agent(spec: str) -> Callable[[Task], Callable[[list], str] | None]:
   """Maps an --agent spec to a factory: task -> agent(messages) -> model text (None: no oracle)."""
   if spec == "noop":
@@ -45,18 +63,7 @@ def make_agent(spec: str) -> Callable[[Task], Callable[[list], str] | None]:
       return lambda messages: next(turns, DONE)
     return oracle
   if spec.startswith("replay:"):
-    path = spec[len("replay:"):]
-    try:
-      with open(path, encoding="utf-8") as f:
-        data = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-      raise SystemExit(f"--agent {spec}: cannot read {path}: {e}")
-    lists = [data] if isinstance(data, list) else list(data.values()) if isinstance(data, dict) else None
-    # A string value would be played as one-character turns: reject anything but lists of strings.
-    if lists is None or not all(isinstance(v, list) and all(isinstance(o, str) for o in v)
-                                for v in lists):
-      raise SystemExit(f"--agent {spec}: {path} must hold a JSON list of model outputs "
-                       "(strings) or an object mapping task names to such lists")
+    data = read_replay(spec, "task")
 
     def replay(task: Task):
       outputs = data if isinstance(data, list) else data.get(task.name, [])

@@ -19,7 +19,7 @@ import concurrent.futures
 import json
 import sys
 
-from jaxes.envs.check import exit_status
+from jaxes.envs.check import exit_status, read_replay
 from jaxes.envs.webshop import agents, generator, loader, make_goals
 from jaxes.envs.webshop.episode import MAX_STEPS, WebShopBackend, play
 
@@ -44,16 +44,7 @@ def make_agent(spec: str, max_steps: int):
   if spec == "first":
     return agents.first_result_agent
   if spec.startswith("replay:"):
-    path = spec[len("replay:"):]
-    try:
-      with open(path, encoding="utf-8") as f:
-        data = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-      raise SystemExit(f"--agent {spec}: cannot read {path}: {e}")
-    lists = [data] if isinstance(data, list) else list(data.values()) if isinstance(data, dict) else None
-    if lists is None or not all(isinstance(x, list) and all(isinstance(o, str) for o in x) for x in lists):
-      raise SystemExit(f"--agent {spec}: {path} must hold a JSON list of model outputs (strings) "
-                       "or an object mapping goal names to such lists")
+    data = read_replay(spec, "goal")
     return lambda goal: agents.scripted(data if isinstance(data, list) else data.get(goal.name, []))
   raise SystemExit(f"--agent {spec!r}: expected oracle, noop, random[:SEED], first or replay:FILE")
 

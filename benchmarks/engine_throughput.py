@@ -17,6 +17,19 @@ Workloads, on one engine each, with a low-rank ES noiser (every slot its own mem
 * ``decode``: every working slot decodes (no turn ends while timing), all B slots or a quarter
   (the others free).
 
+Beside them, on engines of their own (compacting):
+
+* ``engine_vs_plain_decode``: decode tokens/s of the engine over a plain jitted batched forward
+  (``qwen2.forward`` with a dense KV cache of just the live rows, then the engine's sampler) of
+  the same rows, prompts, noiser (the same low-rank members: the engine always perturbs, so a
+  plain forward without it would measure the noiser, not the engine) and KV lengths, attending
+  over the span the engine picks; all B rows (the headline number) and a quarter of them (the
+  engine's compacted batch against a cache of those rows only). Each pair steps alternately,
+  from the prefill on; ``same_tokens`` checks the two decoded the same tokens.
+* ``observation_prefill_vs_full_step``: the step that prefills a ``--obs``-token observation into
+  1 of B rows (the others parked) over the step in which all B rows prefill one, each timed at
+  the same KV length (the rows start again from their prompt every cycle, untimed).
+
 The engines of the sync and Async-1 mixes (all modes) step alternately, as do those of the two
 decode workloads (same load on a shared machine, so the ratios compare like with like), each step
 timed alone; the median step time is reported, steps during which an engine compiled left out
@@ -33,17 +46,21 @@ step), ``quarter_rows_vs_full`` (step time), ``kv_bytes_in_use_vs_reserved``
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
+import tempfile
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from jaxes import es
 from jaxes.models import qwen2
-from jaxes.rollout.engine import PARKED, Engine, VersionSteps
+from jaxes.rollout import sampling
+from jaxes.rollout.engine import DECODE, FREE, PARKED, PREFILL, Engine, VersionSteps
 
 IM_END = 3
 
@@ -137,6 +154,154 @@ def run(args, cfg, graphdef, make_noiser, params_by_version, steps, workloads):
   return out
 
 
+def _plain_step(graphdef, attend_len, params, noiser, cache, tokens, positions, valid, key,
+                streams, counters, temperature, top_p):
+  """The reference step: ``qwen2.forward`` over a cache of just the live rows, then the engine's
+  sampler (the same tokens and log-probs for the same keys), nothing else. Returns the next
+  step's inputs (each row's token, position and sampling counter) beside the log-probs and the
+  cache, so the loop's state stays on the device."""
+  last = jnp.maximum(valid.sum(axis=1) - 1, 0)
+  logits, cache = qwen2.forward(graphdef, params, tokens, positions, valid, cache=cache,
+                                noiser=noiser, logits_at=last, attend_len=attend_len)
+  next_tokens, logprobs = sampling.sample_with_logprob(
+      logits, sampling.row_keys(key, streams, counters), temperature, top_p)
+  return next_tokens[:, None], positions[:, -1:] + 1, counters + 1, logprobs, cache
+
+
+class _PlainDecode:
+  """The engine's live rows (started, not stepped yet) decoded by a plain jitted batched forward
+  (``_plain_step``): the same prompts, members (the same low-rank noiser, built once), sampling
+  streams and temperatures, a dense cache of those rows only, and attention over the span the
+  engine picks (the shortest of ``engine.spans`` that holds every row), so the two compute the
+  same tokens and differ only in the engine's host bookkeeping."""
+
+  def __init__(self, engine, graphdef, cfg, make_noiser, params, max_len):
+    rows = [s for s in engine.slots if s.state == PREFILL]
+    n, width = len(rows), len(rows[0].pending)
+    assert all(len(s.pending) == width for s in rows)
+    ids = lambda f, dtype: jnp.asarray(np.array([f(s) for s in rows], dtype))
+    self.noiser = None if make_noiser is None else jax.jit(make_noiser)(
+        params, ids(lambda s: s.version, np.int32), ids(lambda s: s.member, np.int32),
+        jnp.arange(n, dtype=jnp.int32))
+    self.params, self.spans, self.key = params, engine.spans, engine.base_key
+    self.sampling = (ids(lambda s: s.stream, np.uint32), jnp.zeros(n, jnp.int32),
+                     ids(lambda s: s.temperature, np.float32), ids(lambda s: s.top_p, np.float32))
+    self.cache = jax.jit(functools.partial(qwen2.KVCache.init, cfg, n, max_len))()
+    self.tokens = ids(lambda s: s.pending, np.int32)
+    self.positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (n, width))
+    self.decoding = jnp.ones((n, 1), bool)
+    self.length, self.shapes, self.sampled = 0, set(), []
+    self.fn = jax.jit(functools.partial(_plain_step, graphdef), static_argnums=0,
+                      donate_argnames=("cache",))
+
+  def step(self) -> bool:
+    """One step (the prompt's prefill first, then a token per row), waited for. True when it
+    compiled."""
+    width = self.tokens.shape[1]
+    span = next((a for a in self.spans if a >= self.length + width), self.spans[-1])
+    valid = self.decoding if width == 1 else jnp.ones(self.tokens.shape, bool)
+    streams, counters, temperature, top_p = self.sampling
+    self.tokens, self.positions, counters, logprobs, self.cache = self.fn(
+        span, self.params, self.noiser, self.cache, self.tokens, self.positions, valid, self.key,
+        streams, counters, temperature, top_p)
+    jax.block_until_ready((self.tokens, logprobs))
+    self.sampled.append(self.tokens)
+    self.sampling = (streams, counters, temperature, top_p)
+    self.length += width
+    fresh = (width, span) not in self.shapes
+    self.shapes.add((width, span))
+    return fresh
+
+
+def engine_vs_plain(args, cfg, graphdef, make_noiser, params):
+  """Decode tokens/s of the engine (compacting) over the plain forward of the same live rows
+  (all B slots, and a quarter of them with the rest free), all four stepping alternately from
+  the prefill of the same prompts on (so every step of a pair is at the same KV lengths), each
+  step timed alone; steps that compiled left out, medians."""
+  B, pairs = args.slots, {}
+  for working in (B, B // 4):
+    # im_end_id out of the vocabulary: no turn ends while timing, every live row decodes.
+    engine = Engine(graphdef, cfg, num_slots=B, max_len=args.max_len, prefill_chunk=args.chunk,
+                    max_new_tokens=args.max_len // 2, stop_ids=[], im_end_id=cfg.vocab_size,
+                    make_noiser=make_noiser)
+    rng = np.random.default_rng(0)
+    for i in range(0, B, B // working):
+      engine.start(i, list(rng.integers(4, cfg.vocab_size, size=args.prompt)), version=0,
+                   member=i, stream=i, temperature=0.7)
+    pairs[working] = (engine, _PlainDecode(engine, graphdef, cfg, make_noiser, params,
+                                           args.max_len))
+  times = {(w, side): [] for w in pairs for side in ("engine", "plain")}
+  for n in range(args.warm + args.steps):
+    for w, (engine, plain) in pairs.items():
+      compiled = engine.compilations()
+      t = time.perf_counter()
+      engine.step({0: params})
+      dt = time.perf_counter() - t
+      if n >= args.warm and engine.compilations() == compiled:
+        times[w, "engine"].append(dt)
+      t = time.perf_counter()
+      fresh = plain.step()
+      dt = time.perf_counter() - t
+      if n >= args.warm and not fresh:
+        times[w, "plain"].append(dt)
+  out = {}
+  for w, (engine, plain) in pairs.items():
+    e, p = (float(np.median(times[w, side])) for side in ("engine", "plain"))
+    live = [s for s in engine.slots if s.state != FREE]
+    ours = np.concatenate([np.asarray(t) for t in plain.sampled], axis=1)
+    assert all(s.state == FREE or (s.state == DECODE and len(s.generated) == args.warm + args.steps)
+               for s in engine.slots)   # every live row decoded at every step: no turn ended
+    out["all_rows" if w == args.slots else "quarter_rows"] = {
+        "rows": w, "engine_step_ms": 1e3 * e, "plain_step_ms": 1e3 * p,
+        "engine_tokens_per_s": w / e, "plain_tokens_per_s": w / p, "engine_vs_plain": p / e,
+        "timed_steps": [len(times[w, side]) for side in ("engine", "plain")],
+        # the two decode the same tokens (a float difference may flip a sampled one)
+        "same_tokens": float(np.mean(ours == np.array([s.generated for s in live])))}
+  return out
+
+
+def observation_prefill(args, cfg, graphdef, make_noiser, params):
+  """A step that prefills one ``--obs``-token observation into 1 of B rows (the others parked)
+  over a step in which all B rows prefill one (the full-width step), on two compacting engines
+  stepping alternately. Every cycle starts the rows again from their prompt (untimed, so each
+  timed step is at the same KV length) and times the observation's step alone; medians."""
+  B = args.slots
+  prompts = [list(np.random.default_rng(i).integers(4, cfg.vocab_size, size=args.prompt))
+             for i in range(B)]
+  engines = {}
+  for rows in (1, B):   # max_new_tokens=1: the step that prefills the observation parks the row
+    engines[rows] = Engine(graphdef, cfg, num_slots=B, max_len=args.max_len,
+                           prefill_chunk=args.chunk, max_new_tokens=1, stop_ids=[],
+                           im_end_id=IM_END, make_noiser=make_noiser)
+  rng = np.random.default_rng(1)
+  times = {rows: [] for rows in engines}
+  calls = {rows: set() for rows in engines}
+  for n in range(2 + args.obs_cycles):   # two warm-up cycles
+    for rows, engine in engines.items():
+      for i in range(B if n == 0 else rows):
+        if engine.slots[i].state != FREE:
+          engine.release(i)
+        engine.start(i, prompts[i], version=0, member=i, stream=i, temperature=0.7)
+      while engine.busy():
+        engine.step({0: params})
+      for i in range(rows):
+        assert engine.continue_turn(i, list(rng.integers(4, cfg.vocab_size, size=args.obs)))
+      before, compiled = dict(vars(engine.stats)), engine.compilations()
+      t = time.perf_counter()
+      engine.step({0: params})
+      dt = time.perf_counter() - t
+      if n >= 2 and engine.compilations() == compiled:
+        times[rows].append(dt)
+        d = {k: v - before[k] for k, v in vars(engine.stats).items()}
+        calls[rows].add((d["prefill_calls"] + d["decode_calls"], d["rows_computed"],
+                         d["positions_computed"] // d["rows_computed"]))
+  one, full = (float(np.median(times[rows])) for rows in (1, B))
+  return {"one_row_ms": 1e3 * one, "all_rows_ms": 1e3 * full, "ratio": one / full,
+          "timed_cycles": [len(times[rows]) for rows in (1, B)],
+          # (calls, rows computed, width) of the timed steps
+          "calls": {"one_row": sorted(calls[1]), "all_rows": sorted(calls[B])}}
+
+
 def main():
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--quick", action="store_true", help="tiny model, few steps")
@@ -149,11 +314,19 @@ def main():
   ap.add_argument("--turn", type=int, default=12)
   ap.add_argument("--warm", type=int, default=None)
   ap.add_argument("--steps", type=int, default=None)
+  ap.add_argument("--obs_cycles", type=int, default=None,
+                  help="timed observation prefills per engine (observation_prefill_vs_full_step)")
   ap.add_argument("--noiser", choices=("lowrank", "none"), default="lowrank",
                   help="every slot its own low-rank ES member, or plain inference")
   args = ap.parse_args()
   args.warm = args.warm if args.warm is not None else (12 if args.quick else 30)
   args.steps = args.steps if args.steps is not None else (40 if args.quick else 60)
+  args.obs_cycles = args.obs_cycles if args.obs_cycles is not None else (12 if args.quick else 20)
+  # Every engine jits its own functions, and the modes share many programs: a compilation cache
+  # for this run only (removed at exit) compiles each program once.
+  xla_cache = tempfile.TemporaryDirectory(prefix="engine_throughput_xla_")
+  jax.config.update("jax_compilation_cache_dir", xla_cache.name)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
   cfg, graphdef, params = build(args.quick)
   n_params = sum(x.size for x in jax.tree.leaves(params))
   strategy = es.Strategy(population=args.slots, sigma=0.02, learning_rate=0.1, mode="lowrank", rank=1)
@@ -180,12 +353,19 @@ def main():
   for pair in (("mix_sync", "mix_async1"), ("decode_all_rows", "decode_quarter_rows")):
     results.update(run(args, cfg, graphdef, make_noiser, params_by_version, steps,
                        {name: workloads[name] for name in pair}))
+  plain = engine_vs_plain(args, cfg, graphdef, make_noiser, state0.params)
+  obs = observation_prefill(args, cfg, graphdef, make_noiser, state0.params)
   for name in workloads:
     for mode, r in results[name].items():
       print(f"{name:20s} {mode:8s} step {r['step_ms']:8.2f} ms  "
             f"{r['tokens_per_s']:8.1f} tok/s  useful {r['useful_fraction']:.3f}  "
             f"calls/step {r['calls_per_step']:.2f}  rows/step {r['rows_computed_per_step']:.1f}  "
             f"(timed {r['timed_steps']}, compiled in {r['steps_that_compiled']})", flush=True)
+  for name, r in plain.items():
+    print(f"decode {name:14s} engine {r['engine_step_ms']:8.2f} ms  plain forward "
+          f"{r['plain_step_ms']:8.2f} ms  engine/plain tok/s {r['engine_vs_plain']:.3f}", flush=True)
+  print(f"observation of {args.obs} tokens into 1 of {args.slots} rows {obs['one_row_ms']:.2f} ms, "
+        f"into all rows {obs['all_rows_ms']:.2f} ms: {obs['ratio']:.3f}  {obs['calls']}", flush=True)
   for name, by in results.items():
     by["compact_vs_full_tokens_per_s"] = by["compact"]["tokens_per_s"] / by["full"]["tokens_per_s"]
     by["compact_vs_full_step_time"] = by["compact"]["step_ms"] / by["full"]["step_ms"]
@@ -204,6 +384,10 @@ def main():
     "two_versions_vs_one": {
         **{m: ratio("mix_async1", "mix_sync", m) for m in ("full", "compact")},
         **({"merged": results["mix_async1"]["merged"]["step_ms"] / mix["step_ms"]} if steps else {})},
+    "engine_vs_plain_decode": plain["all_rows"]["engine_vs_plain"],
+    "engine_vs_plain_decode_quarter_rows": plain["quarter_rows"]["engine_vs_plain"],
+    "observation_prefill_vs_full_step": obs["ratio"],
+    "plain_decode": plain, "observation_prefill": obs,
     "quarter_rows_vs_full": {m: ratio("decode_quarter_rows", "decode_all_rows", m)
                              for m in ("full", "compact")},
     "kv_bytes_in_use_vs_reserved": mix["kv_bytes_in_use"] / mix["kv_bytes_reserved"],

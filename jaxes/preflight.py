@@ -284,7 +284,8 @@ def _plan(config, target: Target, log, only: str | None, algorithm: str) -> dict
                   im_end_id=0, make_noiser=make_noiser if algorithm == "es" else None,
                   seed=config.seed, mesh=mesh, abstract=True,
                   version_steps=builders.version_steps(config, model, strategy, run_key)
-                  if algorithm == "es" else None)
+                  if algorithm == "es" else None,
+                  member_slices=algorithm == "es" and builders.member_slices(strategy))
   params = engine.abstract_params
   versions = live_versions(config)
   noiser_bytes = _bytes_per_device(engine.abstract_noiser) if algorithm == "es" else 0
@@ -344,8 +345,8 @@ ADVICE = {
               "divides num_kv_heads) or lower rollout.num_slots x rollout.max_len",
   "parameters": "shard the model over mesh.fsdp / mesh.tensor (fewer devices on mesh.data)",
   "old_versions": "shard the model over mesh.fsdp / mesh.tensor, or lower controller.max_staleness",
-  "noiser_state": "use es.mode=lowrank (full-rank noise materialises member weights) or fewer "
-                  "slots per device (mesh.data)",
+  "noiser_state": "use es.mode=lowrank (full-rank noise materialises a member's weights on "
+                  "every device) or shard the model over mesh.fsdp / mesh.tensor",
   "version_steps": "lower es.population or controller.max_staleness (each low-rank step between "
                    "live versions holds population x rank x (in + out) floats per matrix)",
   "optimizer_state": "use es.optimizer=sgd (stateless) or shard the model over mesh.fsdp",

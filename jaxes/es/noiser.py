@@ -18,8 +18,10 @@ applied, and what it costs (G groups, B rows):
 * ``full`` vectors (biases, norm gains): perturbed values stored per row, ``B * |vector|``.
 * ``full`` matrices: the member weights ``theta + s_g * eps_g`` are materialised once per group in
   the parameter dtype. Memory: ``G`` copies of those leaves (in full mode: G model copies); a
-  matmul gathers each row's weights (``B * in * out`` transient) unless ``G == 1``. Use full mode
-  with small G (one member per population slice / device).
+  matmul gathers each row's weights (``B * in * out`` transient) unless ``G == 1`` or the rows
+  come in slices (``in_slices``: G equal runs of rows, run g all of group g), where each slice
+  multiplies by its own group's weights with no gather. The rollout engine's member slices
+  (``Engine(member_slices=True)``) are one group per data shard: one copy per device.
 * ``frozen`` leaves: the op runs on the stored parameter.
 """
 from __future__ import annotations
@@ -30,6 +32,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxes.es import keys, noise
 
@@ -40,7 +43,7 @@ def is_vector(spec: noise.LeafSpec) -> bool:
 
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["row_group", "factors", "values", "steps", "step_rows"],
-                   meta_fields=["specs"])
+                   meta_fields=["specs", "slices"])
 @dataclasses.dataclass(frozen=True)
 class PopulationNoiser:
   row_group: jax.Array  # [B] int32
@@ -51,6 +54,7 @@ class PopulationNoiser:
   steps: dict | None = None      # lowrank leaf -> (a [K, (L,) in, R], b [K, (L,) out, R]): K
                                  # low-rank version steps, shared by all rows (``with_steps``)
   step_rows: jax.Array | None = None   # [B, K] float32: 1 where row b adds step k, else 0
+  slices: bool = False           # rows in G equal runs, run g all of group g (``in_slices``)
 
   # -- helpers -------------------------------------------------------------------------------
   def _spec(self, name: str, layer) -> noise.LeafSpec:
@@ -73,11 +77,36 @@ class PopulationNoiser:
     return table if layer is None else table[:, layer]
 
   def _group_weights(self, name: str, layer):
-    """A full matrix for the op: ``([in, out], False)`` if one group, else ``([B, in, out], True)``."""
+    """A full matrix for the op: ``([in, out], False)`` if one group, ``([G, in, out], True)``
+    in slices, else ``([B, in, out], True)``."""
     per_group = self._at_layer(self.values[name], layer)
     if per_group.shape[0] == 1:
       return per_group[0], False
+    if self.slices:
+      return per_group, True
     return per_group[self.row_group], True
+
+  def _per_slice(self, fn, x: jax.Array, w: jax.Array, per_row: bool = True) -> jax.Array:
+    """``fn(x, w)`` on rows ``[B, ...]`` against per-row weights (or shared ones: ``per_row``
+    False): directly, or in slices as
+    ``[G, B / G, ...]`` against the G groups' weights (a batched matmul: no gather, and on a
+    mesh whose data shards are the slices each device multiplies by its own group's copy)."""
+    if not (self.slices and per_row):
+      return fn(x, w)
+    g = w.shape[0]
+    y = fn(x.reshape((g, x.shape[0] // g) + x.shape[1:]), w)
+    return y.reshape((x.shape[0],) + y.shape[2:])
+
+  def in_slices(self) -> "PopulationNoiser":
+    """This noiser for rows that come in G equal runs, run g all of group g (``row_group[b] ==
+    b // (B / G)``, which the caller guarantees; taking the same number of rows from each run,
+    as ``select_rows`` with the engine's per-shard rows does, keeps it so)."""
+    groups = {v.shape[0] for spec in self.specs if spec.kind == "full" and not is_vector(spec)
+              for v in [self.values[spec.name]]}
+    rows = self.row_group.shape[0]
+    if any(rows % g for g in groups):
+      raise ValueError(f"in_slices: {rows} rows do not split into {sorted(groups)} equal slices")
+    return dataclasses.replace(self, slices=True)
 
   def _vector(self, value: jax.Array, name: str, layer, like: jax.Array) -> jax.Array:
     """A perturbed vector broadcastable against ``like`` ([B, ..., n]), in ``like``'s dtype."""
@@ -89,6 +118,23 @@ class PopulationNoiser:
     rows = self._at_layer(self.values[name], layer).astype(like.dtype)
     return rows.reshape((rows.shape[0],) + (1,) * (like.ndim - rows.ndim) + rows.shape[1:])
 
+  def slice_shardings(self, param_shardings, axis: str = "data") -> "PopulationNoiser":
+    """Where this noiser's leaves (arrays or shapes) live when its slices are the shards of the
+    mesh axis ``axis``: per-row leaves over ``axis``, and each full matrix's groups over ``axis``
+    too (shard d holds group d), within a group as the parameter is (``param_shardings``: the
+    parameters' ``NamedSharding`` tree), so a device holds one member copy of its own share."""
+    if self.steps is not None:
+      raise ValueError("slice_shardings: a noiser with version steps has no slice layout")
+    flat, _ = jax.tree_util.tree_flatten_with_path(param_shardings)
+    by_name = {keys.param_name(path): sh for path, sh in flat}
+    mesh = next(iter(by_name.values())).mesh
+    rows = NamedSharding(mesh, PartitionSpec(axis))
+    values = {spec.name: rows if is_vector(spec) else
+              NamedSharding(mesh, PartitionSpec(axis, *by_name[spec.name].spec))
+              for spec in self.specs if spec.name in self.values}
+    return PopulationNoiser(rows, jax.tree.map(lambda _: rows, self.factors), values, self.specs,
+                            slices=self.slices)
+
   def select_rows(self, take) -> "PopulationNoiser":
     """This noiser for a batch made of some of its rows: ``take(x [B, ...]) -> [n, ...]``
     picks them from each per-row leaf (the rollout engine runs only its working rows);
@@ -97,7 +143,7 @@ class PopulationNoiser:
     return PopulationNoiser(take(self.row_group), jax.tree.map(take, self.factors),
                             {name: take(v) if kinds[name] else v for name, v in self.values.items()},
                             self.specs, self.steps,
-                            None if self.step_rows is None else take(self.step_rows))
+                            None if self.step_rows is None else take(self.step_rows), self.slices)
 
   def with_vectors_of(self, noisers: tuple, owner: jax.Array) -> "PopulationNoiser":
     """This noiser with row b's per-row vector values taken from ``(self, *noisers)[owner[b]]``:
@@ -140,7 +186,7 @@ class PopulationNoiser:
     if spec.kind == "full":
       w, per_row = self._group_weights(name, layer)
       pattern = "b...i,bio->b...o" if per_row else "...i,io->...o"
-      y = jnp.einsum(pattern, x, w.astype(x.dtype))
+      y = self._per_slice(lambda x, w: jnp.einsum(pattern, x, w.astype(x.dtype)), x, w, per_row)
     else:
       y = jnp.einsum("...i,io->...o", x, kernel.astype(x.dtype))
       if spec.kind == "lowrank":
@@ -160,6 +206,9 @@ class PopulationNoiser:
     self._check_rows(ids)
     spec = self._spec(name, None)
     if spec.kind == "full":
+      if self.slices:
+        lookup = jax.vmap(lambda ids, table: jnp.take(table, ids, axis=0))
+        return self._per_slice(lookup, ids, self.values[name])
       rows = self.row_group.reshape((-1,) + (1,) * (ids.ndim - 1))
       return self.values[name][rows, ids]
     out = jnp.take(table, ids, axis=0)
@@ -180,7 +229,7 @@ class PopulationNoiser:
     if spec.kind == "full":
       w, per_row = self._group_weights(name, None)
       pattern = "b...d,bvd->b...v" if per_row else "...d,vd->...v"
-      return jnp.einsum(pattern, x, w.astype(x.dtype))
+      return self._per_slice(lambda x, w: jnp.einsum(pattern, x, w.astype(x.dtype)), x, w, per_row)
     y = jnp.einsum("...d,vd->...v", x, table.astype(x.dtype))
     if spec.kind == "lowrank":
       a, b = (f.astype(x.dtype) for f in self.factors[name])

@@ -182,6 +182,10 @@ def _merge_noisers(base, others, owner):
   return base.with_vectors_of(others, owner)
 
 
+def _in_slices(make_noiser, *args):
+  return make_noiser(*args).in_slices()
+
+
 def _reset_rows(cache: qwen2.KVCache, rows: jax.Array) -> qwen2.KVCache:
   return dataclasses.replace(cache, index=jnp.where(rows, 0, cache.index),
                              valid=jnp.where(rows[:, None], False, cache.valid))
@@ -203,13 +207,17 @@ class Engine:
   the module docstring; the noiser then needs ``select_rows``, as
   ``jaxes.es.noiser.PopulationNoiser`` has); False: every call runs all B rows.
   ``version_steps``: run rows of consecutive versions in one call (``VersionSteps``, ``add_step``;
-  the noiser then needs ``with_steps`` and ``with_vectors_of``); None: one call per version."""
+  the noiser then needs ``with_steps`` and ``with_vectors_of``); None: one call per version.
+  ``member_slices`` (full-rank noise): every data shard's slots hold episodes of one (version,
+  member) at a time, and the noiser has one group per shard, laid out with it
+  (``PopulationNoiser.in_slices`` / ``slice_shardings``): one perturbed weight copy per device
+  instead of one per slot; ``start`` refuses a slot whose shard runs another member."""
 
   def __init__(self, graphdef, model_config: qwen2.Qwen2Config, *, num_slots: int, max_len: int,
                prefill_chunk: int, max_new_tokens: int, stop_ids, im_end_id: int,
                make_noiser: Callable | None = None, seed: int = 0, mesh: Mesh | None = None,
                rules=sharding.LOGICAL_RULES, abstract: bool = False, compact: bool = True,
-               version_steps: VersionSteps | None = None):
+               version_steps: VersionSteps | None = None, member_slices: bool = False):
     if max_len <= max_new_tokens:
       raise ValueError(f"max_len={max_len} must exceed max_new_tokens={max_new_tokens}")
     self.mesh = sharding.make_mesh(devices=jax.devices()[:1]) if mesh is None else mesh
@@ -257,8 +265,14 @@ class Engine:
       self._make_noiser, self.noiser_shardings, self.abstract_noiser = None, None, None
     else:
       slot_ids = jax.ShapeDtypeStruct((num_slots,), jnp.int32, sharding=self.rows)
-      shapes = jax.eval_shape(make_noiser, self.abstract_params, slot_ids, slot_ids, slot_ids)
-      self.noiser_shardings = jax.tree.map(self._noiser_leaf_sharding, shapes)
+      # Member slices: versions and members per data shard [D], row_group per slot [B].
+      groups = jax.ShapeDtypeStruct((data,), jnp.int32, sharding=self.rows) if member_slices else slot_ids
+      self._noiser_args = (groups, groups, slot_ids)
+      if member_slices:
+        make_noiser = functools.partial(_in_slices, make_noiser)
+      shapes = jax.eval_shape(make_noiser, self.abstract_params, *self._noiser_args)
+      self.noiser_shardings = (shapes.slice_shardings(self.param_shardings) if member_slices
+                               else jax.tree.map(self._noiser_leaf_sharding, shapes))
       self.abstract_noiser = _abstract(shapes, self.noiser_shardings)
       self._make_noiser = jax.jit(make_noiser, in_shardings=(self.param_shardings, self.rows,
                                                              self.rows, self.rows),
@@ -282,6 +296,11 @@ class Engine:
                           in_shardings=(self.cache_shardings, rows),
                           out_shardings=self.cache_shardings)
     self.version_steps = version_steps
+    self.member_slices = member_slices
+    self._slice_noisers: dict[int, tuple] = {}  # member_slices: version -> (members [D], noiser)
+    if member_slices and (make_noiser is None or version_steps is not None):
+      raise ValueError("member_slices needs a noiser (make_noiser) and no version_steps (full-rank "
+                       "members' weights are not a low-rank step apart)")
     if version_steps is not None:
       if make_noiser is None:
         raise ValueError("version_steps needs a noiser (make_noiser): the steps are added through it")
@@ -373,7 +392,7 @@ class Engine:
               *per_row)
     out["reset"] = self._reset.lower(cache, rows((B,), jnp.bool_))
     if self._make_noiser is not None:
-      out["noiser"] = self._make_noiser.lower(self.abstract_params, slot_ids, slot_ids, slot_ids)
+      out["noiser"] = self._make_noiser.lower(self.abstract_params, *self._noiser_args)
     if self.version_steps is None:
       return out
     K = int(self.version_steps.max_steps)
@@ -410,6 +429,16 @@ class Engine:
   def live_versions(self) -> set[int]:
     return {s.version for s in self.slots if s.state != FREE}
 
+  def slice_members(self) -> list:
+    """Each data shard's ``(version, member)``: that of its slots' episodes, None when all its
+    slots are free (with ``member_slices`` a shard holds one at a time)."""
+    per_shard = self.num_slots // self.shards
+    held = [None] * self.shards
+    for s in self.slots:
+      if s.state != FREE:
+        held[s.index // per_shard] = (s.version, s.member)
+    return held
+
   def start(self, index: int, prompt: list[int], *, version: int, member: int, stream: int,
             temperature: float = 0.0, top_p: float = 1.0, tag: Any = None) -> bool:
     """Begin an episode in a free slot; False (slot untouched) if the prompt leaves no room."""
@@ -418,6 +447,11 @@ class Engine:
       raise ValueError(f"slot {index} is {slot.state}, not free")
     if len(prompt) + 1 > self.max_len:
       return False
+    if self.member_slices:
+      held = self.slice_members()[index // (self.num_slots // self.shards)]
+      if held not in (None, (version, member)):
+        raise ValueError(f"slot {index}: its data shard runs (version, member) {held}, not "
+                         f"{(version, member)} (member_slices: one member per shard at a time)")
     self.slots[index] = Slot(index, PREFILL, version, member, stream, temperature, top_p,
                              pending=list(prompt), tag=tag)
     self._to_reset[index] = True
@@ -485,12 +519,34 @@ class Engine:
   def _noiser(self, version: int, params):
     if self._make_noiser is None:
       return None
+    if self.member_slices:
+      return self._slice_noiser(version, params)
     if version not in self._noisers:
       versions = np.array([s.version for s in self.slots], np.int32)
       members = np.array([s.member if s.state != FREE else -1 for s in self.slots], np.int32)
       self._noisers[version] = self._make_noiser(
           params, *self._placed(versions, members, np.arange(self.num_slots, dtype=np.int32)))
     return self._noisers[version]
+
+  def _slice_noiser(self, version: int, params):
+    """``version``'s noiser with member slices: group d is the member of data shard d's episodes
+    of this version. A shard without any keeps the group it had (its rows are not in this
+    version's calls), so the noiser, a model copy per device, is rebuilt only when a shard
+    starts another member; the one it replaces is dropped first."""
+    want = [m if m is not None and m[0] == version else None for m in self.slice_members()]
+    held = self._slice_noisers.get(version)
+    if held is None or any(w is not None and w[1] != h for w, h in zip(want, held[0])):
+      members = np.array([w[1] if w is not None else held[0][d] if held else -1
+                          for d, w in enumerate(want)], np.int32)
+      live = self.live_versions()
+      self._slice_noisers = {v: x for v, x in self._slice_noisers.items() if v in live and v != version}
+      held = None
+      per_shard = self.num_slots // self.shards
+      noiser = self._make_noiser(params, *self._placed(
+          np.full(self.shards, version, np.int32), members,
+          np.arange(self.num_slots, dtype=np.int32) // per_shard))
+      held = self._slice_noisers[version] = (tuple(int(m) for m in members), noiser)
+    return held[1]
 
   def _versions_noiser(self, base: int, versions: tuple, params_by_version: dict):
     """The noiser of a call over rows of ``versions`` (base first): every row's perturbation,

@@ -124,6 +124,8 @@ class EpisodeRunner:
     # future (or _Remote) -> (kind, live, the step at which its result is taken when sandbox_steps > 0)
     self._futures: dict[cf.Future | _Remote, tuple[str, _Live, int]] = {}
     self._reserved: set[int] = set()
+    self._waiting: list[EpisodeSpec] = []   # member slices: submitted, no slot yet (in order)
+    self._reserved_for: dict[int, tuple] = {}  # member slices: reserved slot -> (version, member)
     self._handles: set = set()
     self.wait_s = 0.0            # main-thread time spent waiting for sandbox workers
     self.decode_s = 0.0          # main-thread time spent in engine steps, of which
@@ -166,7 +168,10 @@ class EpisodeRunner:
 
   # -- host API ---------------------------------------------------------------------------------
   def free_slots(self) -> list[int]:
-    return [i for i in self.engine.free_slots() if i not in self._reserved]
+    """Slots a new episode may be submitted for (with member slices: less those the waiting
+    episodes will take; ``submit`` picks the slot)."""
+    free = [i for i in self.engine.free_slots() if i not in self._reserved]
+    return free[len(self._waiting):]
 
   def live_versions(self) -> set[int]:
     return self.engine.live_versions() | {live.spec.version for _, live, _ in self._futures.values()}
@@ -179,15 +184,47 @@ class EpisodeRunner:
             "steps": self.steps, **dataclasses.asdict(self.engine.stats)}
 
   def idle(self) -> bool:
-    return not self._futures and not self.engine.busy() and not self._reserved
+    return not self._futures and not self.engine.busy() and not self._reserved and not self._waiting
 
   def submit(self, spec: EpisodeSpec) -> None:
     free = self.free_slots()
     if not free:
       raise RuntimeError("submit: no free slot")
+    if self.engine.member_slices:
+      self._waiting.append(spec)
+      self._place_waiting()
+      return
     live = _Live(spec, free[0])
     self._reserved.add(live.slot)
     self._spawn("start", self._start, live)
+
+  def _place_waiting(self) -> None:
+    """Member slices (``Engine.member_slices``): each waiting episode, in order, takes a free slot
+    of a data shard that runs its (version, member), else of a shard with no episode at all; the
+    others wait until a shard of their member has room or a whole shard is free, so the members
+    of a shard run in turn."""
+    per_shard = self.engine.num_slots // self.engine.shards
+    held = self.engine.slice_members()
+    # Reserved slots (their sandboxes starting) are their episodes' already.
+    self._reserved_for = {i: m for i, m in self._reserved_for.items() if i in self._reserved}
+    for slot, member in self._reserved_for.items():
+      held[slot // per_shard] = member
+    free = [i for i in self.engine.free_slots() if i not in self._reserved]
+    waiting, self._waiting = self._waiting, []
+    for spec in waiting:
+      member = (spec.version, spec.member)
+      slot = next((i for i in free if held[i // per_shard] == member), None)
+      if slot is None:
+        slot = next((i for i in free if held[i // per_shard] is None), None)
+      if slot is None:
+        self._waiting.append(spec)
+        continue
+      free.remove(slot)
+      held[slot // per_shard] = member
+      live = _Live(spec, slot)
+      self._reserved.add(slot)
+      self._reserved_for[slot] = member
+      self._spawn("start", self._start, live)
 
   def _result(self, live, outcome=None, error: str | None = None) -> EpisodeResult:
     if outcome is None or outcome.failure == SANDBOX_ERROR:
@@ -291,6 +328,8 @@ class EpisodeRunner:
       else:  # finish
         results.append(self._result(live, error=error) if error is not None
                        else self._result(live, value))
+    if self._waiting:   # shards freed by this poll's releases
+      self._place_waiting()
     if self.engine.busy():
       t, prefills = time.perf_counter(), self.engine.stats.prefill_calls
       turns = self.engine.step(params_by_version)
@@ -322,5 +361,7 @@ class EpisodeRunner:
     self._handles.clear()
     self._futures.clear()
     self._reserved.clear()
+    self._waiting.clear()
+    self._reserved_for.clear()
     for i in range(self.engine.num_slots):
       self.engine.release(i)

@@ -270,7 +270,14 @@ def build_engine(config, model: Model, tokenizer, strategy: es.Strategy | None =
                 prefill_chunk=r.prefill_chunk, max_new_tokens=r.max_new_tokens, stop_ids=stop,
                 im_end_id=im_end, make_noiser=None if strategy is None else make_noiser,
                 seed=config.seed, mesh=mesh,
-                version_steps=version_steps(config, model, strategy, run_key))
+                version_steps=version_steps(config, model, strategy, run_key),
+                member_slices=member_slices(strategy))
+
+
+def member_slices(strategy: es.Strategy | None) -> bool:
+  """Full-rank ES decodes in member slices (``Engine(member_slices=True)``): each data shard runs
+  one member at a time, so the engine holds one perturbed weight copy per shard, not per slot."""
+  return strategy is not None and strategy.mode == "full"
 
 
 def version_steps(config, model: Model, strategy: es.Strategy | None, run_key) -> VersionSteps | None:

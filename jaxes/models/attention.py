@@ -218,6 +218,79 @@ class Rows:
                        P(b, None, h))(q, cache_k, cache_v, layer, row_valid, q_slots, self.index)
 
 
+def _page_block(span: int, page: int, block: int | None) -> int:
+  """Keys per block of a paged read: whole pages, as many as fit in ``block`` and tile ``span``."""
+  if span % page:
+    raise ValueError(f"attention span {span} is not a multiple of the page size {page}")
+  return page * block_size(span // page, max(1, (KV_BLOCK if block is None else block) // page))
+
+
+def _paged_attend(q, pages_k, pages_v, layer, row_valid, q_slots, table, span, dtype, block):
+  """``cached`` for batch row i reading the pages ``table[i]`` of ``[L, P, page, K, hd]``, on one
+  device: a key block is whole pages, gathered for the batch's rows only."""
+  page = pages_k.shape[2]
+  n_block = _page_block(span, page, block)
+
+  def read(start, n):
+    ids = jax.lax.dynamic_slice_in_dim(table, start // page, n // page, axis=1)   # [b, n / page]
+    k, v = (c[layer, ids] for c in (pages_k, pages_v))                            # [b, m, page, K, hd]
+    k, v = (c.reshape(c.shape[0], n, *c.shape[3:]) for c in (k, v))
+    if dtype is not None:
+      k, v = (jax.lax.bitcast_convert_type(c, dtype) for c in (k, v))
+    return k, v
+
+  return _attend(q, read, row_valid, q_slots, span, n_block)
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["table"],
+                   meta_fields=["mesh", "batch_axis", "heads_axis"])
+@dataclasses.dataclass(frozen=True)
+class Pages:
+  """A batch's rows in a paged cache (``qwen2.PagedKVCache``): ``table [n, S // page]`` the page
+  ids of each batch row (shard-local, the rows laid out over ``batch_axis`` as ``Rows``'s are),
+  pages ``[L, P, page, K, hd]`` sharded over the same axis. Every access runs per device under
+  ``shard_map``: a shard writes and reads its own pages only. The portable path (plain JAX
+  gathers of whole pages inside ``blockwise``) on every backend: the Pallas TPU
+  ``paged_attention`` kernel takes one query per row (decode only) in a heads-major page layout,
+  while an engine call carries prefill chunks and decode rows together."""
+  table: jax.Array
+  mesh: Any = None
+  batch_axis: Any = None
+  heads_axis: Any = None
+
+  def _local(self, fn, in_specs, out_specs):
+    if self.mesh is None:
+      return fn
+    return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
+                         check_vma=False)
+
+  def _pages_spec(self) -> P:
+    return P(None, self.batch_axis, None, self.heads_axis, None)
+
+  def write(self, pages: jax.Array, layer: jax.Array, slots: jax.Array, x: jax.Array) -> jax.Array:
+    """``pages`` with ``x [n, T, K, hd]`` written at layer ``layer``, each batch row's slots
+    ``slots [n, T]`` (slots >= S dropped) at their page and offset."""
+    b, h = self.batch_axis, self.heads_axis
+    def fn(pages, layer, slots, x, table):
+      page = pages.shape[2]
+      width = table.shape[1]
+      row = jnp.arange(table.shape[0])[:, None]
+      ids = table[row, jnp.minimum(slots // page, width - 1)]
+      ids = jnp.where(slots < width * page, ids, pages.shape[1])   # past the pages: dropped
+      return pages.at[layer, ids, slots % page].set(x, mode="drop")
+    return self._local(fn, (self._pages_spec(), P(), P(b), P(b, None, h), P(b)),
+                       self._pages_spec())(pages, layer, slots, x, self.table)
+
+  def attend(self, q, pages_k, pages_v, layer, row_valid, q_slots, span, dtype=None, block=None):
+    """``cached`` over these rows' pages: ``q [n, T, K, G, hd]``, ``row_valid [n, S]``,
+    ``q_slots [n, T]``."""
+    b, h = self.batch_axis, self.heads_axis
+    fn = functools.partial(_paged_attend, span=span, dtype=dtype, block=block)
+    pages = self._pages_spec()
+    return self._local(fn, (P(b, None, h), pages, pages, P(), P(b), P(b), P(b)),
+                       P(b, None, h))(q, pages_k, pages_v, layer, row_valid, q_slots, self.table)
+
+
 def causal(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array,
            block: int | None = None) -> jax.Array:
   """Causal self-attention of a whole sequence (the uncached forward): query t of row b sees

@@ -14,7 +14,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxes import sharding
-from jaxes.models.qwen2 import KVCache, Qwen2Config, Qwen2ForCausalLM
+from jaxes.models.qwen2 import KVCache, PagedKVCache, Qwen2Config, Qwen2ForCausalLM
 
 
 def check_divisible(cfg: Qwen2Config, mesh: Mesh | Mapping[str, int]) -> None:
@@ -68,21 +68,25 @@ def init_params(cfg: Qwen2Config, mesh: Mesh, seed: int = 0,
 
 
 def cache_specs(cfg: Qwen2Config, mesh: Mesh | Mapping[str, int],
-                rules: Sequence[tuple[str, Any]] = sharding.LOGICAL_RULES) -> KVCache:
-  """PartitionSpecs of a ``KVCache`` (same pytree structure) under the rules, except that the KV
-  heads stay whole when the mesh axis does not divide them (Qwen2.5-7B has 4 KV heads, so
-  tensor=8 shards its query heads and MLP but not its cache)."""
+                rules: Sequence[tuple[str, Any]] = sharding.LOGICAL_RULES,
+                paged: bool = False) -> KVCache | PagedKVCache:
+  """PartitionSpecs of a ``KVCache`` (same pytree structure; ``paged``: a ``PagedKVCache``,
+  whose pages go over the slots' axis) under the rules, except that the KV heads stay whole
+  when the mesh axis does not divide them (Qwen2.5-7B has 4 KV heads, so tensor=8 shards its
+  query heads and MLP but not its cache)."""
   sizes = sharding.mesh_sizes(mesh)
   heads_axis = dict(rules).get("kv_heads")
   keep_heads = cfg.num_kv_heads % sharding.shards(heads_axis, sizes) != 0
   table = tuple((name, None if keep_heads and name == "kv_heads" else axis)
                 for name, axis in rules)
-  return KVCache(**{k: sharding.logical_to_spec(v, table) for k, v in KVCache.LOGICAL_AXES.items()},
-                 dtype=jnp.dtype(cfg.dtype).name)  # the cache's own (static) dtype: same pytree
+  cls = PagedKVCache if paged else KVCache
+  return cls(**{k: sharding.logical_to_spec(v, table) for k, v in cls.LOGICAL_AXES.items()},
+             dtype=jnp.dtype(cfg.dtype).name)  # the cache's own (static) dtype: same pytree
 
 
 def cache_shardings(cfg: Qwen2Config, mesh: Mesh,
-                    rules: Sequence[tuple[str, Any]] = sharding.LOGICAL_RULES) -> KVCache:
-  """NamedShardings of a ``KVCache`` (see ``cache_specs``)."""
-  return jax.tree.map(lambda spec: NamedSharding(mesh, spec), cache_specs(cfg, mesh, rules),
+                    rules: Sequence[tuple[str, Any]] = sharding.LOGICAL_RULES,
+                    paged: bool = False) -> KVCache | PagedKVCache:
+  """NamedShardings of a ``KVCache`` or ``PagedKVCache`` (see ``cache_specs``)."""
+  return jax.tree.map(lambda spec: NamedSharding(mesh, spec), cache_specs(cfg, mesh, rules, paged),
                       is_leaf=lambda x: isinstance(x, PartitionSpec))

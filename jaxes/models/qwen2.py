@@ -149,6 +149,48 @@ class KVCache:
     return jax.lax.bitcast_convert_type(self.v, jnp.dtype(self.dtype))
 
 
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["k", "v", "index", "valid", "table"], meta_fields=["dtype"])
+@dataclasses.dataclass
+class PagedKVCache:
+  """A ``KVCache`` whose keys and values live in fixed-size pages: ``k, v [L, P, page, KVH, hd]``
+  (raw bits of ``dtype``, as ``KVCache``), and ``table [B, S // page]`` int32 says which page
+  holds slots ``j * page ...`` of row b. The pages are split over the ``data`` shards with the
+  rows (rows and pages both ``cache_batch``), and a row's page ids are local to its shard (page
+  ``table[b, j]`` of the shard that holds row b): every access runs per shard
+  (``attention.Pages``). ``index [B]`` and ``valid [B, S]`` are per row as in ``KVCache``; a
+  table entry whose slots are not valid may name any page. The host owns the table
+  (``jaxes.rollout.pages``) and replaces it when it changes."""
+  k: jax.Array
+  v: jax.Array
+  index: jax.Array
+  valid: jax.Array
+  table: jax.Array
+  dtype: str = "float32"
+
+  LOGICAL_AXES = dict(k=("layers", "cache_batch", "cache_seq", "kv_heads", "head_dim"),
+                      v=("layers", "cache_batch", "cache_seq", "kv_heads", "head_dim"),
+                      index=("cache_batch",), valid=("cache_batch", "cache_seq"),
+                      table=("cache_batch", "cache_seq"))
+
+  @classmethod
+  def init(cls, cfg: Qwen2Config, batch_size: int, max_len: int, page_size: int, num_pages: int,
+           dtype: str | None = None):
+    if max_len % page_size:
+      raise ValueError(f"max_len={max_len} is not a multiple of page_size={page_size}")
+    shape = (cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_size)
+    dtype = jnp.dtype(dtype or cfg.dtype)
+    bits = jnp.dtype(f"uint{8 * dtype.itemsize}")
+    return cls(k=jnp.zeros(shape, bits), v=jnp.zeros(shape, bits),
+               index=jnp.zeros((batch_size,), jnp.int32),
+               valid=jnp.zeros((batch_size, max_len), bool),
+               table=jnp.zeros((batch_size, max_len // page_size), jnp.int32), dtype=dtype.name)
+
+  @property
+  def page_size(self) -> int:
+    return self.k.shape[2]
+
+
 def _stack(layers: int, shape: tuple, axes: tuple) -> tuple[tuple, tuple]:
   """Prefix a leading layer axis when the parameter belongs to the scanned decoder layers."""
   return ((layers, *shape), ("layers", *axes)) if layers else (shape, axes)
@@ -237,13 +279,14 @@ class Attention(nnx.Module):
   def __call__(self, x, positions, noiser, layer, mask=None, cached=None):
     """x: [B, T, d]. Without a cache, ``mask`` [B, T] says which tokens are real; query t sees
     the real ones up to t (``attention.causal``). With one, ``cached = (k, v, valid, slots,
-    write_slots, span, dtype, rows)``: the whole cache ``k, v [L, B, S, KVH, hd]`` as raw bits
+    write_slots, span, dtype, rows, pages)``: the whole cache ``k, v [L, B, S, KVH, hd]`` as raw bits
     of ``dtype`` (this layer's keys are written into it at ``write_slots``), ``valid [B, S]``
     and ``slots [B, T]`` (each query's own slot; it sees the valid slots up to it), and queries
     attend to the first ``span`` <= S slots only (the caller knows no row holds more). ``rows``
     (``attention.Rows``, or None: batch row b is cache row b): the batch is those cache rows,
-    ``valid`` is per batch row. Returns (output, (k, v)) with the cache updated, or (output,
-    None)."""
+    ``valid`` is per batch row. ``pages`` (``attention.Pages``, or None): ``k, v`` are the pages
+    of a ``PagedKVCache`` and the batch rows' page tables say where each slot lives. Returns
+    (output, (k, v)) with the cache updated, or (output, None)."""
     cfg = self.cfg
     B, T, _ = x.shape
     q = self.q_proj(x, noiser, layer).reshape(B, T, cfg.num_heads, cfg.head_size)
@@ -255,9 +298,14 @@ class Attention(nnx.Module):
     if cached is None:
       out, kv = attention.causal(q, k, v, mask), None
     else:
-      cache_k, cache_v, valid, slots, write_slots, span, dtype, cache_rows = cached
+      cache_k, cache_v, valid, slots, write_slots, span, dtype, cache_rows, pages = cached
       # Written into the whole cache (the layer scan's carry, as raw bits) in place; invalid
       # tokens carry an out-of-range slot, so mode="drop" skips them.
+      if pages is not None:  # a paged cache (``attention.Pages``): each shard its own pages
+        cache_k = pages.write(cache_k, layer, write_slots, attention.as_bits(k.astype(dtype)))
+        cache_v = pages.write(cache_v, layer, write_slots, attention.as_bits(v.astype(dtype)))
+        out = pages.attend(q, cache_k, cache_v, layer, valid, slots, span, dtype)
+        return self.o_proj(out.reshape(B, T, -1), noiser, layer), (cache_k, cache_v)
       if cache_rows is None:
         rows = jnp.arange(B)[:, None]
         cache_k = cache_k.at[layer, rows, write_slots].set(attention.as_bits(k.astype(dtype)), mode="drop")
@@ -319,7 +367,8 @@ class Qwen2ForCausalLM(nnx.Module):
                cache: KVCache | None = None, noiser: Noiser | None = None,
                logits_at: jax.Array | None = None, attend_len: int | None = None,
                cache_rows: attention.Rows | None = None, remat: bool = False,
-               head: bool = True) -> tuple[jax.Array, KVCache | None]:
+               head: bool = True, cache_pages: attention.Pages | None = None
+               ) -> tuple[jax.Array, KVCache | None]:
     """tokens, positions: int32 [B, T]; valid: bool [B, T]. Returns (float32 logits [B, T, V],
     updated cache). See ``KVCache`` and the module docstring for the cache semantics.
     ``logits_at`` (int32 [B]) computes the logits of one position per row only, [B, V]: a
@@ -328,9 +377,10 @@ class Qwen2ForCausalLM(nnx.Module):
     row's tokens, these included, fit in them: attention over the whole cache otherwise
     dominates the cost of a step while rows are short. ``cache_rows`` (with a cache): the batch
     is those rows of a larger cache (``attention.Rows``), read and written in place; the other
-    rows are untouched. None: batch row b is cache row b. ``remat`` (static; without a cache):
-    each layer under ``jax.checkpoint``, so a gradient holds one layer's activations at a time
-    (plus every layer's input) and recomputes the rest in the backward. ``head=False`` (static):
+    rows are untouched. None: batch row b is cache row b. ``cache_pages`` (with a
+    ``PagedKVCache``): the batch rows' page tables (``attention.Pages``). ``remat`` (static;
+    without a cache): each layer under ``jax.checkpoint``, so a gradient holds one layer's
+    activations at a time (plus every layer's input) and recomputes the rest in the backward. ``head=False`` (static):
     the final-normed hidden states [B, T, d] in place of the logits, for a caller that applies
     the LM head (``lm_logits``) to a few positions at a time."""
     cfg = self.config
@@ -369,7 +419,7 @@ class Qwen2ForCausalLM(nnx.Module):
         state, layer = scanned
         x, (k, v) = nnx.merge(layers_def, state)(
             x, positions, noiser, layer,
-            cached=(k, v, cache_valid, slots, write_slots, span, dtype, cache_rows))
+            cached=(k, v, cache_valid, slots, write_slots, span, dtype, cache_rows, cache_pages))
         return (x, k, v), None
 
       (x, cache_k, cache_v), _ = jax.lax.scan(one_layer, (x, cache.k, cache.v),
@@ -380,12 +430,14 @@ class Qwen2ForCausalLM(nnx.Module):
     out = self.lm_logits(x, noiser) if head else x
 
     if cache is not None and cache_rows is None:
-      cache = KVCache(k=cache_k, v=cache_v, index=cache.index + valid.sum(axis=1, dtype=jnp.int32),
-                      valid=cache_valid, dtype=cache.dtype)
+      cache = dataclasses.replace(cache, k=cache_k, v=cache_v,
+                                  index=cache.index + valid.sum(axis=1, dtype=jnp.int32),
+                                  valid=cache_valid)
     elif cache is not None:
-      cache = KVCache(k=cache_k, v=cache_v,
-                      index=cache_rows.advance(cache.index, valid.sum(axis=1, dtype=jnp.int32)),
-                      valid=cache_rows.mark(cache.valid, write_slots), dtype=cache.dtype)
+      cache = dataclasses.replace(
+          cache, k=cache_k, v=cache_v,
+          index=cache_rows.advance(cache.index, valid.sum(axis=1, dtype=jnp.int32)),
+          valid=cache_rows.mark(cache.valid, write_slots))
     return out, cache
 
   def lm_logits(self, x: jax.Array, noiser: Noiser | None = None) -> jax.Array:
@@ -398,8 +450,10 @@ class Qwen2ForCausalLM(nnx.Module):
 def forward(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array, positions: jax.Array,
             valid: jax.Array, cache: KVCache | None = None, noiser: Noiser | None = None,
             logits_at: jax.Array | None = None, attend_len: int | None = None,
-            cache_rows: attention.Rows | None = None, remat: bool = False, head: bool = True):
+            cache_rows: attention.Rows | None = None, remat: bool = False, head: bool = True,
+            cache_pages: attention.Pages | None = None):
   """Pure functional forward for use inside ``jax.jit``: ``nnx.merge`` then call."""
   model = nnx.merge(graphdef, params)
   return model(tokens, positions, valid, cache=cache, noiser=noiser, logits_at=logits_at,
-               attend_len=attend_len, cache_rows=cache_rows, remat=remat, head=head)
+               attend_len=attend_len, cache_rows=cache_rows, remat=remat, head=head,
+               cache_pages=cache_pages)

@@ -63,9 +63,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxes import sharding
 from jaxes.models import attention, partition, qwen2
+from jaxes.rollout import pages as page_pool
 from jaxes.rollout import sampling
 
 FREE, PREFILL, DECODE, PARKED = "free", "prefill", "decode", "parked"
+# Why a paged engine ended a turn or refused an observation: no free page in the slot's shard.
+PAGES_EXHAUSTED = "kv_pages_exhausted"
 
 
 @dataclasses.dataclass
@@ -84,6 +87,8 @@ class Slot:
   max_new: int = 0
   sampled: int = 0               # tokens sampled in this episode (the sampling counter)
   tag: Any = None                # the caller's handle for this episode
+  pages: list = dataclasses.field(default_factory=list)      # paged cache: its pages, in order
+  failure: str | None = None     # why the engine ended or refused this episode (PAGES_EXHAUSTED)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +99,8 @@ class Turn:
                                  # from (``sampling.token_logprobs``; 0 when greedy)
   stopped: bool                  # True: a stop id ended it; False: the token budget did
   tag: Any
+  failure: str | None = None     # PAGES_EXHAUSTED: cut short for lack of a KV page (the episode
+                                 # cannot go on; the caller ends it as truncated)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,37 +148,47 @@ class EngineStats:
 
 
 def _step(graphdef, attend_len, params, noiser, cache, tokens, positions, valid, base_key, streams,
-          counters, temperature, top_p, cache_rows=None):
+          counters, temperature, top_p, cache_rows=None, page_layout=None):
+  """``page_layout`` (static; a paged cache): ``attention.Pages``'s mesh and axes."""
   last = jnp.maximum(valid.sum(axis=1) - 1, 0)
+  pages = None
+  if page_layout is not None:   # the batch rows' page tables (those of the compacted rows)
+    table = cache.table if cache_rows is None else cache_rows.take(cache.table)
+    pages = attention.Pages(table, *page_layout)
   last_logits, cache = qwen2.forward(graphdef, params, tokens, positions, valid, cache=cache,
                                      noiser=noiser, logits_at=last, attend_len=attend_len,
-                                     cache_rows=cache_rows)
+                                     cache_rows=cache_rows, cache_pages=pages)
   keys = sampling.row_keys(base_key, streams, counters)
   return sampling.sample_with_logprob(last_logits, keys, temperature, top_p), cache
 
 
-def _rows_step(graphdef, layout, attend_len, params, noiser, cache, index, *per_row_and_sampling):
+def _rows_step(graphdef, layout, attend_len, params, noiser, cache, index, *per_row_and_sampling,
+               paged=False):
   """``_step`` over some rows of the cache: ``index [n]`` (shard-local, see ``attention.Rows``;
-  ``layout`` its static mesh and axes); the per-row arguments are the batch's n rows."""
+  ``layout`` its static mesh and axes); the per-row arguments are the batch's n rows.
+  ``paged`` (static): the cache is a ``PagedKVCache`` laid out as the rows are."""
   rows = attention.Rows(index, *layout)
   if noiser is not None:
     noiser = noiser.select_rows(rows.take)
-  return _step(graphdef, attend_len, params, noiser, cache, *per_row_and_sampling, cache_rows=rows)
+  return _step(graphdef, attend_len, params, noiser, cache, *per_row_and_sampling, cache_rows=rows,
+               page_layout=layout if paged else None)
 
 
-def _versions_step(graphdef, attend_len, params, noiser, steps, step_rows, cache, *per_row_and_sampling):
+def _versions_step(graphdef, attend_len, params, noiser, steps, step_rows, cache, *per_row_and_sampling,
+                   page_layout=None):
   """``_step`` for rows of several versions: ``steps`` (K stacked low-rank steps, shared) added on
   top of ``params`` per row as ``step_rows [B, K]`` says (``PopulationNoiser.with_steps``)."""
   return _step(graphdef, attend_len, params, noiser.with_steps(steps, step_rows), cache,
-               *per_row_and_sampling)
+               *per_row_and_sampling, page_layout=page_layout)
 
 
 def _versions_rows_step(graphdef, layout, attend_len, params, noiser, steps, step_rows, cache, index,
-                        *per_row_and_sampling):
+                        *per_row_and_sampling, paged=False):
   """``_rows_step`` for rows of several versions (``step_rows [n, K]``: the batch's rows)."""
   rows = attention.Rows(index, *layout)
   noiser = noiser.select_rows(rows.take).with_steps(steps, step_rows)
-  return _step(graphdef, attend_len, params, noiser, cache, *per_row_and_sampling, cache_rows=rows)
+  return _step(graphdef, attend_len, params, noiser, cache, *per_row_and_sampling, cache_rows=rows,
+               page_layout=layout if paged else None)
 
 
 def _stack_steps(*steps):
@@ -208,18 +225,24 @@ class Engine:
   ``jaxes.es.noiser.PopulationNoiser`` has); False: every call runs all B rows.
   ``version_steps``: run rows of consecutive versions in one call (``VersionSteps``, ``add_step``;
   the noiser then needs ``with_steps`` and ``with_vectors_of``); None: one call per version.
-  ``member_slices`` (full-rank noise): every data shard's slots hold episodes of one (version,
-  member) at a time, and the noiser has one group per shard, laid out with it
-  (``PopulationNoiser.in_slices`` / ``slice_shardings``): one perturbed weight copy per device
-  instead of one per slot; ``start`` refuses a slot whose shard runs another member."""
+  ``page_size``/``num_pages``: a paged KV cache of ``num_pages`` pages of ``page_size`` tokens,
+  split over the ``data`` shards with the slots (see the module docstring); None: one dense
+  ``max_len`` row per slot. ``member_slices`` (full-rank noise): every data shard's slots hold
+  episodes of one (version, member) at a time, and the noiser has one group per shard, laid out
+  with it (``PopulationNoiser.in_slices`` / ``slice_shardings``): one perturbed weight copy per
+  device instead of one per slot; ``start`` refuses a slot whose shard runs another member."""
 
   def __init__(self, graphdef, model_config: qwen2.Qwen2Config, *, num_slots: int, max_len: int,
                prefill_chunk: int, max_new_tokens: int, stop_ids, im_end_id: int,
                make_noiser: Callable | None = None, seed: int = 0, mesh: Mesh | None = None,
                rules=sharding.LOGICAL_RULES, abstract: bool = False, compact: bool = True,
-               version_steps: VersionSteps | None = None, member_slices: bool = False):
+               version_steps: VersionSteps | None = None, page_size: int | None = None,
+               num_pages: int | None = None, member_slices: bool = False):
     if max_len <= max_new_tokens:
       raise ValueError(f"max_len={max_len} must exceed max_new_tokens={max_new_tokens}")
+    if (page_size is None) != (num_pages is None):
+      raise ValueError(f"page_size and num_pages go together, got page_size={page_size}, "
+                       f"num_pages={num_pages}")
     self.mesh = sharding.make_mesh(devices=jax.devices()[:1]) if mesh is None else mesh
     data = self.mesh.shape["data"]
     if num_slots % data:
@@ -239,6 +262,12 @@ class Engine:
     # Attention spans: a step attends to the shortest prefix of the cache rows that holds every
     # row of the call, so short episodes do not pay for the longest one the cache allows.
     self.spans = sorted({max(max_len >> k, 1) for k in range(3)})
+    self.page_size = None if page_size is None else int(page_size)
+    if page_size is not None:
+      self._check_pages(int(page_size), int(num_pages), data)
+      self.pool = page_pool.PagePool(data, int(num_pages) // data)
+      self._table = np.zeros((num_slots, max_len // int(page_size)), np.int32)
+      self._table_changed = False
     self.max_new_tokens = max_new_tokens
     self.stop_ids = frozenset(int(i) for i in stop_ids) | {int(im_end_id)}
     self.im_end_id = int(im_end_id)
@@ -251,9 +280,12 @@ class Engine:
     replicated = NamedSharding(mesh, PartitionSpec())
     self.param_shardings = partition.param_shardings(model_config, mesh, rules)
     self.abstract_params = _abstract(partition.abstract_params(model_config), self.param_shardings)
-    self.cache_shardings = partition.cache_shardings(model_config, mesh, rules)
-    init_cache = jax.jit(functools.partial(qwen2.KVCache.init, model_config, num_slots, max_len),
-                         out_shardings=self.cache_shardings)
+    paged = page_size is not None
+    self.cache_shardings = partition.cache_shardings(model_config, mesh, rules, paged=paged)
+    init = (functools.partial(qwen2.PagedKVCache.init, model_config, num_slots, max_len,
+                              int(page_size), int(num_pages)) if paged else
+            functools.partial(qwen2.KVCache.init, model_config, num_slots, max_len))
+    init_cache = jax.jit(init, out_shardings=self.cache_shardings)
     self.cache = (_abstract(jax.eval_shape(init_cache), self.cache_shardings) if abstract
                   else init_cache())
     self.base_key = (jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype,
@@ -278,15 +310,19 @@ class Engine:
                                                              self.rows, self.rows),
                                   out_shardings=self.noiser_shardings)
     rows = self.rows
-    self._step = jax.jit(functools.partial(_step, graphdef), donate_argnames=("cache",),
+    cache_spec = self.cache_shardings.k.spec
+    layout = (mesh, cache_spec[1], cache_spec[3])  # attention.Rows: batch and KV-head axes
+    # A paged cache: the same jitted functions with its layout (static) bound.
+    self._paged = dict(page_layout=layout) if paged else {}
+    self._rows_paged = dict(paged=True) if paged else {}
+    self._step = jax.jit(functools.partial(_step, graphdef, **self._paged),
+                         donate_argnames=("cache",),
                          static_argnums=0,  # attend_len; positional, as jit with in_shardings takes no kwargs
                          in_shardings=(self.param_shardings, self.noiser_shardings,
                                        self.cache_shardings, rows, rows, rows, replicated, rows,
                                        rows, rows, rows),
                          out_shardings=((rows, rows), self.cache_shardings))
-    cache_spec = self.cache_shardings.k.spec
-    layout = (mesh, cache_spec[1], cache_spec[3])  # attention.Rows: batch and KV-head axes
-    self._rows_step = jax.jit(functools.partial(_rows_step, graphdef, layout),
+    self._rows_step = jax.jit(functools.partial(_rows_step, graphdef, layout, **self._rows_paged),
                               donate_argnames=("cache",), static_argnums=0,
                               in_shardings=(self.param_shardings, self.noiser_shardings,
                                             self.cache_shardings, rows, rows, rows, rows,
@@ -312,6 +348,18 @@ class Engine:
     self._in_place: dict[int, tuple] = {}  # version -> (params as given, params in place)
     self._to_reset = np.zeros(num_slots, bool)
 
+  def _check_pages(self, page_size: int, num_pages: int, data: int) -> None:
+    if page_size < 1 or num_pages < 1:
+      raise ValueError(f"page_size and num_pages must be >= 1, got page_size={page_size}, "
+                       f"num_pages={num_pages}")
+    if num_pages % data:
+      raise ValueError(f"num_pages={num_pages} is not divisible by the mesh's data={data}: every "
+                       f"data shard owns the same number of pages")
+    bad = [a for a in self.spans if a % page_size]
+    if bad:
+      raise ValueError(f"page_size={page_size} must divide every attention span {self.spans} "
+                       f"(max_len={self.max_len} and its half and quarter); {bad} are not multiples")
+
   def _init_version_steps(self, graphdef, layout) -> None:
     vs, rows, replicated = self.version_steps, self.rows, self._replicated
     K, N = int(vs.max_steps), int(vs.cohort)
@@ -332,12 +380,14 @@ class Engine:
                                                         (self.noiser_shardings,) * K, rows),
                           out_shardings=self.noiser_shardings)
     self._versions_step = jax.jit(
-        functools.partial(_versions_step, graphdef), donate_argnames=("cache",), static_argnums=0,
+        functools.partial(_versions_step, graphdef, **self._paged), donate_argnames=("cache",),
+        static_argnums=0,
         in_shardings=(self.param_shardings, self.noiser_shardings, replicated, rows,
                       self.cache_shardings, rows, rows, rows, replicated, rows, rows, rows, rows),
         out_shardings=((rows, rows), self.cache_shardings))
     self._versions_rows_step = jax.jit(
-        functools.partial(_versions_rows_step, graphdef, layout), donate_argnames=("cache",),
+        functools.partial(_versions_rows_step, graphdef, layout, **self._rows_paged),
+        donate_argnames=("cache",),
         static_argnums=0,
         in_shardings=(self.param_shardings, self.noiser_shardings, replicated, rows,
                       self.cache_shardings, rows, rows, rows, rows, replicated, rows, rows, rows, rows),
@@ -421,7 +471,55 @@ class Engine:
 
   # -- slot management (host) -------------------------------------------------------------------
   def free_slots(self) -> list[int]:
-    return [s.index for s in self.slots if s.state == FREE]
+    """Free slots; with a paged cache, only those of data shards that have a free page."""
+    free = [s.index for s in self.slots if s.state == FREE]
+    if self.page_size is None:
+      return free
+    return [i for i in free if self.pool.free(self._shard(i))]
+
+  def _shard(self, index: int) -> int:
+    return index // (self.num_slots // self.shards)
+
+  def _pages_short(self, slot: Slot, tokens: int) -> int | None:
+    """Pages ``slot`` must take to hold ``tokens`` tokens in all: 0 (dense, or enough held), a
+    positive count, or None when its shard has fewer free."""
+    if self.page_size is None:
+      return 0
+    need = page_pool.pages_for(tokens, self.page_size) - len(slot.pages)
+    return max(need, 0) if need <= self.pool.free(self._shard(slot.index)) else None
+
+  def _take_pages(self, slot: Slot, tokens: int) -> bool:
+    """Take the pages ``slot`` lacks to hold ``tokens`` tokens (into the host table); False
+    (nothing taken) when its shard has too few free."""
+    n = self._pages_short(slot, tokens)
+    if n is None:
+      return False
+    if n:
+      first = len(slot.pages)
+      slot.pages += self.pool.take(self._shard(slot.index), n)
+      self._table[slot.index, first:len(slot.pages)] = slot.pages[first:]
+      self._table_changed = True
+    return True
+
+  def can_start(self, index: int, prompt_len: int) -> bool:
+    """False when ``start`` would have to wait: a paged cache whose slot's shard has too few
+    free pages for the prompt right now (it would fit in the shard's pages once some return)."""
+    if self.page_size is None:
+      return True
+    need = page_pool.pages_for(prompt_len, self.page_size)
+    return need > self.pool.pages_per_shard or need <= self.pool.free(self._shard(index))
+
+  def kv_bytes(self) -> dict[str, int]:
+    """Bytes of cache memory: ``reserved`` (allocated), ``in_use`` (pages held by slots; dense:
+    the tokens the slots hold), ``dense_reserved`` (a dense cache of ``max_len`` per slot)."""
+    k = self.cache.k
+    per_token = 2 * k.dtype.itemsize * k.shape[0] * int(np.prod(k.shape[3:]))
+    dense = self.num_slots * self.max_len * per_token
+    if self.page_size is None:
+      return dict(reserved=dense, in_use=sum(s.length for s in self.slots) * per_token,
+                  dense_reserved=dense)
+    page = self.page_size * per_token
+    return dict(reserved=k.shape[1] * page, in_use=self.pool.in_use() * page, dense_reserved=dense)
 
   def busy(self) -> bool:
     return any(s.state in (PREFILL, DECODE) for s in self.slots)
@@ -441,12 +539,20 @@ class Engine:
 
   def start(self, index: int, prompt: list[int], *, version: int, member: int, stream: int,
             temperature: float = 0.0, top_p: float = 1.0, tag: Any = None) -> bool:
-    """Begin an episode in a free slot; False (slot untouched) if the prompt leaves no room."""
+    """Begin an episode in a free slot; False (slot untouched) if the prompt leaves no room (in
+    a cache row, or in all of a paged shard's pages). A paged cache takes the prompt's pages now;
+    when too few are free (``can_start`` is False) the caller must wait: an error."""
     slot = self.slots[index]
     if slot.state != FREE:
       raise ValueError(f"slot {index} is {slot.state}, not free")
     if len(prompt) + 1 > self.max_len:
       return False
+    if self.page_size is not None and (
+        page_pool.pages_for(len(prompt), self.page_size) > self.pool.pages_per_shard):
+      return False
+    if not self.can_start(index, len(prompt)):
+      raise ValueError(f"slot {index}: its shard has {self.pool.free(self._shard(index))} free "
+                       f"pages, fewer than the prompt's {len(prompt)} tokens need (check can_start)")
     if self.member_slices:
       held = self.slice_members()[index // (self.num_slots // self.shards)]
       if held not in (None, (version, member)):
@@ -454,20 +560,27 @@ class Engine:
                          f"{(version, member)} (member_slices: one member per shard at a time)")
     self.slots[index] = Slot(index, PREFILL, version, member, stream, temperature, top_p,
                              pending=list(prompt), tag=tag)
+    self._take_pages(self.slots[index], len(prompt))
     self._to_reset[index] = True
     self._noisers.clear()
     return True
 
   def continue_turn(self, index: int, observation: list[int]) -> bool:
     """Close the parked slot's assistant turn and queue the observation; False if the cache row
-    cannot hold it plus one new token (the caller then ends the episode)."""
+    cannot hold it plus one new token, or (paged) its shard has too few free pages for it
+    (``Slot.failure`` is then ``PAGES_EXHAUSTED``); the caller then ends the episode."""
     slot = self.slots[index]
     if slot.state != PARKED:
       raise ValueError(f"slot {index} is {slot.state}, not parked")
+    if slot.failure is not None:   # cut short for lack of pages: it cannot go on
+      return False
     last = slot.generated[-1]
     closing = [last] if last == self.im_end_id else [last, self.im_end_id]
     tokens = closing + list(observation)
     if slot.length + len(tokens) + 1 > self.max_len:
+      return False
+    if not self._take_pages(slot, slot.length + len(tokens)):
+      slot.failure = PAGES_EXHAUSTED
       return False
     slot.pending, slot.generated, slot.logprobs, slot.state = tokens, [], [], PREFILL
     return True
@@ -487,6 +600,8 @@ class Engine:
 
   def release(self, index: int) -> None:
     if self.slots[index].state != FREE:
+      if self.slots[index].pages:
+        self.pool.give(self._shard(index), self.slots[index].pages)
       self.slots[index] = Slot(index)
       self._noisers.clear()
 
@@ -727,6 +842,8 @@ class Engine:
       self.cache = self._reset(self.cache, *self._placed(self._to_reset))
       self._to_reset[:] = False
     finished: list[Turn] = []
+    if self.page_size is not None:
+      self._page_decoding_rows(finished)
     working = [s for s in self.slots if s.state in (PREFILL, DECODE)]
     self.stats.busy_steps += bool(working)
     if self._steps and params_by_version:   # steps up to the oldest version passed are done with
@@ -754,6 +871,23 @@ class Engine:
             s.state, s.max_new = DECODE, min(self.max_new_tokens, self.max_len - s.length)
             self._sampled(s, token, logprob, finished)
     return finished
+
+  def _page_decoding_rows(self, finished: list) -> None:
+    """A paged cache: every decoding row whose next token starts a page takes one; a row whose
+    shard has none free ends its turn here, cut short (``Turn.failure``), and the slot is parked
+    for the caller to end. Then the device's page table is made the host's, if it changed."""
+    for s in self.slots:
+      if s.state == DECODE and not self._take_pages(s, s.length + 1):
+        s.state, s.failure = PARKED, PAGES_EXHAUSTED
+        finished.append(Turn(s.index, list(s.generated), list(s.logprobs), False, s.tag,
+                             PAGES_EXHAUSTED))
+    if self._table_changed:
+      sh = self.cache_shardings.table
+      table = (jax.device_put(self._table, sh) if sh.is_fully_addressable else
+               jax.make_array_from_callback(self._table.shape, sh,
+                                            lambda index, x=self._table.copy(): x[index]))
+      self.cache = dataclasses.replace(self.cache, table=table)
+      self._table_changed = False
 
   def compilations(self) -> int:
     """Programs compiled so far by this engine's jitted functions (fixed shapes: stays small)."""

@@ -37,6 +37,8 @@ from jaxes.rollout.engine import Engine
 
 SANDBOX_ERROR = "SANDBOX_ERROR"
 CONTEXT_FULL = "CONTEXT_FULL"  # the KV-cache row is full: the episode ends, its verifier still runs
+# (A paged engine's episode that finds no free KV page ends the same way, its failure the
+# engine's reason, ``engine.PAGES_EXHAUSTED``; one whose prompt's pages are not free waits.)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +59,7 @@ class EpisodeResult:
   passed: bool
   turns: int
   failure: str | None
-  truncated: bool                # ended because the cache row was full
+  truncated: bool                # ended because the cache row was full (or its KV pages ran out)
   env_s: float                   # worker seconds spent in the sandbox for this episode
   tokens: EpisodeStream | None = None  # what the engine fed and sampled (None: never started)
 
@@ -81,6 +83,7 @@ class _Live:
   episode: Any = None
   handle: Any = None
   truncated: bool = False
+  failure: str | None = None     # the engine's reason when it cut the episode short
   env_s: float = 0.0
   prompt: tuple = ()
   turns: list = dataclasses.field(default_factory=list)
@@ -126,6 +129,7 @@ class EpisodeRunner:
     self._reserved: set[int] = set()
     self._waiting: list[EpisodeSpec] = []   # member slices: submitted, no slot yet (in order)
     self._reserved_for: dict[int, tuple] = {}  # member slices: reserved slot -> (version, member)
+    self._admitting: list[_Live] = []  # paged engine: sandbox up, waiting for the prompt's pages
     self._handles: set = set()
     self.wait_s = 0.0            # main-thread time spent waiting for sandbox workers
     self.decode_s = 0.0          # main-thread time spent in engine steps, of which
@@ -230,14 +234,22 @@ class EpisodeRunner:
     if outcome is None or outcome.failure == SANDBOX_ERROR:
       return EpisodeResult(live.spec, None, False, getattr(outcome, "turns", 0), error or SANDBOX_ERROR,
                            live.truncated, live.env_s, live.stream())
-    failure = outcome.failure or (CONTEXT_FULL if live.truncated else None)
+    failure = outcome.failure or ((live.failure or CONTEXT_FULL) if live.truncated else None)
     return EpisodeResult(live.spec, float(outcome.reward), bool(outcome.passed), int(outcome.turns),
                          failure, live.truncated, live.env_s, live.stream())
 
-  def _end(self, live: _Live, truncated: bool = False):
+  def _end(self, live: _Live, truncated: bool = False, failure: str | None = None):
     self.engine.release(live.slot)
-    live.truncated = truncated
+    live.truncated, live.failure = truncated, failure
     self._spawn("finish", self._finish, live)
+
+  def _admit(self, live: _Live) -> None:
+    ok = self.engine.start(live.slot, list(live.prompt), version=live.spec.version,
+                           member=live.spec.member, stream=live.spec.stream,
+                           temperature=live.spec.temperature, top_p=live.spec.top_p, tag=live)
+    if not ok:  # the prompt alone overflows the cache row
+      live.truncated = True
+      self._spawn("finish", self._finish, live)
 
   def _ready(self, block: bool, timeout: float) -> list[cf.Future]:
     """The futures whose results this poll takes, in hand-out order."""
@@ -306,12 +318,11 @@ class EpisodeRunner:
           results.append(self._result(live, error=error))
           continue
         live.prompt = tuple(value)
-        ok = self.engine.start(live.slot, value, version=live.spec.version, member=live.spec.member,
-                               stream=live.spec.stream, temperature=live.spec.temperature,
-                               top_p=live.spec.top_p, tag=live)
-        if not ok:  # the prompt alone overflows the cache row
-          live.truncated = True
-          self._spawn("finish", self._finish, live)
+        if not self.engine.can_start(live.slot, len(value)):  # paged: wait for the prompt's pages
+          self._reserved.add(live.slot)
+          self._admitting.append(live)
+          continue
+        self._admit(live)
       elif kind == "act":
         if error is not None:
           self.engine.release(live.slot)
@@ -322,7 +333,7 @@ class EpisodeRunner:
         if done:
           self._end(live)
         elif not self.engine.continue_turn(live.slot, observation):
-          self._end(live, truncated=True)
+          self._end(live, truncated=True, failure=self.engine.slots[live.slot].failure)
         else:
           live.observations.append(tuple(observation))
       else:  # finish
@@ -330,6 +341,11 @@ class EpisodeRunner:
                        else self._result(live, value))
     if self._waiting:   # shards freed by this poll's releases
       self._place_waiting()
+    for live in list(self._admitting):   # in submission order, as pages are free now
+      if self.engine.can_start(live.slot, len(live.prompt)):
+        self._admitting.remove(live)
+        self._reserved.discard(live.slot)
+        self._admit(live)
     if self.engine.busy():
       t, prefills = time.perf_counter(), self.engine.stats.prefill_calls
       turns = self.engine.step(params_by_version)
@@ -342,6 +358,9 @@ class EpisodeRunner:
         live = turn.tag
         live.turns.append(tuple(turn.tokens))
         live.logprobs.append(tuple(turn.logprobs))
+        if turn.failure is not None:   # no free KV page for its next token: it ends here
+          self._end(live, truncated=True, failure=turn.failure)
+          continue
         if not self._owns(live):
           self._spawn("act", self._act, live, None)   # its owner decodes and runs it
           continue
@@ -363,5 +382,6 @@ class EpisodeRunner:
     self._reserved.clear()
     self._waiting.clear()
     self._reserved_for.clear()
+    self._admitting.clear()
     for i in range(self.engine.num_slots):
       self.engine.release(i)

@@ -285,7 +285,8 @@ def _plan(config, target: Target, log, only: str | None, algorithm: str) -> dict
                   seed=config.seed, mesh=mesh, abstract=True,
                   version_steps=builders.version_steps(config, model, strategy, run_key)
                   if algorithm == "es" else None,
-                  member_slices=algorithm == "es" and builders.member_slices(strategy))
+                  member_slices=algorithm == "es" and builders.member_slices(strategy),
+                  **builders.paged_cache(config))   # paged: kv_cache counts the pages
   params = engine.abstract_params
   versions = live_versions(config)
   noiser_bytes = _bytes_per_device(engine.abstract_noiser) if algorithm == "es" else 0

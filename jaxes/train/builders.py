@@ -271,7 +271,15 @@ def build_engine(config, model: Model, tokenizer, strategy: es.Strategy | None =
                 im_end_id=im_end, make_noiser=None if strategy is None else make_noiser,
                 seed=config.seed, mesh=mesh,
                 version_steps=version_steps(config, model, strategy, run_key),
-                member_slices=member_slices(strategy))
+                member_slices=member_slices(strategy), **paged_cache(config))
+
+
+def paged_cache(config) -> dict:
+  """``Engine``'s paged-cache arguments from ``rollout.page_size`` / ``rollout.num_pages`` (both
+  0, the default: the dense cache, no arguments)."""
+  r = config.rollout
+  page_size, num_pages = int(r.get("page_size", 0)), int(r.get("num_pages", 0))
+  return dict(page_size=page_size, num_pages=num_pages) if page_size or num_pages else {}
 
 
 def member_slices(strategy: es.Strategy | None) -> bool:

@@ -97,6 +97,11 @@ def base_config() -> config_dict.ConfigDict:
   c.rollout.max_len = 4096       # KV-cache length per slot (prompt + all turns)
   c.rollout.prefill_chunk = 256
   c.rollout.max_new_tokens = 512  # per assistant turn
+  # Paged KV cache (Engine(page_size=, num_pages=)): num_pages pages of page_size tokens shared
+  # by the slots of each data shard, memory for the tokens in use; 0 and 0: a dense max_len row
+  # per slot.
+  c.rollout.page_size = 0
+  c.rollout.num_pages = 0
   c.rollout.temperature = 0.0     # 0 = greedy (as Qiu et al.)
   c.rollout.top_p = 1.0
   # At temperature > 0: antithetic partners sample with the same random stream (common random

@@ -38,7 +38,10 @@ engine steps), the useful-token fraction (tokens fed per position computed), eng
 step. The last line is one JSON object with those and the ratios ``compact / full`` and
 ``two_versions_vs_one`` (per mode; "merged": the merged Async-1 step over the compact sync
 step), ``quarter_rows_vs_full`` (step time), ``kv_bytes_in_use_vs_reserved``
-(the dense cache's use in the mix at the end of timing).
+(the sync mix at the end of timing: the dense cache's tokens held over B x max_len, and with
+``--page_size`` (default 16) the "paged" mode's pages in use over its pages, half the dense
+cache's by default: compaction over a paged KV cache, whose step time is reported beside the
+dense compacted one as ``paged_vs_dense_step_time``).
 
   PYTHONPATH=. python benchmarks/engine_throughput.py --quick     # tiny model, a few minutes
   PYTHONPATH=. nice -n 10 python benchmarks/engine_throughput.py  # ~22M parameters, 32 slots
@@ -77,15 +80,16 @@ def build(quick: bool):
 
 
 def _engine(args, cfg, graphdef, make_noiser, params_by_version, *, compact, versions, working,
-            observations, steps=None):
+            observations, steps=None, paged=False):
   """A fresh engine in the workload's starting state, and the rng its observations come from
   (seeded alike for every mode, so all run the same tokens). ``steps``: ``(VersionSteps, cohort
-  of the update 0 -> 1)`` for the merged mode."""
+  of the update 0 -> 1)`` for the merged mode; ``paged``: a paged KV cache (the paged mode)."""
   B = args.slots
   engine = Engine(graphdef, cfg, num_slots=B, max_len=args.max_len, prefill_chunk=args.chunk,
                   max_new_tokens=args.turn if observations else args.max_len // 2, stop_ids=[],
                   im_end_id=IM_END, make_noiser=make_noiser, compact=compact,
-                  version_steps=None if steps is None else steps[0])
+                  version_steps=None if steps is None else steps[0],
+                  **(dict(page_size=args.page_size, num_pages=args.num_pages) if paged else {}))
   if steps is not None:
     assert engine.add_step(1, *steps[1])
   rng = np.random.default_rng(0)
@@ -110,10 +114,11 @@ def run(args, cfg, graphdef, make_noiser, params_by_version, steps, workloads):
   mode) the median step time and the counters of timed steps."""
   engines = {}
   for name, workload in workloads.items():
-    modes = ("full", "compact") + (("merged",) if workload["versions"] > 1 and steps else ())
+    modes = ("full", "compact") + (("merged",) if workload["versions"] > 1 and steps else ()) + (
+        ("paged",) if args.page_size else ())   # paged: compaction over a paged KV cache
     for mode in modes:
       engines[name, mode] = _engine(args, cfg, graphdef, make_noiser, params_by_version,
-                                    compact=mode != "full",
+                                    compact=mode != "full", paged=mode == "paged",
                                     steps=steps if mode == "merged" else None, **workload)
   times = {key: [] for key in engines}
   keep = {key: [] for key in engines}
@@ -133,7 +138,6 @@ def run(args, cfg, graphdef, make_noiser, params_by_version, steps, workloads):
         if workloads[key[0]]["observations"]:
           engine.continue_turn(turn.slot, list(rng.integers(4, cfg.vocab_size, size=args.obs)))
   out = {name: {} for name in workloads}
-  per_token_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_size * 4
   for (name, mode), (engine, _) in engines.items():
     stats = {k: v - base[name, mode][k] for k, v in vars(engine.stats).items()}
     t, k = np.array(times[name, mode]), np.array(keep[name, mode])
@@ -148,8 +152,9 @@ def run(args, cfg, graphdef, make_noiser, params_by_version, steps, workloads):
       "multi_version_calls": stats["multi_version_calls"],
       "rows_computed_per_step": stats["rows_computed"] / stats["busy_steps"],
       "timed_steps": int(k.sum()), "steps_that_compiled": int((~k).sum()),
-      "kv_bytes_in_use": sum(s.length for s in engine.slots) * per_token_bytes,
-      "kv_bytes_reserved": args.slots * args.max_len * per_token_bytes,
+      # Dense: the tokens held vs B x max_len; paged: pages held vs pages allocated.
+      "kv_bytes_in_use": engine.kv_bytes()["in_use"],
+      "kv_bytes_reserved": engine.kv_bytes()["reserved"],
     }
   return out
 
@@ -316,11 +321,17 @@ def main():
   ap.add_argument("--steps", type=int, default=None)
   ap.add_argument("--obs_cycles", type=int, default=None,
                   help="timed observation prefills per engine (observation_prefill_vs_full_step)")
+  ap.add_argument("--page_size", type=int, default=16,
+                  help="the paged mode's page size (0: no paged mode)")
+  ap.add_argument("--num_pages", type=int, default=0,
+                  help="the paged mode's pages (0: half the dense cache's slots x max_len)")
   ap.add_argument("--noiser", choices=("lowrank", "none"), default="lowrank",
                   help="every slot its own low-rank ES member, or plain inference")
   args = ap.parse_args()
   args.warm = args.warm if args.warm is not None else (12 if args.quick else 30)
   args.steps = args.steps if args.steps is not None else (40 if args.quick else 60)
+  if args.page_size and not args.num_pages:
+    args.num_pages = args.slots * args.max_len // args.page_size // 2
   args.obs_cycles = args.obs_cycles if args.obs_cycles is not None else (12 if args.quick else 20)
   # Every engine jits its own functions, and the modes share many programs: a compilation cache
   # for this run only (removed at exit) compiles each program once.
@@ -371,11 +382,14 @@ def main():
     by["compact_vs_full_step_time"] = by["compact"]["step_ms"] / by["full"]["step_ms"]
     if "merged" in by:
       by["merged_vs_compact_step_time"] = by["merged"]["step_ms"] / by["compact"]["step_ms"]
+    if "paged" in by:
+      by["paged_vs_compact_step_time"] = by["paged"]["step_ms"] / by["compact"]["step_ms"]
 
   def ratio(a, b, mode):
     return results[a][mode]["step_ms"] / results[b][mode]["step_ms"]
 
   mix = results["mix_sync"]["compact"]
+  paged = results["mix_sync"].get("paged")
   summary = {
     "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
     "backend": jax.default_backend(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -390,7 +404,17 @@ def main():
     "plain_decode": plain, "observation_prefill": obs,
     "quarter_rows_vs_full": {m: ratio("decode_quarter_rows", "decode_all_rows", m)
                              for m in ("full", "compact")},
-    "kv_bytes_in_use_vs_reserved": mix["kv_bytes_in_use"] / mix["kv_bytes_reserved"],
+    # The sync mix at the end of timing: the paged cache's pages in use / allocated, beside the
+    # dense cache's tokens held / B x max_len (and the bytes of each).
+    "kv_bytes_in_use_vs_reserved": {
+        "dense": mix["kv_bytes_in_use"] / mix["kv_bytes_reserved"],
+        "dense_bytes": [mix["kv_bytes_in_use"], mix["kv_bytes_reserved"]],
+        **({"paged": paged["kv_bytes_in_use"] / paged["kv_bytes_reserved"],
+            "paged_bytes": [paged["kv_bytes_in_use"], paged["kv_bytes_reserved"]],
+            "paged_reserved_vs_dense": paged["kv_bytes_reserved"] / mix["kv_bytes_reserved"],
+            "page_size": args.page_size} if paged else {})},
+    "paged_vs_dense_step_time": {name: by["paged_vs_compact_step_time"]
+                                 for name, by in results.items() if "paged" in by},
     "workloads": results,
   }
   print(json.dumps(summary))

@@ -12,10 +12,17 @@ repeated), keys/values ``[B, S, K, hd]``, outputs ``[B, T, K, G, hd]`` in ``q``'
 * ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")`` (flash attention) on GPU
   when cuDNN takes the call (bf16/fp16), else ``blockwise``.
 
+* ``Pages``: a paged cache (``qwen2.PagedKVCache``): ``blockwise`` over key blocks of whole
+  pages gathered through each row's page table, per data shard.
+
 Why not the Pallas TPU kernels: ``pallas.ops.tpu.flash_attention`` aligns its causal mask at key 0,
-while a cache row here is a prefix of slots whose queries sit at a per-row offset; and
-``ragged_paged_attention`` needs a paged cache layout (pages + page tables) that the engine does
-not use. ``blockwise`` bounds the memory the same way; it does not fuse as well.
+while a cache row here is a prefix of slots whose queries sit at a per-row offset.
+``pallas.ops.tpu.paged_attention`` takes one query per row (decode only) and pages laid out
+heads-major per layer (``[K, pages, page, hd]``, one array per layer), while an engine call
+mixes decode rows with prefill chunks and the layer scan carries all layers' pages
+``[L, pages, page, K, hd]`` (a transposed copy per call would cost what paging saves);
+``ragged_paged_attention`` (mixed prefill/decode) has its own page layout as well. ``blockwise``
+bounds the memory the same way on every backend; it does not fuse as well.
 """
 from __future__ import annotations
 

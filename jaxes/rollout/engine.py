@@ -38,6 +38,21 @@ moves to the next one the caller passes. Versions without their steps, or furthe
 calls of their own as above. The programs with steps compile apart from those without (at most
 twice the step programs), so a step with one live version runs the programs above unchanged.
 
+Paged KV cache (``page_size=P, num_pages=N``; default None: the dense cache above, whose programs
+are unchanged): keys and values live in N pages of P tokens (``qwen2.PagedKVCache``), split over
+the ``data`` shards with the slots (shard d's slots use shard d's N / D pages, page ids local to
+the shard), and each slot's page table ``[B, max_len / P]`` says which pages hold its tokens; the
+host keeps a free-page pool per shard (``jaxes.rollout.pages``) and ships the table to the
+devices when it changed. A slot takes its prompt's pages at ``start``, an observation's at
+``continue_turn``, and one page whenever a decoded token starts a new page; ``release`` returns
+them all. Admission never over-commits: ``start`` of a prompt whose pages are not free now is
+refused (``can_start`` says so first, ``free_slots`` leaves out the slots of shards without a
+free page), a decoding row that finds no free page ends its turn cut short (``Turn.failure =
+PAGES_EXHAUSTED``) and an observation without pages is refused with that reason
+(``Slot.failure``): the caller ends such an episode as truncated. Every call reads and writes
+through ``attention.Pages`` (per shard, under ``shard_map``), the compacted and version-steps
+calls included; the same programs compile as for the dense cache (same names, same count).
+
 Every sampled token comes with its log-prob under the distribution it was drawn from
 (``Turn.logprobs``): the behaviour log-probs a policy-gradient learner's importance ratio needs.
 

@@ -87,10 +87,10 @@ class PopulationNoiser:
     return per_group[self.row_group], True
 
   def _per_slice(self, fn, x: jax.Array, w: jax.Array, per_row: bool = True) -> jax.Array:
-    """``fn(x, w)`` on rows ``[B, ...]`` against per-row weights (or shared ones: ``per_row``
-    False): directly, or in slices as
-    ``[G, B / G, ...]`` against the G groups' weights (a batched matmul: no gather, and on a
-    mesh whose data shards are the slices each device multiplies by its own group's copy)."""
+    """``fn(x, w)`` on rows ``[B, ...]`` against per-row weights (shared ones: ``per_row``
+    False): directly, or in slices as ``[G, B / G, ...]`` against the G groups' weights (a
+    batched matmul: no gather; on a mesh whose data shards are the slices, each device
+    multiplies by its own group's copy)."""
     if not (self.slices and per_row):
       return fn(x, w)
     g = w.shape[0]
@@ -101,8 +101,8 @@ class PopulationNoiser:
     """This noiser for rows that come in G equal runs, run g all of group g (``row_group[b] ==
     b // (B / G)``, which the caller guarantees; taking the same number of rows from each run,
     as ``select_rows`` with the engine's per-shard rows does, keeps it so)."""
-    groups = {v.shape[0] for spec in self.specs if spec.kind == "full" and not is_vector(spec)
-              for v in [self.values[spec.name]]}
+    groups = {self.values[s.name].shape[0] for s in self.specs
+              if s.kind == "full" and not is_vector(s)}
     rows = self.row_group.shape[0]
     if any(rows % g for g in groups):
       raise ValueError(f"in_slices: {rows} rows do not split into {sorted(groups)} equal slices")

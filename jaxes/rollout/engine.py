@@ -664,12 +664,13 @@ class Engine:
     version's calls), so the noiser, a model copy per device, is rebuilt only when a shard
     starts another member; the one it replaces is dropped first."""
     want = [m if m is not None and m[0] == version else None for m in self.slice_members()]
+    live = self.live_versions()   # the noisers of versions no slot holds go (a copy each)
+    self._slice_noisers = {v: x for v, x in self._slice_noisers.items() if v in live}
     held = self._slice_noisers.get(version)
     if held is None or any(w is not None and w[1] != h for w, h in zip(want, held[0])):
       members = np.array([w[1] if w is not None else held[0][d] if held else -1
                           for d, w in enumerate(want)], np.int32)
-      live = self.live_versions()
-      self._slice_noisers = {v: x for v, x in self._slice_noisers.items() if v in live and v != version}
+      self._slice_noisers.pop(version, None)
       held = None
       per_shard = self.num_slots // self.shards
       noiser = self._make_noiser(params, *self._placed(

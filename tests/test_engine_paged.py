@@ -320,3 +320,20 @@ def test_runner_waits_for_pages_and_ends_an_outgrowing_episode_as_truncated(runn
   for r in results:
     assert r.truncated and r.failure == PAGES_EXHAUSTED and r.reward is not None
     assert r.tokens is not None and r.tokens.turns
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (tests/conftest.py)")
+def test_compiled_paged_steps_update_the_pages_in_place(model):
+  """On data=4 x tensor=2 the donated pages are aliased to the step's output and the
+  temporaries stay below one copy of the keys' pages (full batch and compacted, the widest and
+  the narrowest call)."""
+  mesh = sharding.make_mesh(data=4, tensor=2)
+  engine = _engine(model, mesh=mesh, max_len=4096, abstract=True, page_size=64,
+                   num_pages=SLOTS * 4096 // 64 // 2)
+  cache_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(engine.cache)) // 8
+  key_bytes = engine.cache.k.size * engine.cache.k.dtype.itemsize // 8
+  programs = engine.programs()
+  for name in ("step[w=8,span=4096]", "step[b=4,w=1,span=1024]"):
+    stats = programs[name].compile().memory_analysis()
+    assert stats.alias_size_in_bytes >= cache_bytes, name
+    assert stats.temp_size_in_bytes < key_bytes, (name, stats.temp_size_in_bytes, key_bytes)

@@ -163,6 +163,19 @@ def _attend(q, read, valid, q_slots, span, block):
   return blockwise(q, read, visible, span, block)
 
 
+def _per_device(mesh, fn, in_specs, out_specs):
+  """``fn`` run on each device's shards under ``shard_map`` (``mesh`` None: ``fn`` itself)."""
+  if mesh is None:
+    return fn
+  return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+
+def _kv_spec(batch_axis, heads_axis) -> P:
+  """``[L, rows or pages, tokens, K, hd]`` keys or values: rows over ``batch_axis``, KV heads
+  over ``heads_axis``."""
+  return P(None, batch_axis, None, heads_axis, None)
+
+
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["index"],
                    meta_fields=["mesh", "batch_axis", "heads_axis"])
 @dataclasses.dataclass(frozen=True)
@@ -181,13 +194,10 @@ class Rows:
   heads_axis: Any = None
 
   def _local(self, fn, in_specs, out_specs):
-    if self.mesh is None:
-      return fn
-    return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
-                         check_vma=False)
+    return _per_device(self.mesh, fn, in_specs, out_specs)
 
   def _cache_spec(self) -> P:
-    return P(None, self.batch_axis, None, self.heads_axis, None)
+    return _kv_spec(self.batch_axis, self.heads_axis)
 
   def take(self, x: jax.Array) -> jax.Array:
     """``x [B, ...]`` (rows over ``batch_axis``, the rest whole) -> ``[n, ...]``."""
@@ -266,13 +276,10 @@ class Pages:
   heads_axis: Any = None
 
   def _local(self, fn, in_specs, out_specs):
-    if self.mesh is None:
-      return fn
-    return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
-                         check_vma=False)
+    return _per_device(self.mesh, fn, in_specs, out_specs)
 
   def _pages_spec(self) -> P:
-    return P(None, self.batch_axis, None, self.heads_axis, None)
+    return _kv_spec(self.batch_axis, self.heads_axis)
 
   def write(self, pages: jax.Array, layer: jax.Array, slots: jax.Array, x: jax.Array) -> jax.Array:
     """``pages`` with ``x [n, T, K, hd]`` written at layer ``layer``, each batch row's slots

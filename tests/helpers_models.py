@@ -47,6 +47,36 @@ def assert_same_turns(got: dict, want: dict, atol: float = 1e-4) -> None:
   assert any(lp != 0 for turns in got.values() for _, lps in turns for lp in lps)
 
 
+def ragged_turns(engine, params_by_version: dict, versions, *, turns: int = 2,
+                 observation_growth: int = 1) -> dict:
+  """Drive ``engine`` through a ragged schedule: slot i starts an episode of ``versions[i]`` (member
+  and stream i; odd slots greedy, even ones sampled) with a random prompt of 2-13 tokens, and
+  answers each of its turns but the last after ``1 + i % 3`` steps with an observation of ``1 +
+  observation_growth * i`` tokens, so parked slots come back at different steps. Every turn's
+  ``(tokens, log-probs)`` per slot; a turn that ends with a failure is an error."""
+  rng = np.random.default_rng(5)
+  for slot, version in enumerate(versions):
+    prompt = list(rng.integers(4, 64, size=int(rng.integers(2, 14))))
+    assert engine.start(slot, prompt, version=version, member=slot, stream=slot,
+                        temperature=0.0 if slot % 2 else 0.9, top_p=0.95)
+  out = {slot: [] for slot in range(len(versions))}
+  waiting, step = {}, 0
+  while engine.busy() or waiting:
+    for slot, due in list(waiting.items()):
+      if due <= step:
+        del waiting[slot]
+        size = 1 + observation_growth * slot
+        observation = np.random.default_rng(100 * slot + step).integers(4, 64, size=size)
+        assert engine.continue_turn(slot, list(observation))  # whatever order turns ended in
+    for turn in engine.step(params_by_version):
+      assert turn.failure is None
+      out[turn.slot].append((turn.tokens, turn.logprobs))
+      if len(out[turn.slot]) < turns:
+        waiting[turn.slot] = step + 1 + turn.slot % 3
+    step += 1
+  return out
+
+
 def tiny_tokenizer(out_dir: str, vocab_size: int = 300):
   """A byte-level BPE with Qwen's special tokens and chat template, trained on a fixed corpus."""
   from jaxes import tokenization

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from helpers_models import assert_same_turns, engine_noiser, tiny_model
+from helpers_models import assert_same_turns, engine_noiser, ragged_turns, tiny_model
 from jaxes import es, sharding, tokenization
 from jaxes.envs import generator, protocol
 from jaxes.envs.local_sandbox import LocalSandbox
@@ -37,31 +37,6 @@ def _engine(model, strategy=None, run_key=None, **kw):
   return Engine(graphdef, cfg, **{**args, **kw})
 
 
-def _schedule(engine, params_by_version, versions, turns=2):
-  """Slots of ``versions``, greedy and sampled, ragged prompts and observations; parked slots
-  come back at different steps. Every turn's (tokens, log-probs) per slot."""
-  rng = np.random.default_rng(5)
-  for slot, version in enumerate(versions):
-    prompt = list(rng.integers(4, 64, size=int(rng.integers(2, 14))))
-    assert engine.start(slot, prompt, version=version, member=slot, stream=slot,
-                        temperature=0.0 if slot % 2 else 0.9, top_p=0.95)
-  out = {slot: [] for slot in range(len(versions))}
-  waiting, step = {}, 0
-  while engine.busy() or waiting:
-    for slot, due in list(waiting.items()):
-      if due <= step:
-        del waiting[slot]
-        observation = np.random.default_rng(100 * slot + step).integers(4, 64, size=1 + 2 * slot)
-        assert engine.continue_turn(slot, list(observation))
-    for turn in engine.step(params_by_version):
-      assert turn.failure is None
-      out[turn.slot].append((turn.tokens, turn.logprobs))
-      if len(out[turn.slot]) < turns:
-        waiting[turn.slot] = step + 1 + turn.slot % 3
-    step += 1
-  return out
-
-
 def _strategy_states(params, updates=1):
   strategy = es.Strategy(population=POP, sigma=0.3, learning_rate=0.5, mode="lowrank", rank=2)
   states, cohorts = [strategy.init(params, jax.random.key(1))], []
@@ -82,7 +57,8 @@ def _dense_turns(model, compact):
     _, _, params = model
     strategy, states, _ = _strategy_states(params)
     dense = _engine(model, strategy, states[0].run_key, compact=compact)
-    _DENSE[compact] = (_schedule(dense, {v: s.params for v, s in enumerate(states)}, VERSIONS),
+    params_by_version = {v: s.params for v, s in enumerate(states)}
+    _DENSE[compact] = (ragged_turns(dense, params_by_version, VERSIONS, observation_growth=2),
                        dense.stats)
   return _DENSE[compact]
 
@@ -97,7 +73,7 @@ def test_paged_cache_decodes_the_dense_caches_tokens_and_logprobs(model, compact
   # order after the first releases: page ids are not the slots' order.
   paged = _engine(model, strategy, run_key, compact=compact, page_size=4, num_pages=96)
   want, dense_stats = _dense_turns(model, compact)
-  got = _schedule(paged, params_by_version, VERSIONS)
+  got = ragged_turns(paged, params_by_version, VERSIONS, observation_growth=2)
   assert_same_turns(got, want, atol=1e-5)
   assert paged.stats.positions_computed == dense_stats.positions_computed
   if compact:
@@ -123,7 +99,7 @@ def test_paged_cache_with_all_versions_in_one_call_decodes_the_dense_tokens(mode
   for engine in engines:
     for v, cohort in enumerate(cohorts, start=1):
       assert engine.add_step(v, *cohort)
-  want, got = (_schedule(e, params_by_version, versions) for e in engines)
+  want, got = (ragged_turns(e, params_by_version, versions, observation_growth=2) for e in engines)
   assert_same_turns(got, want, atol=1e-5)
   assert engines[1].stats.multi_version_calls == engines[0].stats.multi_version_calls > 0
 
@@ -140,7 +116,7 @@ def test_paged_cache_on_a_data4_tensor2_mesh_decodes_the_one_device_dense_tokens
   spec = paged.cache.k.sharding.spec
   assert spec == jax.sharding.PartitionSpec(None, "data", None, "tensor", None)
   assert {s.data.shape[1] for s in paged.cache.k.addressable_shards} == {128 // 4}
-  got = _schedule(paged, params_by_version, VERSIONS)
+  got = ragged_turns(paged, params_by_version, VERSIONS, observation_growth=2)
   assert_same_turns(got, want, atol=1e-5)
   assert paged.stats.rows_computed < paged.stats.rows_total
 
@@ -251,7 +227,7 @@ def test_paged_engine_compiles_the_dense_engines_programs(model):
   assert sorted(paged.programs()) == sorted(dense.programs())
   engine = _engine(model, page_size=8, num_pages=64)
   for round_ in range(2):
-    _schedule(engine, {0: params}, [0] * 7)
+    ragged_turns(engine, {0: params}, [0] * 7, observation_growth=2)
     for slot in range(SLOTS):
       engine.release(slot)
     if round_ == 0:

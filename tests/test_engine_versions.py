@@ -8,7 +8,7 @@ import numpy as np
 import optax
 import pytest
 
-from helpers_models import assert_same_turns, engine_noiser, tiny_model
+from helpers_models import assert_same_turns, engine_noiser, ragged_turns, tiny_model
 from jaxes import es, sharding
 from jaxes.models import qwen2
 from jaxes.rollout.engine import Engine, VersionSteps
@@ -99,30 +99,6 @@ def _engine(model, strategy, run_key, **kw):
   return Engine(graphdef, cfg, **{**args, **kw})
 
 
-def _schedule(engine, params_by_version, versions):
-  """Slots of the given versions, greedy and sampled, ragged prompts, two turns each; parked
-  slots come back at different steps. Every turn's (tokens, log-probs) per slot."""
-  rng = np.random.default_rng(5)
-  for slot, version in enumerate(versions):
-    prompt = list(rng.integers(4, 64, size=int(rng.integers(2, 14))))
-    assert engine.start(slot, prompt, version=version, member=slot, stream=slot,
-                        temperature=0.0 if slot % 2 else 0.9, top_p=0.95)
-  out = {slot: [] for slot in range(len(versions))}
-  waiting, step = {}, 0
-  while engine.busy() or waiting:
-    for slot, due in list(waiting.items()):
-      if due <= step:
-        del waiting[slot]
-        observation = np.random.default_rng(100 * slot + step).integers(4, 64, size=1 + slot)
-        assert engine.continue_turn(slot, list(observation))  # whatever order turns ended in
-    for turn in engine.step(params_by_version):
-      out[turn.slot].append((turn.tokens, turn.logprobs))
-      if len(out[turn.slot]) < 2:
-        waiting[turn.slot] = step + 1 + turn.slot % 3
-    step += 1
-  return out
-
-
 @pytest.mark.parametrize("compact", [True, False])
 def test_one_call_for_a_chain_of_versions_decodes_the_per_version_calls_tokens(model, compact):
   """Versions 0, 1, 2 live (max_steps 2): one call per step instead of three, the same greedy
@@ -138,8 +114,8 @@ def test_one_call_for_a_chain_of_versions_decodes_the_per_version_calls_tokens(m
                    version_steps=VersionSteps(strategy.version_step(params, run_key), POP, 2))
   for v, cohort in enumerate(cohorts, start=1):
     assert merged.add_step(v, *cohort)
-  want = _schedule(per_version, params_by_version, versions)
-  got = _schedule(merged, params_by_version, versions)
+  want = ragged_turns(per_version, params_by_version, versions)
+  got = ragged_turns(merged, params_by_version, versions)
   assert_same_turns(got, want)
   calls = lambda e: e.stats.prefill_calls + e.stats.decode_calls
   assert merged.stats.multi_version_calls > 0 and per_version.stats.multi_version_calls == 0
@@ -211,8 +187,8 @@ def test_optimizers_that_break_the_structure_fall_back_to_a_call_per_version(mod
   engine = _engine(model, strategy, run_key,
                    version_steps=VersionSteps(sgd.version_step(params, run_key), POP, 1))
   plain = _engine(model, strategy, run_key)
-  got = _schedule(engine, params_by_version, [0, 1, 0, 1])
-  want = _schedule(plain, params_by_version, [0, 1, 0, 1])
+  got = ragged_turns(engine, params_by_version, [0, 1, 0, 1])
+  want = ragged_turns(plain, params_by_version, [0, 1, 0, 1])
   assert got == want
   assert engine.stats.multi_version_calls == 0
   assert engine.stats.decode_calls == plain.stats.decode_calls

@@ -43,8 +43,17 @@ step), ``quarter_rows_vs_full`` (step time), ``kv_bytes_in_use_vs_reserved``
 cache's by default: compaction over a paged KV cache, whose step time is reported beside the
 dense compacted one as ``paged_vs_dense_step_time``).
 
-  PYTHONPATH=. python benchmarks/engine_throughput.py --quick     # tiny model, a few minutes
+  PYTHONPATH=. python benchmarks/engine_throughput.py --quick     # smoke run, about a minute
   PYTHONPATH=. nice -n 10 python benchmarks/engine_throughput.py  # ~22M parameters, 32 slots
+
+``--quick`` is a smoke run, not for recorded numbers: a 0.5M-parameter model, prompts of 16
+tokens, turns of 6, observations of 8, 6 + 24 steps and 6 observation cycles (the full run: 48,
+12, 40, 30 + 60 and 20), still 32 slots and every mode and key. Nearly all of its time is
+compilation, so it keeps every KV length in the shortest attention span and every prefill in
+one chunk width, and the plain forward's noiser is the engine's compiled program (loaded, not
+compiled again). Measured on the 2-core CPU VM beside another agent's test run (2026-12-02):
+5 min 27 s wall, 202 CPU-s before (load 1.6 -> 7.7); 2 min 10 s wall, 85 CPU-s after (load
+6.6 -> 9.9; about a minute on an idle machine by its CPU time).
 """
 from __future__ import annotations
 
@@ -175,19 +184,22 @@ def _plain_step(graphdef, attend_len, params, noiser, cache, tokens, positions, 
 
 class _PlainDecode:
   """The engine's live rows (started, not stepped yet) decoded by a plain jitted batched forward
-  (``_plain_step``): the same prompts, members (the same low-rank noiser, built once), sampling
-  streams and temperatures, a dense cache of those rows only, and attention over the span the
-  engine picks (the shortest of ``engine.spans`` that holds every row), so the two compute the
-  same tokens and differ only in the engine's host bookkeeping."""
+  (``_plain_step``): the same prompts, members (the same low-rank noiser: ``all_members``, built
+  once for member i in row i of all B rows, or its live rows), sampling streams and
+  temperatures, a dense cache of those rows only, and attention over the span the engine picks
+  (the shortest of ``engine.spans`` that holds every row), so the two compute the same tokens and
+  differ only in the engine's host bookkeeping."""
 
-  def __init__(self, engine, graphdef, cfg, make_noiser, params, max_len):
+  def __init__(self, engine, graphdef, cfg, all_members, params, max_len):
     rows = [s for s in engine.slots if s.state == PREFILL]
     n, width = len(rows), len(rows[0].pending)
     assert all(len(s.pending) == width for s in rows)
+    assert all(s.version == 0 and s.member == s.index for s in rows)   # all_members' rows
     ids = lambda f, dtype: jnp.asarray(np.array([f(s) for s in rows], dtype))
-    self.noiser = None if make_noiser is None else jax.jit(make_noiser)(
-        params, ids(lambda s: s.version, np.int32), ids(lambda s: s.member, np.int32),
-        jnp.arange(n, dtype=jnp.int32))
+    take = np.array([s.index for s in rows])
+    self.noiser = None if all_members is None else (
+        all_members if n == len(engine.slots) else
+        jax.jit(lambda noiser: noiser.select_rows(lambda x: x[take]))(all_members))
     self.params, self.spans, self.key = params, engine.spans, engine.base_key
     self.sampling = (ids(lambda s: s.stream, np.uint32), jnp.zeros(n, jnp.int32),
                      ids(lambda s: s.temperature, np.float32), ids(lambda s: s.top_p, np.float32))
@@ -223,7 +235,7 @@ def engine_vs_plain(args, cfg, graphdef, make_noiser, params):
   (all B slots, and a quarter of them with the rest free), all four stepping alternately from
   the prefill of the same prompts on (so every step of a pair is at the same KV lengths), each
   step timed alone; steps that compiled left out, medians."""
-  B, pairs = args.slots, {}
+  B, pairs, all_members = args.slots, {}, None
   for working in (B, B // 4):
     # im_end_id out of the vocabulary: no turn ends while timing, every live row decodes.
     engine = Engine(graphdef, cfg, num_slots=B, max_len=args.max_len, prefill_chunk=args.chunk,
@@ -233,7 +245,14 @@ def engine_vs_plain(args, cfg, graphdef, make_noiser, params):
     for i in range(0, B, B // working):
       engine.start(i, list(rng.integers(4, cfg.vocab_size, size=args.prompt)), version=0,
                    member=i, stream=i, temperature=0.7)
-    pairs[working] = (engine, _PlainDecode(engine, graphdef, cfg, make_noiser, params,
+    if make_noiser is not None and all_members is None:
+      # Member i in row i of all B rows, jitted as the engine jits it (the same shardings): its
+      # compiled program is loaded from the run's cache, not compiled again (it is slow to).
+      build_noiser = jax.jit(make_noiser, in_shardings=(engine.param_shardings, *3 * (engine.rows,)),
+                             out_shardings=engine.noiser_shardings)
+      slots = np.arange(B, dtype=np.int32)
+      all_members = build_noiser(params, np.zeros(B, np.int32), slots, slots)
+    pairs[working] = (engine, _PlainDecode(engine, graphdef, cfg, all_members, params,
                                            args.max_len))
   times = {(w, side): [] for w in pairs for side in ("engine", "plain")}
   for n in range(args.warm + args.steps):
@@ -309,18 +328,22 @@ def observation_prefill(args, cfg, graphdef, make_noiser, params):
 
 def main():
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--quick", action="store_true", help="tiny model, few steps")
+  ap.add_argument("--quick", action="store_true",
+                  help="smoke run, not for recorded numbers: the tiny model (0.5M parameters), "
+                       "short prompts, turns and observations (every KV length in the shortest "
+                       "attention span, so few programs compile) and few steps; under 2 minutes")
   ap.add_argument("--slots", type=int, default=32)
   ap.add_argument("--working", type=int, default=8, help="slots that work in the mix")
   ap.add_argument("--max_len", type=int, default=512)
   ap.add_argument("--chunk", type=int, default=64)
-  ap.add_argument("--prompt", type=int, default=48)
-  ap.add_argument("--obs", type=int, default=40)
-  ap.add_argument("--turn", type=int, default=12)
-  ap.add_argument("--warm", type=int, default=None)
-  ap.add_argument("--steps", type=int, default=None)
+  ap.add_argument("--prompt", type=int, default=None, help="prompt tokens (48; --quick: 16)")
+  ap.add_argument("--obs", type=int, default=None, help="observation tokens (40; --quick: 8)")
+  ap.add_argument("--turn", type=int, default=None, help="tokens per turn (12; --quick: 6)")
+  ap.add_argument("--warm", type=int, default=None, help="untimed steps (30; --quick: 6)")
+  ap.add_argument("--steps", type=int, default=None, help="timed steps (60; --quick: 24)")
   ap.add_argument("--obs_cycles", type=int, default=None,
-                  help="timed observation prefills per engine (observation_prefill_vs_full_step)")
+                  help="timed observation prefills per engine (observation_prefill_vs_full_step; "
+                       "20; --quick: 6)")
   ap.add_argument("--page_size", type=int, default=16,
                   help="the paged mode's page size (0: no paged mode)")
   ap.add_argument("--num_pages", type=int, default=0,
@@ -328,11 +351,17 @@ def main():
   ap.add_argument("--noiser", choices=("lowrank", "none"), default="lowrank",
                   help="every slot its own low-rank ES member, or plain inference")
   args = ap.parse_args()
-  args.warm = args.warm if args.warm is not None else (12 if args.quick else 30)
-  args.steps = args.steps if args.steps is not None else (40 if args.quick else 60)
+  # --quick: its time is compilation (each (rows, width, span) program of each step function:
+  # dense, paged, merged versions, and the plain forward), not stepping. Short sequences keep
+  # every KV length in the shortest span and every prefill in one chunk width: one span and
+  # two widths per step function instead of up to three of each.
+  defaults = (dict(prompt=16, obs=8, turn=6, warm=6, steps=24, obs_cycles=6) if args.quick else
+              dict(prompt=48, obs=40, turn=12, warm=30, steps=60, obs_cycles=20))
+  for name, value in defaults.items():
+    if getattr(args, name) is None:
+      setattr(args, name, value)
   if args.page_size and not args.num_pages:
     args.num_pages = args.slots * args.max_len // args.page_size // 2
-  args.obs_cycles = args.obs_cycles if args.obs_cycles is not None else (12 if args.quick else 20)
   # Every engine jits its own functions, and the modes share many programs: a compilation cache
   # for this run only (removed at exit) compiles each program once.
   xla_cache = tempfile.TemporaryDirectory(prefix="engine_throughput_xla_")

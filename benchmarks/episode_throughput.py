@@ -12,6 +12,8 @@ schedule by running ``--sandbox_steps 0`` and ``--sandbox_steps 3`` side by side
 sync updates/hour by running ``--mode async`` and ``--mode sync`` side by side (``--eval_tasks 0``:
 no evaluation, the training loop only). Updates/hour is reported over the whole loop and over the
 updates after the first (whose window holds most of the compiles), from the metrics lines.
+The counters include the engine's ``prefill_hold`` and ``prefill_held`` (row-steps a new prefill
+waited to share a call) where the engine has them.
 """
 from __future__ import annotations
 
@@ -65,7 +67,9 @@ def main():
   result = {"sandbox_steps": c.rollout.sandbox_steps, "wall_s": wall, "episodes": episodes,
             "episodes_per_s": episodes / wall,
             "tokens_decoded": stats["tokens_decoded"], "tokens_prefilled": stats["tokens_prefilled"],
-            "engine_steps": stats["steps"],
+            "engine_steps": stats["steps"], "prefill_held": stats.get("prefill_held"),
+            "prefill_hold": getattr(trainer.runner.engine, "prefill_hold", None),
+            "multi_version_calls": stats["multi_version_calls"],
             "calls": {k: {"count": n, "total_s": s} for k, (n, s) in steps.items()},
             "mode": c.controller.mode, "updates": summary["updates_this_run"],
             "updates_per_hour": summary["updates_per_hour"],

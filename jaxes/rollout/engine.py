@@ -27,6 +27,14 @@ its width) when that at least halves the positions computed. The step compiles a
 ``len(batches) * len(widths) * len(spans)`` programs for the life of the engine (36 for the
 paper config: 3 batches x 4 widths x 3 spans; 12 without compaction).
 
+Prefill coalescing (``prefill_hold=H``, default 8): a new prefill (a prompt at ``start``, an
+observation at ``continue_turn``) that would run as a call of its own beside decoding rows waits up
+to H steps, so that prefills arriving a few steps apart share one call instead of each paying for
+the smallest compiled batch at its width. It goes at once when nothing else decodes or a row of its
+call group is mid-prefill (that call runs anyway), and all of a group's waiting prefills go when
+the first has waited H steps or they fill the smallest batch. The decision reads the slots' states
+only, never the clock; the same programs run (no new shapes).
+
 All live versions in one call (``version_steps=``, see ``VersionSteps``): when version v is
 version v-1 plus a low-rank step (ES in low-rank mode with plain SGD: the update's change to each
 matrix is ``a @ b.T``, regenerated from the cohort's keys and weights, ``add_step``), rows of
@@ -104,6 +112,8 @@ class Slot:
   tag: Any = None                # the caller's handle for this episode
   pages: list = dataclasses.field(default_factory=list)      # paged cache: its pages, in order
   failure: str | None = None     # why the engine ended or refused this episode (PAGES_EXHAUSTED)
+  held: int | None = None        # steps its prefill (a prompt or observation not yet fed) has
+                                 # been held back (``prefill_hold``); None once a chunk is fed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,6 +160,7 @@ class EngineStats:
   rows_computed: int = 0         # sum over calls of the compiled batch (compaction: <= B)
   positions_computed: int = 0    # sum over calls of batch x width: the token positions run
   multi_version_calls: int = 0   # calls whose rows belong to more than one version (steps)
+  prefill_held: int = 0          # row-steps a new prefill was held back to share a call
 
   @property
   def utilisation(self) -> float:
@@ -245,14 +256,16 @@ class Engine:
   ``max_len`` row per slot. ``member_slices`` (full-rank noise): every data shard's slots hold
   episodes of one (version, member) at a time, and the noiser has one group per shard, laid out
   with it (``PopulationNoiser.in_slices`` / ``slice_shardings``): one perturbed weight copy per
-  device instead of one per slot; ``start`` refuses a slot whose shard runs another member."""
+  device instead of one per slot; ``start`` refuses a slot whose shard runs another member.
+  ``prefill_hold``: steps a new prefill (a prompt, an observation) may wait while other rows
+  decode, so that prefills arriving a few steps apart share one call (``_held``); 0: none waits."""
 
   def __init__(self, graphdef, model_config: qwen2.Qwen2Config, *, num_slots: int, max_len: int,
                prefill_chunk: int, max_new_tokens: int, stop_ids, im_end_id: int,
                make_noiser: Callable | None = None, seed: int = 0, mesh: Mesh | None = None,
                rules=sharding.LOGICAL_RULES, abstract: bool = False, compact: bool = True,
                version_steps: VersionSteps | None = None, page_size: int | None = None,
-               num_pages: int | None = None, member_slices: bool = False):
+               num_pages: int | None = None, member_slices: bool = False, prefill_hold: int = 8):
     if max_len <= max_new_tokens:
       raise ValueError(f"max_len={max_len} must exceed max_new_tokens={max_new_tokens}")
     if (page_size is None) != (num_pages is None):
@@ -264,6 +277,9 @@ class Engine:
       raise ValueError(f"num_slots={num_slots} is not divisible by the mesh's data={data}: "
                        f"every data shard must hold the same number of slots")
     self.num_slots, self.max_len, self.chunk = num_slots, max_len, prefill_chunk
+    if prefill_hold < 0:
+      raise ValueError(f"prefill_hold must be >= 0, got {prefill_hold}")
+    self.prefill_hold = int(prefill_hold)
     self.shards, self.compact = data, compact
     per_shard = num_slots // data
     # Compiled rows per data shard, the last the full batch: a call runs on the smallest that
@@ -357,7 +373,8 @@ class Engine:
         raise ValueError("version_steps needs a noiser (make_noiser): the steps are added through it")
       self._replicated = replicated
       self._init_version_steps(graphdef, layout)
-    self._noisers: dict[Any, Any] = {}   # version, or a call's versions (a tuple) -> noiser
+    # version, or a call's versions (a tuple) -> (versions [B], members [B] built for, noiser)
+    self._noisers: dict[Any, tuple] = {}
     self._steps: dict[int, Any] = {}     # version v -> the low-rank step from v - 1 to v
     self._stacked: dict[tuple, Any] = {}  # the steps a call adds, stacked
     self._in_place: dict[int, tuple] = {}  # version -> (params as given, params in place)
@@ -574,10 +591,9 @@ class Engine:
         raise ValueError(f"slot {index}: its data shard runs (version, member) {held}, not "
                          f"{(version, member)} (member_slices: one member per shard at a time)")
     self.slots[index] = Slot(index, PREFILL, version, member, stream, temperature, top_p,
-                             pending=list(prompt), tag=tag)
+                             pending=list(prompt), tag=tag, held=0)
     self._take_pages(self.slots[index], len(prompt))
     self._to_reset[index] = True
-    self._noisers.clear()
     return True
 
   def continue_turn(self, index: int, observation: list[int]) -> bool:
@@ -598,6 +614,7 @@ class Engine:
       slot.failure = PAGES_EXHAUSTED
       return False
     slot.pending, slot.generated, slot.logprobs, slot.state = tokens, [], [], PREFILL
+    slot.held = 0
     return True
 
   def add_step(self, version: int, versions, members, weights, count) -> bool:
@@ -617,8 +634,7 @@ class Engine:
     if self.slots[index].state != FREE:
       if self.slots[index].pages:
         self.pool.give(self._shard(index), self.slots[index].pages)
-      self.slots[index] = Slot(index)
-      self._noisers.clear()
+      self.slots[index] = Slot(index)   # the noisers stay: a free row is in no call
 
   # -- device steps -----------------------------------------------------------------------------
   def _placed(self, *arrays: np.ndarray) -> tuple:
@@ -646,17 +662,35 @@ class Engine:
       self._in_place[version] = held = (params, jax.device_put(params, self.param_shardings))
     return held[1]
 
-  def _noiser(self, version: int, params):
+  def _assignment(self) -> tuple[np.ndarray, np.ndarray]:
+    """Every slot's (version, member) as a noiser is built for them (free slots: member -1)."""
+    return (np.array([s.version for s in self.slots], np.int32),
+            np.array([s.member if s.state != FREE else -1 for s in self.slots], np.int32))
+
+  def _held_noiser(self, key, rows: list[Slot]):
+    """The noiser kept under ``key`` if it was built for every row of the call as it is now (a
+    row's perturbation depends on its own (version, member) only), else None: a slot that
+    started since costs a rebuild only when it joins a call."""
+    held = self._noisers.get(key)
+    if held is None:
+      return None
+    versions, members, noiser = held
+    if all(versions[s.index] == s.version and members[s.index] == s.member for s in rows):
+      return noiser
+    return None
+
+  def _noiser(self, version: int, params, rows: list[Slot]):
     if self._make_noiser is None:
       return None
     if self.member_slices:
       return self._slice_noiser(version, params)
-    if version not in self._noisers:
-      versions = np.array([s.version for s in self.slots], np.int32)
-      members = np.array([s.member if s.state != FREE else -1 for s in self.slots], np.int32)
-      self._noisers[version] = self._make_noiser(
+    noiser = self._held_noiser(version, rows)
+    if noiser is None:
+      versions, members = self._assignment()
+      noiser = self._make_noiser(
           params, *self._placed(versions, members, np.arange(self.num_slots, dtype=np.int32)))
-    return self._noisers[version]
+      self._noisers[version] = (versions, members, noiser)
+    return noiser
 
   def _slice_noiser(self, version: int, params):
     """``version``'s noiser with member slices: group d is the member of data shard d's episodes
@@ -679,24 +713,27 @@ class Engine:
       held = self._slice_noisers[version] = (tuple(int(m) for m in members), noiser)
     return held[1]
 
-  def _versions_noiser(self, base: int, versions: tuple, params_by_version: dict):
-    """The noiser of a call over rows of ``versions`` (base first): every row's perturbation,
-    and its vectors from its own version's noiser (``with_vectors_of``). Built when slot
-    assignments change, like the per-version ones; those of the newer versions are not kept."""
-    if versions not in self._noisers:
+  def _versions_noiser(self, base: int, versions: tuple, params_by_version: dict,
+                       rows: list[Slot]):
+    """The noiser of a call over ``rows`` of ``versions`` (base first): every row's
+    perturbation, and its vectors from its own version's noiser (``with_vectors_of``). Rebuilt
+    when a row of the call was started since, like the per-version ones; those of the newer
+    versions are not kept."""
+    merged = self._held_noiser(versions, rows)
+    if merged is None:
       K = int(self.version_steps.max_steps)
-      noiser = self._noiser(base, self._place(base, params_by_version[base]))
+      noiser = self._noiser(base, self._place(base, params_by_version[base]), rows)
+      assigned = self._assignment()
       others = [noiser] * K
       for v in versions[1:]:
         others[v - base - 1] = self._make_noiser(
-            self._place(v, params_by_version[v]), *self._placed(
-                np.array([s.version for s in self.slots], np.int32),
-                np.array([s.member if s.state != FREE else -1 for s in self.slots], np.int32),
-                np.arange(self.num_slots, dtype=np.int32)))
+            self._place(v, params_by_version[v]),
+            *self._placed(*assigned, np.arange(self.num_slots, dtype=np.int32)))
       owner = np.array([s.version - base if s.state != FREE and s.version in versions else 0
                         for s in self.slots], np.int32)
-      self._noisers[versions] = self._merge(noiser, tuple(others), *self._placed(owner))
-    return self._noisers[versions]
+      merged = self._merge(noiser, tuple(others), *self._placed(owner))
+      self._noisers[versions] = (*assigned, merged)
+    return merged
 
   def _stacked_steps(self, base: int, newest: int):
     """Steps ``base + 1 ... newest`` stacked into the K slots of the programs (zeros after)."""
@@ -789,7 +826,7 @@ class Engine:
       step_rows = np.zeros((n, int(self.version_steps.max_steps)), np.float32)
       for s, i in zip(rows, where):
         step_rows[i, :s.version - version] = 1.0
-      noiser = self._versions_noiser(version, group, params_by_version)
+      noiser = self._versions_noiser(version, group, params_by_version, rows)
       head = (span, params, noiser, self._stacked_steps(version, newest),
               *self._placed(step_rows), self.cache)
       if full:
@@ -800,11 +837,11 @@ class Engine:
             *head, *self._placed(index), *per_row, self.base_key, *sampling_state)
       self.stats.multi_version_calls += 1
     elif full:
-      noiser = self._noiser(version, params)
+      noiser = self._noiser(version, params, rows)
       (next_tokens, logprobs), self.cache = self._step(
           span, params, noiser, self.cache, *per_row, self.base_key, *sampling_state)
     else:
-      noiser = self._noiser(version, params)
+      noiser = self._noiser(version, params, rows)
       (next_tokens, logprobs), self.cache = self._rows_step(
           span, params, noiser, self.cache, *self._placed(index), *per_row, self.base_key,
           *sampling_state)
@@ -847,6 +884,27 @@ class Engine:
     split = self._positions(decoding, 1) + self._positions(prefilling, self._width(prefilling))
     return [decoding, prefilling] if 2 * split <= merged else [rows]
 
+  def _held(self, working: list[Slot]) -> list[Slot]:
+    """The new prefills (not yet fed a chunk) that wait this step: while other rows decode, a
+    prompt or observation that would need a call of its own (none of its group's rows is
+    mid-prefill) waits up to ``prefill_hold`` steps for others to share that call with; all of
+    a group's go once the first has waited that long or they fill the smallest compiled batch
+    in some data shard. A function of the slots' states only (no clock): every process of a
+    multi-host run holds the same rows."""
+    if not self.prefill_hold or not any(s.state == DECODE for s in working):
+      return []   # nothing else to run: a held row would idle the whole step
+    per_shard = self.num_slots // self.shards
+    held = []
+    for group in self._groups(sorted({s.version for s in working})):
+      rows = [s for s in working if s.version in group and s.state == PREFILL]
+      new = [s for s in rows if s.held is not None]
+      if not new or len(new) < len(rows):   # a row mid-prefill: the call runs anyway
+        continue
+      fill = np.bincount([s.index // per_shard for s in new], minlength=self.shards).max()
+      if max(s.held for s in new) < self.prefill_hold and fill < self.batches[0]:
+        held += new
+    return held
+
   def step(self, params_by_version: dict) -> list[Turn]:
     """Advances every working slot once: per live version one call (or two, see ``_calls``) in
     which decoding rows feed their last token and prefilling rows their next prompt chunk
@@ -861,7 +919,16 @@ class Engine:
     if self.page_size is not None:
       self._page_decoding_rows(finished)
     working = [s for s in self.slots if s.state in (PREFILL, DECODE)]
+    held = {s.index for s in self._held(working)}
+    for s in working:
+      if s.index in held:
+        s.held += 1
+    self.stats.prefill_held += len(held)
+    working = [s for s in working if s.index not in held]
     self.stats.busy_steps += bool(working)
+    live = self.live_versions()   # noisers of versions no slot holds go
+    self._noisers = {k: x for k, x in self._noisers.items()
+                     if set(k if isinstance(k, tuple) else (k,)) <= live}
     if self._steps and params_by_version:   # steps up to the oldest version passed are done with
       oldest = min(params_by_version)
       self._steps = {v: x for v, x in self._steps.items() if v > oldest}
@@ -881,7 +948,7 @@ class Engine:
             self._sampled(s, token, logprob, finished)
             continue
           n = min(width, len(s.pending))
-          s.pending, s.length = s.pending[n:], s.length + n
+          s.pending, s.length, s.held = s.pending[n:], s.length + n, None
           self.stats.tokens_prefilled += n
           if not s.pending:  # prompt done: its last logits gave the turn's first token
             s.state, s.max_new = DECODE, min(self.max_new_tokens, self.max_len - s.length)

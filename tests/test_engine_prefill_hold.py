@@ -1,0 +1,192 @@
+"""Prefill coalescing (``Engine(prefill_hold=H)``): a new prompt or observation that arrives
+while other rows decode waits up to H steps so that prefills arriving a few steps apart share
+one call. Held or not, the engine decodes the same tokens; the wait is bounded; no new program
+compiles."""
+import jax
+import numpy as np
+import pytest
+
+from helpers_models import assert_same_turns, engine_noiser, tiny_model
+from jaxes import es
+from jaxes.rollout.engine import DECODE, PARKED, PREFILL, Engine
+
+IM_END = 3
+SLOTS = 8
+
+
+@pytest.fixture(scope="module")
+def model():
+  return tiny_model(vocab_size=64)
+
+
+def _engine(model, strategy=None, run_key=None, **kw):
+  cfg, graphdef, _ = model
+  args = dict(num_slots=SLOTS, max_len=64, prefill_chunk=8, max_new_tokens=4, stop_ids=[],
+              im_end_id=IM_END, make_noiser=engine_noiser(strategy, run_key))
+  return Engine(graphdef, cfg, **{**args, **kw})
+
+
+def _delta(engine, params_by_version):
+  before = dict(vars(engine.stats))
+  engine.step(params_by_version)
+  return {k: v - before[k] for k, v in vars(engine.stats).items()}
+
+
+def _turns(engine, params_by_version: dict, versions, turns: int = 3) -> dict:
+  """A ragged schedule whose inputs do not depend on when a turn ended (a held prefill moves
+  that): slot i starts a prompt of 2-13 tokens and answers its turns but the last ``1 + i % 3``
+  steps after they end with an observation of ``1 + i`` tokens drawn from (slot, turn)."""
+  rng = np.random.default_rng(5)
+  for slot, version in enumerate(versions):
+    prompt = list(rng.integers(4, 64, size=int(rng.integers(2, 14))))
+    assert engine.start(slot, prompt, version=version, member=slot, stream=slot,
+                        temperature=0.0 if slot % 2 else 0.9, top_p=0.95)
+  out = {slot: [] for slot in range(len(versions))}
+  waiting, step = {}, 0
+  while engine.busy() or waiting:
+    for slot, due in list(waiting.items()):
+      if due <= step:
+        del waiting[slot]
+        observation = np.random.default_rng(100 * slot + len(out[slot])).integers(4, 64, size=1 + slot)
+        assert engine.continue_turn(slot, list(observation))
+    for turn in engine.step(params_by_version):
+      out[turn.slot].append((turn.tokens, turn.logprobs))
+      if len(out[turn.slot]) < turns:
+        waiting[turn.slot] = step + 1 + turn.slot % 3
+    step += 1
+  return out
+
+
+def _parked(model, **kw):
+  """An engine of 16 slots (batches of 4, 8, 16 rows) whose rows have each decoded a first turn
+  and are parked."""
+  _, _, params = model
+  engine = _engine(model, max_new_tokens=24, num_slots=16, **kw)
+  assert engine.batches == [4, 8, 16]
+  for slot in range(16):
+    assert engine.start(slot, [5 + slot, 6, 7], version=0, member=-1, stream=slot)
+  engine.max_new_tokens = 1
+  while engine.busy():
+    engine.step({0: params})
+  assert all(s.state == PARKED for s in engine.slots)
+  engine.max_new_tokens = 24
+  return engine
+
+
+def test_held_prefills_decode_the_same_tokens(model):
+  """Two versions (one call group each), greedy and sampled rows, observations coming back at
+  different steps: the turns of an engine that holds prefills equal those of one that does not,
+  and some prefills were held."""
+  _, _, params = model
+  strategy = es.Strategy(population=8, sigma=0.3, learning_rate=0.1, mode="lowrank", rank=2)
+  state0 = strategy.init(params, jax.random.key(1))
+  state1, _ = strategy.update(state0, [(0, m, float(m)) for m in range(8)])
+  params_by_version = {0: state0.params, 1: state1.params}
+  versions = [0, 1, 0, 1, 0, 1, 0]
+  now = _engine(model, strategy, state0.run_key, max_new_tokens=6, prefill_hold=0)
+  held = _engine(model, strategy, state0.run_key, max_new_tokens=6, prefill_hold=3)
+  want = _turns(now, params_by_version, versions, turns=3)
+  got = _turns(held, params_by_version, versions, turns=3)
+  assert_same_turns(got, want)
+  assert now.stats.prefill_held == 0 and held.stats.prefill_held > 0
+  assert held.stats.prefill_calls < now.stats.prefill_calls   # prefills shared calls
+  assert held.stats.tokens_prefilled == now.stats.tokens_prefilled
+
+
+def test_a_prefill_waits_at_most_prefill_hold_steps(model):
+  """One observation while other rows decode: held for exactly H steps (no other prefill comes),
+  then fed; the decoding rows ran every step meanwhile."""
+  _, _, params = model
+  H = 3
+  engine = _parked(model, prefill_hold=H)
+  for slot in (1, 2, 3):
+    engine.continue_turn(slot, [9])
+  _delta(engine, {0: params})                          # nothing decodes yet: they go at once
+  assert [engine.slots[s].state for s in (1, 2, 3)] == [DECODE] * 3
+  engine.continue_turn(0, [9, 10])
+  pending = len(engine.slots[0].pending)
+  for _ in range(H):
+    d = _delta(engine, {0: params})
+    assert (d["prefill_calls"], d["decode_calls"], d["tokens_decoded"]) == (0, 1, 3)
+    assert engine.slots[0].state == PREFILL
+  d = _delta(engine, {0: params})                      # H steps waited: it goes
+  assert d["prefill_calls"] == 1 and d["tokens_prefilled"] == pending
+  assert engine.slots[0].state == DECODE
+  assert engine.stats.prefill_held == H
+
+
+def test_prefills_arriving_apart_share_one_call(model):
+  """Observations that come back one step apart are fed together in one call, once the first
+  has waited H steps."""
+  _, _, params = model
+  H = 2
+  engine = _parked(model, prefill_hold=H)
+  for slot in (4, 5, 6, 7):
+    engine.continue_turn(slot, [9])
+  _delta(engine, {0: params})
+  engine.continue_turn(0, [9])
+  _delta(engine, {0: params})                          # slot 0 held once
+  engine.continue_turn(1, [9, 10, 11])
+  pending = len(engine.slots[0].pending) + len(engine.slots[1].pending)
+  _delta(engine, {0: params})                          # slot 0 twice, slot 1 once
+  assert [engine.slots[s].state for s in (0, 1)] == [PREFILL] * 2
+  d = _delta(engine, {0: params})
+  assert d["prefill_calls"] == 1 and d["tokens_prefilled"] == pending
+  assert [engine.slots[s].state for s in (0, 1)] == [DECODE] * 2
+  assert engine.stats.prefill_held == 3
+
+
+def test_held_prefills_go_when_they_fill_the_smallest_batch_or_nothing_decodes(model):
+  _, _, params = model
+  engine = _parked(model, prefill_hold=100)
+  engine.continue_turn(15, [9])
+  _delta(engine, {0: params})                          # nothing else decodes: not held
+  assert engine.slots[15].state == DECODE and engine.stats.prefill_held == 0
+  for slot in (0, 1, 2):
+    engine.continue_turn(slot, [9])
+  _delta(engine, {0: params})
+  assert engine.slots[0].state == PREFILL and engine.stats.prefill_held == 3
+  engine.continue_turn(3, [9])                         # four waiting: the smallest batch is full
+  d = _delta(engine, {0: params})
+  assert d["prefill_calls"] == 1 and engine.stats.prefill_held == 3
+  assert [engine.slots[s].state for s in (0, 1, 2, 3)] == [DECODE] * 4
+
+
+def test_a_new_prefill_joins_a_row_mid_prefill_at_once(model):
+  """A prompt longer than a chunk is mid-prefill for several steps: a new observation of its
+  group joins its call at once (that call runs anyway)."""
+  _, _, params = model
+  engine = _parked(model, prefill_hold=100)
+  for slot in (4, 5):
+    engine.continue_turn(slot, [9])
+  engine.release(7)
+  assert engine.start(7, list(range(10, 30)), version=0, member=-1, stream=7)   # 3 chunks of 8
+  _delta(engine, {0: params})                          # nothing decodes yet: all go
+  assert engine.slots[7].state == PREFILL and engine.slots[7].held is None     # mid-prefill
+  assert [engine.slots[s].state for s in (4, 5)] == [DECODE] * 2
+  engine.continue_turn(0, [9])
+  d = _delta(engine, {0: params})
+  assert d["prefill_calls"] == 1 and engine.slots[0].state == DECODE
+  assert engine.stats.prefill_held == 0
+
+
+def test_holding_compiles_no_new_programs(model):
+  """A held engine runs the programs an engine that feeds at once runs (same shapes), so the
+  compile count stays that of batches x widths x spans (plus reset and noiser)."""
+  _, _, params = model
+  strategy = es.Strategy(population=8, sigma=0.3, learning_rate=0.1, mode="lowrank", rank=2)
+  state0 = strategy.init(params, jax.random.key(1))
+  held = _engine(model, strategy, state0.run_key, max_new_tokens=6, prefill_hold=3)
+  _turns(held, {0: state0.params}, [0] * 7, turns=3)
+  bound = len(held.batches) * len(held.widths) * len(held.spans) + 2
+  assert held.compilations() <= bound
+  warm = held.compilations()
+  for slot in range(7):
+    held.release(slot)
+  _turns(held, {0: state0.params}, [0] * 7, turns=3)
+  assert held.compilations() == warm
+
+
+def test_prefill_hold_must_not_be_negative(model):
+  with pytest.raises(ValueError, match="prefill_hold"):
+    _engine(model, prefill_hold=-1)

@@ -53,7 +53,12 @@ def _device0_bytes(tree) -> int:
 @needs_8_devices
 def test_report_matches_the_real_arrays_on_8_cpu_devices():
   config = tiny_config()
-  report = preflight.plan(config, preflight.resolve_topology("cpu:8"), log=lambda *_: None)
+  target = preflight.resolve_topology("cpu:8")
+  # The resident rows need no compiled program, the temporaries one: compile the widest step at
+  # the longest span (one version and merged versions), the noiser and the ES update, not all
+  # 30 programs; every program's name is checked below (lowered, not compiled).
+  report = preflight.plan(config, target, log=lambda *_: None,
+                          only=r"^(step\[w=2,span=64(,steps=1)?\]|noiser|es_update)$")
   per_device = report["per_device"]
 
   # The same run, allocated for real on the same mesh.
@@ -82,7 +87,12 @@ def test_report_matches_the_real_arrays_on_8_cpu_devices():
   # max_staleness + 2 steps registered or padding, and one stack of max_staleness steps.
   assert step_bytes > 0 and per_device["version_steps"] == 4 * step_bytes
   assert per_device["temporaries"] > 0
-  names = [p["name"] for p in report["programs"]]
+  assert sorted(p["name"] for p in report["programs"]) == [
+      "es_update", "noiser", "step[w=2,span=64,steps=1]", "step[w=2,span=64]"]
+  # Every program of the run: the names an --only that matches none of them lists.
+  with pytest.raises(preflight.NoProgramMatches) as unmatched:
+    preflight.plan(config, target, log=lambda *_: None, only="^nothing$")
+  names = str(unmatched.value).split("programs: ", 1)[1].split(", ")
   steps = len(engine.batches) * len(engine.widths) * len(engine.spans)
   # Per-version steps and merged-versions steps; reset, noiser, es_update; a step's build, its
   # stacking and the merged noiser.
@@ -101,7 +111,7 @@ def _run(tmp_path, *flags):
 
 def test_a_config_that_cannot_fit_fails_naming_its_biggest_consumer(tmp_path):
   # The widest step at the longest span and the ES update, the programs whose sizes decide the
-  # peak: compiling all 42 programs of the config (at max_len 512) adds nothing to the verdict.
+  # peak: compiling all 30 programs of the config (at max_len 512) adds nothing to the verdict.
   out = _run(tmp_path, "--topology=cpu:8", "--device_memory_gib=0.0001",
              "--config.rollout.max_len=512", "--config.rollout.prefill_chunk=2",
              r"--only=^(step\[w=2,span=512\]|es_update)$")

@@ -98,7 +98,7 @@ def test_sigkill_at_random_moments_then_rerun_equals_uninterrupted(tokenizer_dir
   base = {"controller.mode": "sync", "controller.max_staleness": 0, "warmstart.steps": 40,
           "warmstart.learning_rate": 1e-2, "env.partial_credit": True, "eval.num_tasks": 0,
           "rollout.temperature": 0.4, "rollout.common_random_numbers": False,
-          "train.num_updates": 8, "train.plot": False,
+          "train.num_updates": 5, "train.plot": False,   # two kills near updates 1-3, two ahead
           "train.checkpoint_every": 3}   # kills between full checkpoints resume through the update log
   config = tiny_config(tokenizer_dir, **base)
   whole = Trainer(config, str(tmp_path / "a"), log=lambda s: None).run()
@@ -117,15 +117,15 @@ def test_sigkill_at_random_moments_then_rerun_equals_uninterrupted(tokenizer_dir
     proc.wait()
     proc.stderr.close()
     killed.append(proc.pid)
-  assert 1 <= _train_lines(workdir) < 8
+  assert 1 <= _train_lines(workdir) < 5
   done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert done.returncode == 0, done.stderr[-3000:]
   assert "resumed from checkpoint" in done.stdout + done.stderr
   resumed = Trainer(config, str(workdir), log=lambda s: None).run()  # already done: restores
-  assert resumed["version"] == 8 and resumed["updates_this_run"] == 0
+  assert resumed["version"] == 5 and resumed["updates_this_run"] == 0
   _params_equal(resumed["params"], whole["params"])
   versions = [r["version"] for r in metrics.read_metrics(str(workdir / "metrics.jsonl")) if "train" in r]
-  assert versions == list(range(1, 9))
+  assert versions == list(range(1, 6))
   parent = local_sandbox._default_parent() or tempfile.gettempdir()
   assert not [n for n in os.listdir(parent) if any(n.startswith(f"jaxes-local-{pid}-") for pid in killed)]
 

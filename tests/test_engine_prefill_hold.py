@@ -190,3 +190,38 @@ def test_holding_compiles_no_new_programs(model):
 def test_prefill_hold_must_not_be_negative(model):
   with pytest.raises(ValueError, match="prefill_hold"):
     _engine(model, prefill_hold=-1)
+
+
+def test_noisers_are_rebuilt_only_for_a_call_with_a_row_started_since(model):
+  """A release costs no noiser build; a start costs one when its row joins a call (held, it
+  costs none yet). Builds are counted as they run (``jax.debug.callback``)."""
+  _, _, params = model
+  strategy = es.Strategy(population=8, sigma=0.3, learning_rate=0.1, mode="lowrank", rank=2)
+  state0 = strategy.init(params, jax.random.key(1))
+  builds = []
+
+  def make_noiser(p, versions, members, row_group):
+    jax.debug.callback(lambda: builds.append(1))
+    return strategy.member_noiser(p, versions, members, row_group, run_key=state0.run_key)
+
+  cfg, graphdef, _ = model
+  engine = Engine(graphdef, cfg, num_slots=16, max_len=64, prefill_chunk=8, max_new_tokens=24,
+                  stop_ids=[], im_end_id=IM_END, make_noiser=make_noiser, prefill_hold=2)
+  pbv = {0: state0.params}
+  for slot in range(4):
+    assert engine.start(slot, [5 + slot, 6, 7], version=0, member=slot, stream=slot)
+  engine.step(pbv)
+  jax.effects_barrier()
+  assert len(builds) == 1 and all(engine.slots[s].state == DECODE for s in range(4))
+  engine.release(3)
+  engine.step(pbv)
+  jax.effects_barrier()
+  assert len(builds) == 1                              # a free row is in no call
+  assert engine.start(3, [9, 6, 7], version=0, member=5, stream=3)
+  for _ in range(2):                                   # held two steps: not in a call yet
+    engine.step(pbv)
+  jax.effects_barrier()
+  assert len(builds) == 1 and engine.slots[3].state == PREFILL
+  engine.step(pbv)                                     # it joins a call: one build
+  jax.effects_barrier()
+  assert len(builds) == 2 and engine.slots[3].state == DECODE

@@ -14,7 +14,7 @@ longest pending chunk — and attention reads only the shortest of three prefixe
 rows (``Engine.spans``) that holds every row of the call. Rows of other versions, parked or free
 rows are marked invalid, which leaves their cache rows untouched. A slot's policy is its
 member's perturbation of that version's parameters, applied in-graph by the noiser
-(``make_noiser``), which is rebuilt only when slot assignments change.
+(``make_noiser``), rebuilt only when a call has a row started since it was built.
 
 Row compaction (``compact=True``, the default): a call whose working rows fit in a quarter or a
 half of each data shard's ``B / D`` rows (``Engine.batches``) runs on those rows only, a batch

@@ -271,7 +271,8 @@ def build_engine(config, model: Model, tokenizer, strategy: es.Strategy | None =
                 im_end_id=im_end, make_noiser=None if strategy is None else make_noiser,
                 seed=config.seed, mesh=mesh,
                 version_steps=version_steps(config, model, strategy, run_key),
-                member_slices=member_slices(strategy), **paged_cache(config))
+                member_slices=member_slices(strategy), prefill_hold=int(r.get("prefill_hold", 8)),
+                **paged_cache(config))
 
 
 def paged_cache(config) -> dict:

@@ -176,6 +176,7 @@ class _Checks:
     self.at_least("rollout.sandbox_steps", 0)
     self.at_least("rollout.page_size", 0)
     self.at_least("rollout.num_pages", 0)
+    self.at_least("rollout.prefill_hold", 0)
     self.check("rollout.num_pages", (r.page_size == 0) == (r.num_pages == 0),
                "and rollout.page_size go together (both 0: the dense cache)")
     self.check("rollout.top_p", 0.0 < r.top_p <= 1.0, "must be in (0, 1]")

@@ -102,6 +102,9 @@ def base_config() -> config_dict.ConfigDict:
   # per slot.
   c.rollout.page_size = 0
   c.rollout.num_pages = 0
+  # Steps a new prefill (prompt or observation) may wait beside decoding rows so that prefills
+  # arriving a few steps apart share one engine call (Engine(prefill_hold=); 0: never wait).
+  c.rollout.prefill_hold = 8
   c.rollout.temperature = 0.0     # 0 = greedy (as Qiu et al.)
   c.rollout.top_p = 1.0
   # At temperature > 0: antithetic partners sample with the same random stream (common random

@@ -1,11 +1,16 @@
 """Test-suite set-up: 8 host CPU devices so multi-device sharding is exercised on any machine, and
-one persistent XLA compilation cache for the whole session.
+one persistent XLA compilation cache for the whole session, and the longest test files first.
 
 Many tests build the same tiny programs again in a new object or a new process (a resumed
 trainer, a rerun after SIGKILL, the processes of a multi-host run); the cache makes every
 compilation after the first a file read, which halves those tests. It starts empty in a fresh
 directory (removed at exit), so no run depends on an earlier one; a caller's own
-``JAX_COMPILATION_CACHE_DIR`` wins. Subprocesses inherit it through the environment.
+``JAX_COMPILATION_CACHE_DIR`` wins. Subprocesses inherit it through the environment, and so do
+pytest-xdist's workers (the README runs the suite on two): they share one cache.
+
+The README's ``-n 2 --dist loadfile`` hands whole files to the two workers in collection order;
+starting with the files that take minutes (multi-process runs, kill-and-resume, 8-device
+compiles) keeps one worker from finishing them alone at the end. Order within a file is kept.
 """
 import atexit
 import os
@@ -22,3 +27,16 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   # Cache every program, however small or quick to compile: the tests' programs are tiny.
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+
+# The files that took longest in CI (benchmarks of the suite: `--durations` at the end of a run).
+# A scheduling hint only: a name missing here just runs in its usual place.
+LONGEST_FILES = ("test_multihost_train.py", "test_preflight.py", "test_engine_paged.py",
+                 "test_train.py", "test_engine_sharded.py", "test_grpo_multihost.py",
+                 "test_grid.py", "test_docker_sandbox.py", "test_engine_fullrank_slices.py",
+                 "test_engine_versions.py")
+
+
+def pytest_collection_modifyitems(config, items):
+  rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: file order kept

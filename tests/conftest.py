@@ -8,7 +8,8 @@ directory (removed at exit), so no run depends on an earlier one; a caller's own
 ``JAX_COMPILATION_CACHE_DIR`` wins. Subprocesses inherit it through the environment, and so do
 pytest-xdist's workers (the README runs the suite on two): they share one cache.
 
-The README's ``-n 2 --dist loadfile`` hands whole files to the two workers in collection order;
+The README's ``-n 2 --dist loadfile --no-loadscope-reorder`` hands whole files to the two workers
+in collection order (xdist's own order is by test count, which put the slowest files last);
 starting with the files that take minutes (multi-process runs, kill-and-resume, 8-device
 compiles) keeps one worker from finishing them alone at the end. Order within a file is kept.
 """

@@ -52,8 +52,10 @@ def ragged_turns(engine, params_by_version: dict, versions, *, turns: int = 2,
   """Drive ``engine`` through a ragged schedule: slot i starts an episode of ``versions[i]`` (member
   and stream i; odd slots greedy, even ones sampled) with a random prompt of 2-13 tokens, and
   answers each of its turns but the last after ``1 + i % 3`` steps with an observation of ``1 +
-  observation_growth * i`` tokens, so parked slots come back at different steps. Every turn's
-  ``(tokens, log-probs)`` per slot; a turn that ends with a failure is an error."""
+  observation_growth * i`` tokens, so parked slots come back at different steps. An observation
+  is drawn from (slot, turn), not from the step, so the inputs stay the same when an engine runs a
+  turn at another step (a held prefill). Every turn's ``(tokens, log-probs)`` per slot; a turn
+  that ends with a failure is an error."""
   rng = np.random.default_rng(5)
   for slot, version in enumerate(versions):
     prompt = list(rng.integers(4, 64, size=int(rng.integers(2, 14))))
@@ -66,7 +68,7 @@ def ragged_turns(engine, params_by_version: dict, versions, *, turns: int = 2,
       if due <= step:
         del waiting[slot]
         size = 1 + observation_growth * slot
-        observation = np.random.default_rng(100 * slot + step).integers(4, 64, size=size)
+        observation = np.random.default_rng(100 * slot + len(out[slot])).integers(4, 64, size=size)
         assert engine.continue_turn(slot, list(observation))  # whatever order turns ended in
     for turn in engine.step(params_by_version):
       assert turn.failure is None

@@ -3,10 +3,9 @@ while other rows decode waits up to H steps so that prefills arriving a few step
 one call. Held or not, the engine decodes the same tokens; the wait is bounded; no new program
 compiles."""
 import jax
-import numpy as np
 import pytest
 
-from helpers_models import assert_same_turns, engine_noiser, tiny_model
+from helpers_models import assert_same_turns, engine_noiser, ragged_turns, tiny_model
 from jaxes import es
 from jaxes.rollout.engine import DECODE, PARKED, PREFILL, Engine
 
@@ -30,31 +29,6 @@ def _delta(engine, params_by_version):
   before = dict(vars(engine.stats))
   engine.step(params_by_version)
   return {k: v - before[k] for k, v in vars(engine.stats).items()}
-
-
-def _turns(engine, params_by_version: dict, versions, turns: int = 3) -> dict:
-  """A ragged schedule whose inputs do not depend on when a turn ended (a held prefill moves
-  that): slot i starts a prompt of 2-13 tokens and answers its turns but the last ``1 + i % 3``
-  steps after they end with an observation of ``1 + i`` tokens drawn from (slot, turn)."""
-  rng = np.random.default_rng(5)
-  for slot, version in enumerate(versions):
-    prompt = list(rng.integers(4, 64, size=int(rng.integers(2, 14))))
-    assert engine.start(slot, prompt, version=version, member=slot, stream=slot,
-                        temperature=0.0 if slot % 2 else 0.9, top_p=0.95)
-  out = {slot: [] for slot in range(len(versions))}
-  waiting, step = {}, 0
-  while engine.busy() or waiting:
-    for slot, due in list(waiting.items()):
-      if due <= step:
-        del waiting[slot]
-        observation = np.random.default_rng(100 * slot + len(out[slot])).integers(4, 64, size=1 + slot)
-        assert engine.continue_turn(slot, list(observation))
-    for turn in engine.step(params_by_version):
-      out[turn.slot].append((turn.tokens, turn.logprobs))
-      if len(out[turn.slot]) < turns:
-        waiting[turn.slot] = step + 1 + turn.slot % 3
-    step += 1
-  return out
 
 
 def _parked(model, **kw):
@@ -85,8 +59,8 @@ def test_held_prefills_decode_the_same_tokens(model):
   versions = [0, 1, 0, 1, 0, 1, 0]
   now = _engine(model, strategy, state0.run_key, max_new_tokens=6, prefill_hold=0)
   held = _engine(model, strategy, state0.run_key, max_new_tokens=6, prefill_hold=3)
-  want = _turns(now, params_by_version, versions, turns=3)
-  got = _turns(held, params_by_version, versions, turns=3)
+  want = ragged_turns(now, params_by_version, versions, turns=3)
+  got = ragged_turns(held, params_by_version, versions, turns=3)
   assert_same_turns(got, want)
   assert now.stats.prefill_held == 0 and held.stats.prefill_held > 0
   assert held.stats.prefill_calls < now.stats.prefill_calls   # prefills shared calls
@@ -177,13 +151,13 @@ def test_holding_compiles_no_new_programs(model):
   strategy = es.Strategy(population=8, sigma=0.3, learning_rate=0.1, mode="lowrank", rank=2)
   state0 = strategy.init(params, jax.random.key(1))
   held = _engine(model, strategy, state0.run_key, max_new_tokens=6, prefill_hold=3)
-  _turns(held, {0: state0.params}, [0] * 7, turns=3)
+  ragged_turns(held, {0: state0.params}, [0] * 7, turns=3)
   bound = len(held.batches) * len(held.widths) * len(held.spans) + 2
   assert held.compilations() <= bound
   warm = held.compilations()
   for slot in range(7):
     held.release(slot)
-  _turns(held, {0: state0.params}, [0] * 7, turns=3)
+  ragged_turns(held, {0: state0.params}, [0] * 7, turns=3)
   assert held.compilations() == warm
 
 

@@ -227,6 +227,30 @@ def test_goal_text_names_attributes_options_and_bound(goals):
     assert target.price < g.price_upper and g.price_upper % 10 == 0
 
 
+def test_results_per_page():
+  # WebShop's 10 by default; a smaller page shows fewer hits, pages through the same ranking,
+  # and the oracle (hence goal solvability within max_steps) sees the same pages.
+  g10 = make_goals("train", 12, seed=0)
+  g3 = make_goals("train", 12, seed=0, results_per_page=3)
+  assert all(g.results_per_page == 10 for g in g10) and all(g.results_per_page == 3 for g in g3)
+  g = g3[0]
+  with WebShopBackend().start(g) as s:
+    r = s.step(env.Action("search", agents.oracle_query(g)))
+    assert len(s.page_asins()) == 3 and sum(f"[{a}]" in r.observation for a in s.results) == 3
+    first = s.results
+    s.step(env.Action("click", "Next >"))
+    assert s.page_asins() == first[3:6]
+  for goal in g3:
+    plan = agents.oracle_actions(goal, 15)
+    assert plan is not None and plan[-1] == "click[Buy Now]"
+    assert play(WebShopBackend(), goal, agents.scripted(plan))[0].passed
+  # a plan that walks pages needs more Next > clicks on small pages
+  nexts = lambda goals: sum(a == "click[Next >]" for goal in goals for a in agents.oracle_actions(goal, 15))
+  assert nexts(g3) >= nexts(g10)
+  with pytest.raises(ValueError, match="results_per_page"):
+    make_goals("train", 1, results_per_page=0)
+
+
 def test_bad_input_is_refused():
   with pytest.raises(ValueError, match="split"):
     make_goals("test", 1)

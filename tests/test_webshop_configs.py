@@ -48,6 +48,17 @@ def test_demo_webshop_is_valid():
   assert c.env.kind == "webshop" and c.warmstart.off_protocol_fraction == 0.0 < c.webshop.off_protocol_fraction
 
 
+def test_results_per_page_by_config():
+  c = _load("demo_webshop")
+  c.webshop.num_products = 200
+  c.env.num_heldout_tasks = 2
+  assert [g.results_per_page for g in builders.heldout_tasks(c)] == [c.webshop.results_per_page] * 2
+  assert _load("paper_webshop", "sync").webshop.results_per_page == 10   # WebShop's page
+  c.webshop.results_per_page = 0
+  with pytest.raises(ConfigError, match=r"webshop\.results_per_page"):
+    validate(c)
+
+
 def test_off_protocol_replies_do_not_parse_and_are_seeded():
   assert webshop.offprotocol.tool_call("search[red shoes]") == '{"action": "search", "query": "red shoes"}'
   goals = webshop.make_goals("train", 20, seed=0, num_products=200)

@@ -48,7 +48,8 @@ def make_tasks(config, split: str, n: int, start: int = 0) -> list:
     w = config.webshop
     return webshop.make_goals(split, n, config.seed, start, data_path=w.data_path,
                               num_products=w.num_products, catalog_seed=w.catalog_seed,
-                              human_goals=w.human_goals, max_steps=w.max_steps)
+                              human_goals=w.human_goals, max_steps=w.max_steps,
+                              results_per_page=w.results_per_page)
   families = task_families(config)
   tasks = []
   for i in range(start, start + n):

@@ -144,6 +144,7 @@ class _Checks:
     self.one_of("env.sandbox", ("local", "docker"))
     if c.env.kind == "webshop":
       self.at_least("webshop.max_steps", 1)
+      self.at_least("webshop.results_per_page", 1)
       self.at_least("webshop.num_products", 0)
       self.check("webshop.off_protocol_fraction", 0.0 <= c.webshop.off_protocol_fraction <= 1.0,
                  "must be in [0, 1]")

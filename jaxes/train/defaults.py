@@ -88,6 +88,7 @@ def base_config() -> config_dict.ConfigDict:
   c.webshop.catalog_seed = 0     # generated catalog
   c.webshop.human_goals = True   # released data: human instructions (False: synthetic ones)
   c.webshop.max_steps = 15       # actions per episode (WebShop's evaluation limit)
+  c.webshop.results_per_page = 10   # products per results page (WebShop's 10; fewer: shorter transcripts)
   # Fraction of warm-start transcripts whose replies are JSON tool calls the grammar rejects
   # (webshop.off_protocol; warmstart.off_protocol_fraction fences terminal commands only).
   c.webshop.off_protocol_fraction = 0.0

@@ -40,22 +40,26 @@ from __future__ import annotations
 from jaxes.envs.webshop import agents, env, generator, reward
 from jaxes.envs.webshop.offprotocol import off_protocol
 from jaxes.envs.webshop.agents import oracle_replies
-from jaxes.envs.webshop.catalog import Catalog, Goal, Product
+from jaxes.envs.webshop.catalog import PRODUCT_WINDOW, Catalog, Goal, Product
 from jaxes.envs.webshop.episode import (MAX_STEPS, NOT_PURCHASED, SYSTEM_PROMPT, WebShopBackend,
                                         WebShopEpisode, play)
 
 
 def make_goals(split: str, n: int, seed: int = 0, start: int = 0, *, data_path: str = "",
                num_products: int = 0, catalog_seed: int = 0, human_goals: bool = True,
-               max_steps: int = MAX_STEPS) -> list[Goal]:
+               max_steps: int = MAX_STEPS, results_per_page: int = PRODUCT_WINDOW) -> list[Goal]:
   """Goals ``start .. start + n - 1`` of ``split``: generated, or from the released files in
-  ``data_path``. ``num_products=0``: 1000 generated products, or every released one."""
+  ``data_path``. ``num_products=0``: 1000 generated products, or every released one.
+  ``results_per_page``: products per results page (WebShop's 10)."""
+  if results_per_page < 1:
+    raise ValueError(f"webshop goals: results_per_page must be at least 1, got {results_per_page}")
   if data_path:
     from jaxes.envs.webshop import loader
     return loader.goals(data_path, split, n, start, seed=seed, num_products=num_products or None,
-                        human_goals=human_goals)
+                        human_goals=human_goals, results_per_page=results_per_page)
   return generator.goals(split, n, seed, start, num_products=num_products or 1000,
-                         catalog_seed=catalog_seed, max_steps=max_steps)
+                         catalog_seed=catalog_seed, max_steps=max_steps,
+                         results_per_page=results_per_page)
 
 
 def transcript(goal: Goal, backend: WebShopBackend, make_episode=None,

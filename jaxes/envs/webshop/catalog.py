@@ -70,6 +70,9 @@ class Goal:
   price_upper: float
   catalog: "Catalog" = dataclasses.field(repr=False)
   split: str = "train"
+  # Results shown per page: WebShop's 10 by default. A smaller page shortens every transcript
+  # (a results page is most of an episode's tokens), which is what a CPU-sized model can afford.
+  results_per_page: int = PRODUCT_WINDOW
 
 
 class Catalog:

@@ -1,8 +1,8 @@
 """WebShop's text-mode site as a state machine over one goal: one session per episode.
 
 Pages (Yao et al., 2022, section 3): the search page (instruction and a search box), results
-pages (``SEARCH_RETURN_N`` BM25 hits, ``PRODUCT_WINDOW`` per page, with < Prev / Next >), item
-pages (options, title, price, Description / Features, Buy Now) and the Description and
+pages (``SEARCH_RETURN_N`` BM25 hits, ``goal.results_per_page`` per page (WebShop's 10), with
+< Prev / Next >), item pages (options, title, price, Description / Features, Buy Now) and the Description and
 Features sub-pages. Actions are WebShop's grammar: ``search[query]`` (only on the search page)
 and ``click[element]`` for an element shown in brackets on the current page (matched without
 case, as WebShop lower-cases the argument). Anything else leaves the page as it is and is
@@ -19,7 +19,7 @@ import dataclasses
 import re
 
 from jaxes.envs.webshop import reward
-from jaxes.envs.webshop.catalog import PRODUCT_WINDOW, Goal
+from jaxes.envs.webshop.catalog import Goal
 
 SEARCH, RESULTS, ITEM, DETAIL, DONE = "search", "results", "item", "detail", "done"
 BACK_TO_SEARCH, NEXT_PAGE, PREV_PAGE, BUY_NOW = "Back to Search", "Next >", "< Prev", "Buy Now"
@@ -78,7 +78,7 @@ class WebShopSession:
     if self.page == RESULTS:
       if self.page_no > 1:
         out[PREV_PAGE.lower()] = ("page", self.page_no - 1)
-      if self.page_no * PRODUCT_WINDOW < len(self.results):
+      if self.page_no * self.goal.results_per_page < len(self.results):
         out[NEXT_PAGE.lower()] = ("page", self.page_no + 1)
       for asin in self.page_asins():
         out[asin.lower()] = ("item", asin)
@@ -182,8 +182,8 @@ class WebShopSession:
     return StepResult(f"{message}\n\n{self.observation()}", False, False)
 
   def page_asins(self) -> tuple[str, ...]:
-    start = (self.page_no - 1) * PRODUCT_WINDOW
-    return self.results[start:start + PRODUCT_WINDOW]
+    n = self.goal.results_per_page
+    return self.results[(self.page_no - 1) * n:self.page_no * n]
 
   def _product(self):
     return self.catalog.by_asin[self.asin]

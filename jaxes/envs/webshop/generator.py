@@ -29,7 +29,7 @@ import random
 import zlib
 
 from jaxes.envs.webshop import reward
-from jaxes.envs.webshop.catalog import Catalog, Goal, Product
+from jaxes.envs.webshop.catalog import PRODUCT_WINDOW, Catalog, Goal, Product
 
 SPLITS = ("train", "heldout")
 HELDOUT_BUCKET = 5           # crc32(asin) % 5 == 0: held-out target
@@ -180,7 +180,8 @@ def _instruction(rng: random.Random, product: Product, attributes, options: dict
   return text
 
 
-def _draw_goal(rng: random.Random, cat: Catalog, targets, name: str, split: str) -> Goal:
+def _draw_goal(rng: random.Random, cat: Catalog, targets, name: str, split: str,
+               results_per_page: int) -> Goal:
   product = rng.choice(targets)
   attributes = tuple(rng.sample(product.attributes, rng.randint(1, min(3, len(product.attributes)))))
   options = {dim: rng.choice(values) for dim, values in product.options}
@@ -189,13 +190,15 @@ def _draw_goal(rng: random.Random, cat: Catalog, targets, name: str, split: str)
               asin=product.asin, query=product.query, category=product.category,
               product_category=product.product_category, product_name=product.title,
               attributes=attributes, options=tuple(options.values()),
-              price_upper=bound if bound is not None else 1e6, catalog=cat, split=split)
+              price_upper=bound if bound is not None else 1e6, catalog=cat, split=split,
+              results_per_page=results_per_page)
 
 
 def goals(split: str, n: int, seed: int = 0, start: int = 0, *, num_products: int = 1000,
-          catalog_seed: int = 0, max_steps: int = 15) -> list[Goal]:
+          catalog_seed: int = 0, max_steps: int = 15, results_per_page: int = PRODUCT_WINDOW) -> list[Goal]:
   """Goals ``start .. start + n - 1`` of a split; goal i is a pure function of (split, i, seed,
-  num_products, catalog_seed)."""
+  num_products, catalog_seed, max_steps, results_per_page): the last two decide which draws the
+  oracle solves in time."""
   from jaxes.envs.webshop import agents
   if split not in SPLITS:
     raise ValueError(f"webshop goals: split must be one of {SPLITS}, got {split!r}")
@@ -205,7 +208,7 @@ def goals(split: str, n: int, seed: int = 0, start: int = 0, *, num_products: in
   for i in range(start, start + n):
     rng = random.Random(f"webshop-goal/{seed}/{split}/{i}")
     for _attempt in range(100):
-      goal = _draw_goal(rng, cat, targets, f"webshop-{split}-{seed}-{i}", split)
+      goal = _draw_goal(rng, cat, targets, f"webshop-{split}-{seed}-{i}", split, results_per_page)
       if agents.oracle_actions(goal, max_steps) is not None:
         break
     else:

@@ -31,7 +31,7 @@ import os
 import random
 import re
 
-from jaxes.envs.webshop.catalog import Catalog, Goal, Product
+from jaxes.envs.webshop.catalog import PRODUCT_WINDOW, Catalog, Goal, Product
 from jaxes.envs.webshop.generator import price_bound
 
 SPLIT_RANGES = {"heldout": (0, 500), "dev": (500, 1500), "train": (1500, None)}
@@ -139,7 +139,8 @@ def load(data_path: str, num_products: int | None = None, seed: int = 0,
 
 
 def goals(data_path: str, split: str, n: int, start: int = 0, *, seed: int = 0,
-          num_products: int | None = None, human_goals: bool = True) -> list[Goal]:
+          num_products: int | None = None, human_goals: bool = True,
+          results_per_page: int = PRODUCT_WINDOW) -> list[Goal]:
   """Goals ``start .. start + n - 1`` of a split of the released data."""
   if split not in SPLIT_RANGES:
     raise ValueError(f"webshop goals: split must be one of {tuple(SPLIT_RANGES)}, got {split!r}")
@@ -156,5 +157,5 @@ def goals(data_path: str, split: str, n: int, start: int = 0, *, seed: int = 0,
                     query=product.query, category=product.category,
                     product_category=product.product_category, product_name=product.title,
                     attributes=g["attributes"], options=g["options"], price_upper=g["price_upper"],
-                    catalog=catalog, split=split))
+                    catalog=catalog, split=split, results_per_page=results_per_page))
   return out

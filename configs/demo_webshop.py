@@ -4,36 +4,42 @@
   python -m jaxes.experiments.grid --config=configs/demo_webshop.py --variants=sync,async1 --seeds=0,1,2 \
       --workdir=runs/ws_grid --parallel=1
 
-PROVISIONAL: not yet shown to learn. The one run started (benchmarks/RESULTS.md, "WebShop CPU
-demo") did not get past the warm start in the session's time. At load average 19-27 on the
-shared 2-core VM it took ~6.3 CPU-seconds per warm-start step (batch 8 x 1024 tokens, 2.5
-minutes wall per 6 steps), so 300 steps are ~30 CPU-minutes; by step 50 the assistant-token loss
-was 1.64. Read the settings below as the candidate to measure, not a result. On an idle machine
-the warm start alone is ~15-30 minutes: a shorter seq_len or fewer steps is the first thing to
-measure.
+PROVISIONAL: NOT shown to learn. This is the setting last measured (benchmarks/RESULTS.md,
+"WebShop CPU demo, measured (issue 18, helper, 2026-12-02)"); no setting measured so far gives
+ES any reward to follow, so there is no WebShop sync vs Async-1 result yet.
 
-The flaw for ES to fix is the same as configs/demo.py's: the warm start is taught on oracle
-transcripts, and in 60% of them every reply is written as a JSON tool call
-(`webshop.off_protocol_fraction`; `{"action": "click", "element": "Buy Now"}`). The grammar
-rejects those replies, so the policy knows the store but often uses the wrong format. The
-format is decided at the first reply token ('{' or 'search'), alike on every goal, which is
-what made the terminal demo's format learnable by ES. Task reward only: WebShop's partial r is
-the fitness, no format reward.
+What blocks it (measured, seed 0, 64 held-out goals, greedy): the warm-started policy earns
+reward 0 at version 0 even with every transcript on-protocol (webshop.off_protocol_fraction 0),
+because it cannot copy a product's ASIN (10 random characters, ~9 one-character BPE tokens)
+from the results page: under teacher forcing on held-out oracle transcripts, 0 of 32 ASIN
+clicks are reproduced exactly after 300 steps at 768 tokens or 600 steps at 512 tokens, and in
+greedy play the policy searches sensibly ("search[sugar free green tea]"), then clicks made-up
+ASINs ("click[B0ADD]"), Next > and option names that are not on the page, and never buys
+(NOT_PURCHASED 57-59 of 64). A first-result purchase would earn ~0.5, so the task is
+rewarding once the policy can copy an ASIN; this 0.5M-parameter 2-layer model, warm-started
+for minutes on a shared 2-core CPU, does not learn to. More warm-start steps or a larger model
+are the next things to measure.
+
+The flaw for ES to fix is configs/demo.py's: in a fraction of the warm start's oracle
+transcripts every reply is a JSON tool call the grammar rejects (`webshop.off_protocol_fraction`;
+`{"action": "click", "element": "Buy Now"}`), decided at the first reply token ('{' or
+'search'), alike on every goal. Task reward only: WebShop's partial r is the fitness.
 
 Settings and where they come from:
-  * Model, tokenizer size and ES are configs/demo.py's: population 8 x 4 episodes, sigma 0.015,
-    alpha 0.02, centered ranks, greedy decoding, deterministic schedule. They are measured on
-    terminals, not on WebShop.
-  * webshop.max_steps 8: 231 of 256 oracle plans take 5 actions, none more than 8. A shorter
-    limit keeps failing episodes short; goals are kept only if the oracle solves them within
-    the limit.
-  * Token budgets, measured with a 1024-token BPE built as the trainer builds it:
-    - An oracle transcript is 811-2290 tokens (median 888, 90th percentile 1080; 15-step
-      goals), with about 48 of them assistant tokens. So warmstart.seq_len is 1024 and
-      rollout.max_len is 2048.
-    - A reply is at most ~20 tokens; max_new_tokens 48 leaves room for a query.
-  * The target product is the first search result in 101 of 256 oracle plans (39%) and among
-    the first three in 72%. So the policy has to read the titles, not copy the first ASIN.
+  * Model, tokenizer size and ES are configs/demo.py's (population 8 x 4 episodes, sigma 0.015,
+    alpha 0.02, centered ranks, greedy decoding, deterministic schedule), measured on terminals.
+  * Shorter transcripts, for a CPU-sized model (1024-token BPE built as the trainer builds it,
+    256 oracle transcripts): webshop.results_per_page 3 (WebShop shows 10) and a compact system
+    prompt (58 tokens instead of 140) take the median transcript from 887 to 582 tokens (p90
+    998 -> 807); about 47 of them are the assistant's, over ~5 replies.
+  * warmstart.seq_len 640 covers 77% of transcripts whole. At 512 none fits (the shortest is
+    513), so the Buy Now reply is never trained: that policy reproduced 2 of 29 Buy Now clicks
+    under teacher forcing, against 26 of 29 at 768.
+  * warmstart.steps 800 at learning rate 5e-3: 300 steps at 3e-3 (768 tokens) ended at loss 0.89,
+    600 at 5e-3 (512 tokens) at 0.57; both too little for copying.
+  * webshop.max_steps 8: with 3 results per page, 203 of 256 oracle plans take 5 actions, 26
+    take 6, 15 take 7 and 12 take 8 (goals are kept only if the oracle solves them in time); a
+    short limit keeps failing episodes short. rollout.max_len 1024.
 """
 import os
 
@@ -51,13 +57,21 @@ def get_config():
   c.env.num_train_tasks = 256
   c.env.num_heldout_tasks = 64
   c.env.sandbox_workers = 8
+  # A compact wording of webshop.SYSTEM_PROMPT (140 -> ~50 tokens, as configs/demo.py does for terminals).
+  c.env.system_prompt = ("You shop for the user in a web store. Each turn, reply with one action: "
+                         "search[QUERY] on the search page, or click[ELEMENT] for an element shown "
+                         "in [brackets]. Open a product that matches the instruction, click each "
+                         "option it asks for, then click[Buy Now].")
   c.webshop.max_steps = 8
-  c.webshop.off_protocol_fraction = 0.6
+  c.webshop.results_per_page = 3
+  c.webshop.off_protocol_fraction = 0.5
   # The off-protocol replies are WebShop's JSON tool calls (above), not the terminal's fences.
   c.warmstart.off_protocol_fraction = 0.0
-  c.warmstart.seq_len = 1024
+  c.warmstart.steps = 800
+  c.warmstart.learning_rate = 5e-3
+  c.warmstart.seq_len = 640
 
-  c.rollout.max_len = 2048
+  c.rollout.max_len = 1024
   c.rollout.prefill_chunk = 128
   c.rollout.max_new_tokens = 48
   return c

@@ -50,7 +50,9 @@ def get_config():
   c.model.num_heads = 4
   c.model.num_kv_heads = 2
   c.tokenizer.vocab_size = 1024
-  c.mesh.data = 1
+  # Every device: one on a laptop's CPU; all of them in a multi-process rehearsal
+  # (`launch/local.sh 2 -- python -m jaxes.train --config=configs/demo.py ...`, docs/multihost.md).
+  c.mesh.data = -1
 
   c.es.mode = "lowrank"
   c.es.population = 8

@@ -21,6 +21,7 @@ def build_tiny_tokenizer(out: str) -> str:
 def tiny_config(tokenizer_dir, **overrides):
   c = load_config_file(ROOT / "configs" / "demo.py")
   c.tokenizer.path = tokenizer_dir
+  c.mesh.data = 1   # one device, whatever XLA_FLAGS fakes (the multi-device tests set their mesh)
   c.model.vocab_size = 400
   c.model.hidden_size, c.model.intermediate_size, c.model.num_layers = 32, 64, 1
   c.model.num_heads, c.model.num_kv_heads = 2, 1

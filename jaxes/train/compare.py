@@ -1,0 +1,137 @@
+"""Do two runs agree? ``python -m jaxes.train.compare RUN_A RUN_B``.
+
+The check of a multi-process rehearsal against one process (``launch/local.sh 2 -- python -m
+jaxes.train ...`` beside the same command on one process with as many devices,
+docs/multihost.md), or of a killed-and-resumed run against an uninterrupted one. It compares:
+
+* every metrics line without its timings: the cohorts, staleness tags, fitness, pair ties,
+  drops and evaluation outcomes. ``update_norm`` is compared to a relative tolerance, since it
+  is a norm summed over the parameter's shards, whose reduction order follows the mesh;
+* the controller's state in the newest checkpoint (its jobs, tags and bookkeeping);
+* the newest checkpoint's parameters, leaf by leaf: bit-identical, or the largest difference.
+
+Prints one line per check and exits 0 iff all of them agree (1 if not, 2 if a run cannot be
+read).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import jax
+import numpy as np
+
+from jaxes.train import checkpoint, metrics
+from jaxes.train.policy import PolicyLoadError, load_policy
+
+# Keys whose values are wall-clock measurements: they differ between any two runs.
+TIMING_KEYS = ("time", "episodes_per_s", "tokens_per_s", "seconds", "update_s", "learner_tokens_per_s")
+# The one float in a metrics line that is a cross-device reduction (see the module docstring).
+NORM_KEY = "update_norm"
+
+
+def without_timings(record):
+  """``record`` with every timing key removed, at any depth."""
+  if isinstance(record, dict):
+    return {k: without_timings(v) for k, v in record.items() if k not in TIMING_KEYS}
+  return record
+
+
+def metrics_lines(workdir: str) -> list[dict]:
+  """The run's metrics lines without their timings."""
+  return [without_timings(r) for r in metrics.read_metrics(os.path.join(workdir, "metrics.jsonl"))]
+
+
+def metrics_differences(a: list[dict], b: list[dict], norm_rtol: float = 1e-6) -> list[str]:
+  """Where two runs' metrics lines (``metrics_lines``) disagree: one line per difference."""
+  if len(a) != len(b):
+    return [f"{len(a)} metrics lines against {len(b)}"]
+  out = []
+  for i, (x, y) in enumerate(zip(a, b)):
+    x, y = dict(x), dict(y)
+    nx, ny = x.pop(NORM_KEY, None), y.pop(NORM_KEY, None)
+    version = x.get("version", i)
+    if (nx is None) != (ny is None) or (nx is not None and not np.isclose(nx, ny, rtol=norm_rtol, atol=0)):
+      out.append(f"version {version}: {NORM_KEY} {nx} against {ny}")
+    for key in sorted(set(x) | set(y)):
+      if x.get(key) != y.get(key):
+        out.append(f"version {version}: {key} differs")
+  return out
+
+
+def final_controller(workdir: str) -> tuple[int, dict]:
+  """(version, the controller's state) of the run's newest checkpoint."""
+  if not os.path.isdir(os.path.join(workdir, "checkpoints")):
+    raise PolicyLoadError(f"{workdir}: not a run directory (no checkpoints/ in it)")
+  ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"))
+  try:
+    steps = ckpt.steps()
+    if not steps:
+      raise PolicyLoadError(f"{workdir}: the run has no checkpoint yet")
+    return steps[-1], ckpt.restore_host(steps[-1])["controller"]
+  finally:
+    ckpt.close()
+
+
+def param_differences(a, b) -> dict[str, float]:
+  """Largest |a - b| of every leaf that differs (empty: bit-identical). Leaves are named by
+  their path; a structure or shape mismatch raises ValueError."""
+  named_a = jax.tree_util.tree_flatten_with_path(a)[0]
+  named_b = jax.tree_util.tree_flatten_with_path(b)[0]
+  if [p for p, _ in named_a] != [p for p, _ in named_b]:
+    raise ValueError("the two parameter trees have different leaves")
+  out = {}
+  for (path, x), (_, y) in zip(named_a, named_b):
+    x, y = np.asarray(x), np.asarray(y)
+    if x.shape != y.shape:
+      raise ValueError(f"{jax.tree_util.keystr(path)}: shape {x.shape} against {y.shape}")
+    if not np.array_equal(x, y):
+      out[jax.tree_util.keystr(path)] = float(np.max(np.abs(x.astype(np.float64) - y.astype(np.float64))))
+  return out
+
+
+def compare(run_a: str, run_b: str, norm_rtol: float = 1e-6, log=print) -> bool:
+  """Logs one line per check; True iff the runs agree on all of them."""
+  agree = True
+  lines_a, lines_b = metrics_lines(run_a), metrics_lines(run_b)
+  if not lines_a:
+    raise PolicyLoadError(f"{run_a}: no metrics lines (metrics.jsonl missing or empty)")
+  diffs = metrics_differences(lines_a, lines_b, norm_rtol)
+  log(f"metrics: {len(lines_a)} lines " + ("identical (timings left out; update norms within "
+                                             f"{norm_rtol:g} relative)" if not diffs else
+                                             f"DIFFER in {len(diffs)} places: " + "; ".join(diffs[:5])))
+  agree &= not diffs
+  (version_a, ctrl_a), (version_b, ctrl_b) = final_controller(run_a), final_controller(run_b)
+  same = version_a == version_b and ctrl_a == ctrl_b
+  log(f"controller at versions {version_a} / {version_b}: " + ("identical" if same else "DIFFERS"))
+  agree &= same
+  policy_a, policy_b = load_policy(run_a), load_policy(run_b)
+  diffs = param_differences(policy_a.params, policy_b.params)
+  count = len(jax.tree.leaves(policy_a.params))
+  if diffs:
+    worst = max(diffs, key=diffs.get)
+    log(f"parameters: {len(diffs)} of {count} leaves DIFFER, largest |delta| {diffs[worst]:.3g} in {worst}")
+  else:
+    log(f"parameters of version {policy_a.version}: all {count} leaves bit-identical")
+  return agree and not diffs
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("run_a", help="a run directory")
+  parser.add_argument("run_b", help="the run directory to compare it with")
+  parser.add_argument("--norm_rtol", type=float, default=1e-6,
+                      help="relative tolerance of update_norm (a cross-device sum)")
+  args = parser.parse_args(argv)
+  try:
+    agree = compare(args.run_a, args.run_b, args.norm_rtol)
+  except (PolicyLoadError, checkpoint.CheckpointError, ValueError) as e:
+    print(f"compare: {e}", file=sys.stderr)
+    sys.exit(2)
+  print("the runs agree" if agree else "the runs differ")
+  sys.exit(0 if agree else 1)
+
+
+if __name__ == "__main__":
+  main()

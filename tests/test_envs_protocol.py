@@ -120,6 +120,22 @@ def test_agent_timeout_gives_zero_without_tests(sandbox):
   assert (out.reward, out.passed, out.failure) == (0.0, False, protocol.AGENT_TIMEOUT)
 
 
+def test_without_model_time_only_commands_count_against_the_episode_limit(sandbox):
+  # The deterministic schedule's episodes (model_time_counts=False): hours between replies (a slow
+  # machine decoding) end nothing; time inside commands still does.
+  now = [0.0]
+  task = dataclasses.replace(TASK, limits=Limits(episode_timeout_s=1.0, command_timeout_s=0.6))
+  with sandbox.start(task) as handle:
+    ep = protocol.Episode(task, handle, clock=lambda: now[0], model_time_counts=False)
+    assert not ep.step("<command>touch /home/user/a /home/user/b</command>")
+    now[0] = 3600.0
+    assert not ep.step("<command>true</command>")
+    assert not ep.step("<command>sleep 0.5</command>")
+    assert ep.step("<command>sleep 5</command>")       # cut at the ~0.5 s left, then over
+    out = ep.finish()
+  assert out.failure == protocol.AGENT_TIMEOUT and out.timings["exec_s"] > 1.0
+
+
 def test_command_timeout_is_named_and_episode_continues(sandbox):
   task = dataclasses.replace(TASK, limits=Limits(command_timeout_s=0.5))
   with sandbox.start(task) as handle:

@@ -99,17 +99,21 @@ class Episode:
 
   clock: seconds, monotonic; the episode wall-clock limit is measured with it (default real
   time, as in Endless Terminals; pass a deterministic clock for reproducible runs).
+  model_time_counts: False: the episode limit counts only the time spent in sandbox commands,
+  not the time between them (the model's decoding, which follows the machine and its load), so
+  that a run on the deterministic schedule ends its episodes alike on any machine and layout.
   """
 
   def __init__(self, task: Task, handle: SandboxHandle, partial_credit: bool = False,
                clock: Callable[[], float] = time.monotonic, system_prompt: str = SYSTEM_PROMPT,
-               parse_error_penalty: float = 0.0):
+               parse_error_penalty: float = 0.0, model_time_counts: bool = True):
     self.task = task
     self.handle = handle
     self.partial_credit = partial_credit
     self.parse_error_penalty = parse_error_penalty
     self._clock = clock
     self._start = clock()
+    self.model_time_counts = model_time_counts
     self.messages: list[dict[str, str]] = [
         {"role": "system", "content": system_prompt},
         {"role": "user", "content": task.instruction},
@@ -137,7 +141,7 @@ class Episode:
       self.parse_errors += 1
       self.messages.append({"role": "user", "content": PARSE_ERROR_OBSERVATION})
     else:
-      remaining = limits.episode_timeout_s - (self._clock() - self._start)
+      remaining = limits.episode_timeout_s - self._elapsed()
       timeout = max(min(limits.command_timeout_s, remaining), 0.001)
       t0 = time.monotonic()
       try:
@@ -152,12 +156,16 @@ class Episode:
       self._command_timed_out |= result.timed_out
       self.messages.append({"role": "user", "content":
                             format_observation(result, limits.output_chars, timeout)})
-    if self._clock() - self._start > limits.episode_timeout_s:
+    if self._elapsed() > limits.episode_timeout_s:
       self._ended_by = AGENT_TIMEOUT
       self.done = True
     elif self.turns >= limits.max_turns:
       self.done = True
     return self.done
+
+  def _elapsed(self) -> float:
+    """Seconds counted against the episode limit."""
+    return self._clock() - self._start if self.model_time_counts else self._exec_s
 
   def finish(self) -> EpisodeOutcome:
     """Runs the final tests (unless the episode timed out or the sandbox failed); idempotent."""

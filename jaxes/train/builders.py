@@ -119,9 +119,12 @@ def episode_factory(config) -> Callable[[Any, Any], protocol.Episode]:
     return make_webshop_episode
 
   def make_episode(task, handle):
+    # On the deterministic schedule the episode limit counts sandbox time only: decoding time
+    # follows the machine's load and the process layout, and would end episodes differently.
     return protocol.Episode(task, handle, partial_credit=config.env.partial_credit,
                             parse_error_penalty=config.env.parse_error_penalty,
-                            system_prompt=system_prompt(config))
+                            system_prompt=system_prompt(config),
+                            model_time_counts=config.rollout.sandbox_steps == 0)
   return make_episode
 
 

@@ -101,3 +101,22 @@ def test_mounts_and_cgroups_of_a_killed_run_are_removed_by_the_next():
     assert ep_dir not in f.read()
   assert not os.path.exists(root)
   assert not any(os.path.exists(d) for d in cgroup_dirs)
+
+
+def test_an_orphan_cgroup_another_process_is_removing_is_skipped(tmp_path, monkeypatch):
+  # Two processes of a multi-process run start their sandboxes together and sweep the same
+  # orphans; reading a cgroup the other one has just removed fails with ENODEV (seen here: a
+  # 2-process launch died of it). That may not stop the run.
+  import errno
+  import subprocess
+  from jaxes.envs import cgroups
+  dead = subprocess.Popen(["true"])
+  dead.wait()
+  orphan = tmp_path / f"jaxes-{dead.pid}-abc123"
+  (orphan / "ep-1").mkdir(parents=True)
+
+  def removed_meanwhile(path, *args, **kwargs):
+    raise OSError(errno.ENODEV, "No such device", path)
+  monkeypatch.setattr(cgroups, "open", removed_meanwhile, raising=False)
+  layout = cgroups.Layout(version=2, bases=(str(tmp_path),), controllers=("memory", "pids"))
+  assert cgroups.remove_orphans(layout) == 1 and not orphan.exists()

@@ -14,6 +14,7 @@ removes those of dead runs.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import functools
 import logging
 import os
@@ -137,6 +138,10 @@ def _procs(directory: str) -> list[int]:
       return [int(line) for line in f if line.strip()]
   except (FileNotFoundError, ProcessLookupError):
     return []
+  except OSError as e:
+    if e.errno == errno.ENODEV:   # removed while being read (another process removing an orphan)
+      return []
+    raise
 
 
 def _kill_all(directory: str) -> bool:
@@ -161,9 +166,11 @@ def _kill_all(directory: str) -> bool:
 
 
 def _rmdir(directory: str) -> None:
-  if not os.path.isdir(directory):
+  try:
+    children = os.listdir(directory)
+  except (FileNotFoundError, NotADirectoryError):   # gone, e.g. removed by another process
     return
-  for child in os.listdir(directory):
+  for child in children:
     path = os.path.join(directory, child)
     if os.path.isdir(path):
       _rmdir(path)

@@ -2,8 +2,8 @@
 
 Pages (Yao et al., 2022, section 3): the search page (instruction and a search box), results
 pages (``SEARCH_RETURN_N`` BM25 hits, ``goal.results_per_page`` per page (WebShop's 10), with
-< Prev / Next >), item pages (options, title, price, Description / Features, Buy Now) and the Description and
-Features sub-pages. Actions are WebShop's grammar: ``search[query]`` (only on the search page)
+< Prev / Next >), item pages (options, title, price, Description / Features, Buy Now) and the
+Description and Features sub-pages. Actions are WebShop's grammar: ``search[query]`` (only on the search page)
 and ``click[element]`` for an element shown in brackets on the current page (matched without
 case, as WebShop lower-cases the argument). Anything else leaves the page as it is and is
 answered with a defined observation that starts with ``Invalid action!`` (the string ReAct's

@@ -21,6 +21,7 @@ Every method returns activations in ``x``'s dtype; parameters arrive in their st
 """
 from __future__ import annotations
 
+import functools
 from typing import Protocol
 
 import jax
@@ -65,3 +66,52 @@ class IdentityNoiser:
 
 
 jax.tree_util.register_pytree_node(IdentityNoiser, lambda n: ((), None), lambda _, __: IdentityNoiser())
+
+
+class FixedOrderGradNoiser(IdentityNoiser):
+  """``IdentityNoiser`` whose dense-kernel gradients sum over positions ``chunk`` at a time, in a
+  fixed order. Why: on XLA:CPU, a kernel gradient contracts over every position of the batch into
+  a small ``[in, out]`` output (the attention projections), and such a contraction is split over
+  the intra-op threads, whose number follows the process's CPU device count: the same program
+  then gives other low bits under 1, 4 or 8 devices per process, and a 2-process rehearsal
+  cannot match its 1-process run. A contraction over 64 positions is not split (measured: the
+  same bits under 1 and 8 devices); the chunks add up in a scan."""
+
+  def __init__(self, chunk: int = 64):
+    self.chunk = chunk
+
+  def dense(self, x, kernel, bias, *, name, layer=None, bias_name=None):
+    del name, layer, bias_name
+    y = _chunked_grad_matmul(x, kernel.astype(x.dtype), self.chunk)
+    return y if bias is None else y + bias.astype(x.dtype)
+
+
+jax.tree_util.register_pytree_node(FixedOrderGradNoiser, lambda n: ((), n.chunk),
+                                   lambda chunk, _: FixedOrderGradNoiser(chunk))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _chunked_grad_matmul(x, kernel, chunk):
+  return jnp.einsum("...i,io->...o", x, kernel)
+
+
+def _chunked_grad_matmul_fwd(x, kernel, chunk):
+  return _chunked_grad_matmul(x, kernel, chunk), (x, kernel)
+
+
+def _chunked_grad_matmul_bwd(chunk, saved, g):
+  x, kernel = saved
+  dx = jnp.einsum("...o,io->...i", g, kernel)
+  rows_x, rows_g = x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])
+  pad = -rows_x.shape[0] % chunk
+  rows_x = jnp.pad(rows_x, ((0, pad), (0, 0))).reshape(-1, chunk, x.shape[-1])
+  rows_g = jnp.pad(rows_g, ((0, pad), (0, 0))).reshape(-1, chunk, g.shape[-1])
+
+  def add(total, rows):
+    return total + jnp.einsum("ti,to->io", *rows, preferred_element_type=jnp.float32), None
+
+  dkernel, _ = jax.lax.scan(add, jnp.zeros(kernel.shape, jnp.float32), (rows_x, rows_g))
+  return dx, dkernel.astype(kernel.dtype)
+
+
+_chunked_grad_matmul.defvjp(_chunked_grad_matmul_fwd, _chunked_grad_matmul_bwd)

@@ -15,6 +15,7 @@ import numpy as np
 import optax
 
 from jaxes.models import qwen2
+from jaxes.models.noiser import FixedOrderGradNoiser
 from jaxes.rollout import chat
 
 
@@ -80,7 +81,7 @@ def _nll_sum(params, graphdef, tokens, mask):
   """Summed next-token NLL over the masked positions of ``tokens [N, T]``."""
   positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
   valid = jnp.ones(tokens.shape, bool)
-  logits, _ = qwen2.forward(graphdef, params, tokens, positions, valid)
+  logits, _ = qwen2.forward(graphdef, params, tokens, positions, valid, noiser=FixedOrderGradNoiser())
   logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
   nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
   return jnp.sum(nll * mask[:, :-1].astype(jnp.float32))
@@ -88,11 +89,11 @@ def _nll_sum(params, graphdef, tokens, mask):
 
 def loss_and_grads(params, graphdef, tokens, mask):
   """Mean masked NLL of the batch and its gradient, summed one sequence at a time in a fixed
-  order. Why not one batched gradient: its weight gradients contract over batch x sequence
-  positions, and XLA:CPU splits so long a contraction over its intra-op threads, whose number
-  follows the process's device count, so the bits would depend on how the run's devices are
-  split into processes (4 vs 8 per process: different warm starts). A contraction over one
-  sequence is not split, and the accumulation order is the scan's."""
+  order, each kernel gradient over fixed chunks of positions (``FixedOrderGradNoiser``). Why: on
+  XLA:CPU a batched gradient's long contractions are split over the intra-op threads, whose
+  number follows the process's device count, so the bits would depend on how the run's devices
+  are split into processes (a 2-process rehearsal would start from another warm start than its
+  1-process run)."""
   grad_one = jax.value_and_grad(_nll_sum)
 
   def add(total, example):

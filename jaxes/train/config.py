@@ -206,5 +206,6 @@ class _Checks:
       self.at_least("warmstart.batch_size", 1)
       self.positive("warmstart.learning_rate")
       self.at_least("warmstart.seq_len", 16)
+      self.check("warmstart.observation_weight", w.observation_weight >= 0.0, "must be >= 0")
       self.check("warmstart.steps", not c.model.path,
                  "supervised warm start is for randomly initialised models; unset config.model.path")

@@ -143,6 +143,10 @@ def base_config() -> config_dict.ConfigDict:
   c.warmstart.batch_size = 8
   c.warmstart.learning_rate = 1e-3
   c.warmstart.seq_len = 512
+  # Loss weight of every token not the assistant's (prompt, observations) against the assistant's
+  # 1: above 0, the warm start also models the environment's text, a stand-in for the pretraining
+  # a random-init CPU model lacks (e.g. copying an id off a page, as WebShop's clicks need).
+  c.warmstart.observation_weight = 0.0
   # Fraction of transcripts whose command turn is a fenced code block the protocol rejects
   # (warmstart.off_protocol): a warm start that follows the harness's protocol only partly.
   c.warmstart.off_protocol_fraction = 0.0

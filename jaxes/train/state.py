@@ -204,9 +204,9 @@ def version_zero_params(config, parts: Parts, transcripts: list[list[dict]], log
   params, timings = builders.initial_params(config, parts.model), {}
   if config.warmstart.steps:
     t = time.perf_counter()
-    tokens, mask = warmstart.encode(parts.tokenizer, transcripts, config.warmstart.seq_len)
     w = config.warmstart
-    params, _ = warmstart.train(parts.model.graphdef, params, tokens, mask, steps=w.steps,
+    tokens, weights = warmstart.encode(parts.tokenizer, transcripts, w.seq_len, w.observation_weight)
+    params, _ = warmstart.train(parts.model.graphdef, params, tokens, weights, steps=w.steps,
                                 batch_size=w.batch_size, learning_rate=w.learning_rate,
                                 seed=config.seed, log=log)
     timings["warmstart_s"] = time.perf_counter() - t

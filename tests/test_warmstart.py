@@ -1,5 +1,6 @@
-"""The warm start's gradient: correct, and the same bits whatever the process's CPU device count
-(a 2-process rehearsal starts from the warm start of its 1-process run)."""
+"""The warm start: its loss weights, and a gradient that is correct and has the same bits
+whatever the process's CPU device count (a 2-process rehearsal starts from the warm start of its
+1-process run)."""
 from __future__ import annotations
 
 import os
@@ -11,8 +12,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers_models import tiny_tokenizer
 
 from jaxes.models.noiser import FixedOrderGradNoiser, IdentityNoiser
+from jaxes.rollout import chat
+from jaxes.train import warmstart
 
 # The attention projections' kernel gradients of the demo's model shapes: long contractions into
 # small outputs, the ones XLA:CPU splits by thread count (the MLP's larger ones it does not).
@@ -63,3 +67,19 @@ def test_fixed_order_gradients_equal_the_plain_ones(rows, bias):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
   np.testing.assert_array_equal(FixedOrderGradNoiser().dense(x, kernel, b, name="k"),
                                 IdentityNoiser().dense(x, kernel, b, name="k"))
+
+
+def test_encode_weights_assistant_tokens_one_and_the_rest_observation_weight(tmp_path):
+  tok = tiny_tokenizer(str(tmp_path / "tok"))
+  messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "task"},
+              {"role": "assistant", "content": "ls"}, {"role": "user", "content": "a.txt"},
+              {"role": "assistant", "content": "done"}]
+  ids, assistant = chat.transcript_ids(tok, messages)
+  tokens, plain = warmstart.encode(tok, [messages], len(ids) + 3)
+  _, weighted = warmstart.encode(tok, [messages], len(ids) + 3, observation_weight=0.25)
+  assert tokens[0, :len(ids)].tolist() == ids and tokens[0, len(ids):].tolist() == [0, 0, 0]
+  # position i predicts token i + 1; nothing past the transcript's last token is predicted
+  want = [1.0 if a else 0.25 for a in assistant[1:]] + [0.0] * 4
+  np.testing.assert_array_equal(weighted[0], np.asarray(want, np.float32))
+  np.testing.assert_array_equal(plain[0], np.where(np.asarray(want) == 1.0, 1.0, 0.0))
+  assert 0 < plain[0].sum() < weighted[0].sum()

@@ -31,8 +31,9 @@ GRADIENT_BITS = textwrap.dedent("""
     graphdef, params = nnx.split(qwen2.Qwen2ForCausalLM(cfg, rngs=nnx.Rngs(0)), nnx.Param)
     rng = np.random.default_rng(0)
     tokens = rng.integers(4, 1024, size=(4, 256)).astype(np.int32)
-    mask = rng.random((4, 256)) < 0.3
-    loss, grads = jax.jit(lambda p, t, m: warmstart.loss_and_grads(p, graphdef, t, m))(params, tokens, mask)
+    weights = (rng.random((4, 256)) < 0.3).astype(np.float32)
+    step = jax.jit(lambda p, t, w: warmstart.loss_and_grads(p, graphdef, t, w))
+    loss, grads = step(params, tokens, weights)
     assert jax.local_device_count() == {devices}
     print("BITS", hashlib.md5(b"".join(np.asarray(x).tobytes() for x in jax.tree.leaves((loss, grads)))).hexdigest())
 """)

@@ -91,11 +91,11 @@ def _nll_sum(params, graphdef, tokens, weights):
 
 def loss_and_grads(params, graphdef, tokens, weights):
   """The batch's NLL per unit of loss weight (``encode``) and its gradient, summed one sequence
-  at a time in a fixed order, each kernel gradient over fixed chunks of positions (``FixedOrderGradNoiser``). Why: on
-  XLA:CPU a batched gradient's long contractions are split over the intra-op threads, whose
-  number follows the process's device count, so the bits would depend on how the run's devices
-  are split into processes (a 2-process rehearsal would start from another warm start than its
-  1-process run)."""
+  at a time in a fixed order, each kernel gradient over fixed chunks of positions
+  (``FixedOrderGradNoiser``). Why: on XLA:CPU a batched gradient's long contractions are split
+  over the intra-op threads, whose number follows the process's device count, so the bits would
+  depend on how the run's devices are split into processes (a 2-process rehearsal would start
+  from another warm start than its 1-process run)."""
   grad_one = jax.value_and_grad(_nll_sum)
 
   def add(total, example):

@@ -58,6 +58,14 @@ def test_bad_values_name_the_key(key, value, match):
     validate(c)
 
 
+def test_webshop_asin_length_is_checked():
+  c = _load("demo_webshop")
+  validate(c)
+  c.webshop.asin_length = 11
+  with pytest.raises(ConfigError, match=r"config\.webshop\.asin_length: must be in \[3, 10\]"):
+    validate(c)
+
+
 def test_unknown_key_is_named():
   c = _load("demo")
   c.es.sigmaa = 0.1

@@ -1,6 +1,7 @@
 """WebShop: the reward on hand-worked cases, pages and invalid actions, agents, determinism,
 threads, the checker."""
 import concurrent.futures as cf
+import dataclasses
 import json
 
 import pytest
@@ -249,6 +250,28 @@ def test_results_per_page():
   assert nexts(g3) >= nexts(g10)
   with pytest.raises(ValueError, match="results_per_page"):
     make_goals("train", 1, results_per_page=0)
+
+
+def test_short_asins():
+  # WebShop's 10-character ids by default; a shorter id is unique across the catalog (short ids
+  # collide and are redrawn), deterministic, and leaves every other field of every product as is
+  default = generator.catalog(200, 0)
+  assert all(len(p.asin) == 10 and p.asin.startswith("B0") for p in default.products)
+  short = generator.catalog.__wrapped__(200, 0, 4)
+  assert [len(p.asin) for p in short.products] == [4] * 200 and len(short.by_asin) == 200
+  assert short.products == generator.catalog.__wrapped__(200, 0, 4).products
+  strip = lambda p: dataclasses.replace(p, asin="")
+  assert list(map(strip, short.products)) == list(map(strip, default.products))
+  goals = make_goals("heldout", 6, seed=0, asin_length=5, max_steps=8, results_per_page=3)
+  assert all(len(g.asin) == 5 and generator.product_split(g.asin) == "heldout" for g in goals)
+  for goal in goals:
+    plan = agents.oracle_actions(goal, 8)
+    assert any(a[6:-1] in goal.catalog.by_asin and len(a) == 12 for a in plan)   # click[B0XYZ]
+    assert play(WebShopBackend(), goal, agents.scripted(plan))[0].passed
+  with pytest.raises(ValueError, match="asin_length 4 gives 1156 ids"):
+    generator.catalog(1000, 0, 4)
+  with pytest.raises(ValueError, match=r"asin_length must be in \[3, 10\]"):
+    generator.catalog(200, 0, 11)
 
 
 def test_bad_input_is_refused():

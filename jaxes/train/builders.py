@@ -49,7 +49,7 @@ def make_tasks(config, split: str, n: int, start: int = 0) -> list:
     return webshop.make_goals(split, n, config.seed, start, data_path=w.data_path,
                               num_products=w.num_products, catalog_seed=w.catalog_seed,
                               human_goals=w.human_goals, max_steps=w.max_steps,
-                              results_per_page=w.results_per_page)
+                              results_per_page=w.results_per_page, asin_length=w.asin_length)
   families = task_families(config)
   tasks = []
   for i in range(start, start + n):

@@ -146,6 +146,7 @@ class _Checks:
       self.at_least("webshop.max_steps", 1)
       self.at_least("webshop.results_per_page", 1)
       self.at_least("webshop.num_products", 0)
+      self.check("webshop.asin_length", 3 <= c.webshop.asin_length <= 10, "must be in [3, 10]")
       self.check("webshop.off_protocol_fraction", 0.0 <= c.webshop.off_protocol_fraction <= 1.0,
                  "must be in [0, 1]")
       self.check("warmstart.off_protocol_fraction", c.warmstart.off_protocol_fraction == 0.0,

@@ -86,6 +86,7 @@ def base_config() -> config_dict.ConfigDict:
   c.webshop.data_path = ""       # folder with items_shuffle*.json, items_ins_v2*.json, items_human_ins.json
   c.webshop.num_products = 0     # 0: 1000 generated products / every released one
   c.webshop.catalog_seed = 0     # generated catalog
+  c.webshop.asin_length = 10     # generated catalog's product ids, "B0" included (WebShop's 10)
   c.webshop.human_goals = True   # released data: human instructions (False: synthetic ones)
   c.webshop.max_steps = 15       # actions per episode (WebShop's evaluation limit)
   c.webshop.results_per_page = 10   # products per results page (WebShop's 10; fewer: shorter transcripts)

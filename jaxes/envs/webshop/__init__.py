@@ -12,7 +12,7 @@ The trainer needs four things, each the WebShop counterpart of a terminal-path p
 * ``make_goals`` is deterministic from its arguments. ``split`` is "train" or "heldout" (and
   "dev" with released data); the splits never share a goal (generated: never a target product).
   ``catalog_options``: ``data_path`` (a folder with the released files; empty = the generated
-  catalog), ``num_products`` (generated: 1000; released: all), ``catalog_seed`` (generated),
+  catalog), ``num_products`` (generated: 1000; released: all), ``catalog_seed`` and ``asin_length`` (generated),
   ``human_goals`` (released), ``max_steps`` (generated goals are kept only if the oracle solves
   them within it). A ``Goal`` has ``.name`` (unique per split) and ``.instruction`` (text) like a
   ``Task``; everything else about it is WebShop's business.
@@ -47,10 +47,12 @@ from jaxes.envs.webshop.episode import (MAX_STEPS, NOT_PURCHASED, SYSTEM_PROMPT,
 
 def make_goals(split: str, n: int, seed: int = 0, start: int = 0, *, data_path: str = "",
                num_products: int = 0, catalog_seed: int = 0, human_goals: bool = True,
-               max_steps: int = MAX_STEPS, results_per_page: int = PRODUCT_WINDOW) -> list[Goal]:
+               max_steps: int = MAX_STEPS, results_per_page: int = PRODUCT_WINDOW,
+               asin_length: int = generator.ASIN_LENGTH) -> list[Goal]:
   """Goals ``start .. start + n - 1`` of ``split``: generated, or from the released files in
   ``data_path``. ``num_products=0``: 1000 generated products, or every released one.
-  ``results_per_page``: products per results page (WebShop's 10)."""
+  ``results_per_page``: products per results page (WebShop's 10). ``asin_length``: generated
+  product ids' length (WebShop's 10); the released data has its own."""
   if results_per_page < 1:
     raise ValueError(f"webshop goals: results_per_page must be at least 1, got {results_per_page}")
   if data_path:
@@ -59,7 +61,7 @@ def make_goals(split: str, n: int, seed: int = 0, start: int = 0, *, data_path: 
                         human_goals=human_goals, results_per_page=results_per_page)
   return generator.goals(split, n, seed, start, num_products=num_products or 1000,
                          catalog_seed=catalog_seed, max_steps=max_steps,
-                         results_per_page=results_per_page)
+                         results_per_page=results_per_page, asin_length=asin_length)
 
 
 def transcript(goal: Goal, backend: WebShopBackend, make_episode=None,

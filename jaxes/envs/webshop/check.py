@@ -108,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
   ap.add_argument("--seed", type=int, default=0, help="goal seed")
   ap.add_argument("--num-products", type=int, default=0, help="catalog size (0: 1000 generated / all released)")
   ap.add_argument("--catalog-seed", type=int, default=0)
+  ap.add_argument("--asin-length", type=int, default=generator.ASIN_LENGTH,
+                  help="generated product ids' length, 'B0' included")
   ap.add_argument("--synthetic", action="store_true", help="with --data: synthetic instead of human goals")
   ap.add_argument("--max-steps", type=int, default=MAX_STEPS)
   ap.add_argument("--agent", default="oracle")
@@ -125,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
   try:
     goals = make_goals(args.split, n, args.seed, data_path=args.data or "",
                        num_products=args.num_products, catalog_seed=args.catalog_seed,
-                       human_goals=not args.synthetic, max_steps=args.max_steps)
+                       human_goals=not args.synthetic, max_steps=args.max_steps,
+                       asin_length=args.asin_length)
   except (ValueError, FileNotFoundError) as e:
     raise SystemExit(str(e))
   results, leaked = run_checks(goals, args.agent, max_steps=args.max_steps, workers=args.workers)

@@ -33,6 +33,8 @@ from jaxes.envs.webshop.catalog import PRODUCT_WINDOW, Catalog, Goal, Product
 
 SPLITS = ("train", "heldout")
 HELDOUT_BUCKET = 5           # crc32(asin) % 5 == 0: held-out target
+ASIN_LENGTH = 10             # WebShop's ASINs: "B0" and 8 characters
+ASIN_ALPHABET = "ABCDEFGHJKLMNPQRSTUVWXYZ0123456789"
 
 # category -> (product types with price ranges, attribute pool, option dimensions)
 CATEGORIES = {
@@ -106,7 +108,7 @@ def _brand(rng: random.Random, banned: tuple[str, ...]) -> str:
       return name.capitalize()
 
 
-def _product(i: int, seed: int) -> Product:
+def _product(i: int, seed: int, asin_length: int, taken: set) -> Product:
   rng = random.Random(f"webshop-product/{seed}/{i}")
   category, ptype = TYPES[i % len(TYPES)]
   types, attribute_pool, dims = CATEGORIES[category]
@@ -119,7 +121,13 @@ def _product(i: int, seed: int) -> Product:
   options = tuple(options)
   lo, hi = types[ptype]
   price = round(round(rng.uniform(lo, hi)) - 0.01, 2)
-  asin = "B0" + "".join(rng.choice("ABCDEFGHJKLMNPQRSTUVWXYZ0123456789") for _ in range(8))
+  # All 8 characters are drawn at every length, so the rest of the product does not depend on it;
+  # a short id is their prefix, and only short ids collide: redrawn from a stream of their own.
+  asin = "B0" + "".join(rng.choice(ASIN_ALPHABET) for _ in range(ASIN_LENGTH - 2))[:asin_length - 2]
+  redraw = random.Random(f"webshop-asin/{seed}/{i}")
+  while asin in taken:
+    asin = "B0" + "".join(redraw.choice(ASIN_ALPHABET) for _ in range(asin_length - 2))
+  taken.add(asin)
   title = f"{brand} {ptype.title()} - {attributes[0].title()}, {attributes[1].title()}"
   bullets = tuple(f"{a.capitalize()}: {rng.choice(_FILLERS)}" for a in attributes)
   description = (f"The {brand} {ptype} is {rng.choice(_FILLERS)}. "
@@ -154,13 +162,23 @@ def product_split(asin: str) -> str:
 
 
 @functools.lru_cache(maxsize=8)
-def catalog(num_products: int = 1000, seed: int = 0) -> Catalog:
-  """The generated catalog (one shared, read-only instance per (num_products, seed))."""
+def catalog(num_products: int = 1000, seed: int = 0, asin_length: int = ASIN_LENGTH) -> Catalog:
+  """The generated catalog (one shared, read-only instance per argument tuple). ``asin_length``:
+  characters per product id, "B0" included, at most WebShop's 10; a shorter id is easier for a
+  tiny model to copy from the results page (configs/demo_webshop.py)."""
   if num_products < 2 * len(TYPES):
     raise ValueError(f"webshop catalog: num_products must be at least {2 * len(TYPES)}, got {num_products}")
-  products = [_product(i, seed) for i in range(num_products)]
+  if not 3 <= asin_length <= ASIN_LENGTH:
+    raise ValueError(f"webshop catalog: asin_length must be in [3, {ASIN_LENGTH}], got {asin_length}")
+  ids = len(ASIN_ALPHABET) ** (asin_length - 2)
+  if ids < 2 * num_products:
+    raise ValueError(f"webshop catalog: asin_length {asin_length} gives {ids} ids, fewer than twice "
+                     f"num_products ({num_products}); use a longer id")
+  taken: set = set()
+  products = [_product(i, seed, asin_length, taken) for i in range(num_products)]
   validate(products)
-  return Catalog(products, name=f"generated-{num_products}-{seed}")
+  suffix = "" if asin_length == ASIN_LENGTH else f"-id{asin_length}"
+  return Catalog(products, name=f"generated-{num_products}-{seed}{suffix}")
 
 
 def price_bound(price: float, rng: random.Random) -> float | None:
@@ -195,14 +213,15 @@ def _draw_goal(rng: random.Random, cat: Catalog, targets, name: str, split: str,
 
 
 def goals(split: str, n: int, seed: int = 0, start: int = 0, *, num_products: int = 1000,
-          catalog_seed: int = 0, max_steps: int = 15, results_per_page: int = PRODUCT_WINDOW) -> list[Goal]:
+          catalog_seed: int = 0, max_steps: int = 15, results_per_page: int = PRODUCT_WINDOW,
+          asin_length: int = ASIN_LENGTH) -> list[Goal]:
   """Goals ``start .. start + n - 1`` of a split; goal i is a pure function of (split, i, seed,
-  num_products, catalog_seed, max_steps, results_per_page): the last two decide which draws the
-  oracle solves in time."""
+  num_products, catalog_seed, asin_length, max_steps, results_per_page): the last two decide
+  which draws the oracle solves in time."""
   from jaxes.envs.webshop import agents
   if split not in SPLITS:
     raise ValueError(f"webshop goals: split must be one of {SPLITS}, got {split!r}")
-  cat = catalog(num_products, catalog_seed)
+  cat = catalog(num_products, catalog_seed, asin_length)
   targets = [p for p in cat.products if product_split(p.asin) == split]
   out = []
   for i in range(start, start + n):

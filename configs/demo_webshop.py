@@ -69,12 +69,16 @@ def get_config():
                          "option it asks for, then click[Buy Now].")
   c.webshop.max_steps = 8
   c.webshop.results_per_page = 3
+  c.webshop.num_products = 105
+  c.webshop.asin_length = 5
   c.webshop.off_protocol_fraction = 0.5
   # The off-protocol replies are WebShop's JSON tool calls (above), not the terminal's fences.
   c.warmstart.off_protocol_fraction = 0.0
-  c.warmstart.steps = 800
+  c.warmstart.num_tasks = 1024
+  c.warmstart.steps = 600
   c.warmstart.learning_rate = 5e-3
   c.warmstart.seq_len = 640
+  c.warmstart.observation_weight = 0.2
 
   c.rollout.max_len = 1024
   c.rollout.prefill_chunk = 128

@@ -16,6 +16,7 @@ import pytest
 
 from helpers_train import ROOT, build_tiny_tokenizer, tiny_config
 from jaxes.experiments import aggregate, grid, plots, rundirs, variants
+from jaxes.train import evaluation
 
 ENV = {"families": "permissions", "num_heldout_tasks": 4}
 
@@ -97,11 +98,43 @@ def test_aggregate_synthetic_runs_known_table(tmp_path):
   assert "| async1 | 1/2 finished |" in md and "+0.000 ± 0.000" in md
   assert "| grpo | not available |" in md and "no GRPO trainer entry point" in md
   assert "delay8-s0 | missing" in md and "delay8-s1 | unfinished" in md and "async1-s1 | failed" in md
-  curves = plots.success_curves(result)
+  assert result["measure"] == "success"
+  curves = plots.measure_curves(result)
   assert curves["sync"]["versions"] == [0, 2] and curves["sync"]["mean"][1] == pytest.approx(0.5)
   assert "delay8" not in curves
   plots.write(result, w)
   assert os.path.getsize(f"{w}/success.png") > 0 and os.path.getsize(f"{w}/staleness.png") > 0
+
+
+def test_webshop_runs_are_compared_by_mean_reward(tmp_path):
+  # WebShop's score is the mean reward; its runs rarely succeed (r = 1), so the table, the paired
+  # changes and the plot use the reward there. Success is 0 everywhere below.
+  w = str(tmp_path)
+
+  def ev(version, rewards):
+    return {"version": version, "success": 0.0, "stderr": 0.0, "per_task": [0.0] * len(rewards),
+            "reward": float(np.mean(rewards)), "reward_stderr": 0.1, "per_task_reward": rewards}
+
+  for name, after in (("sync", [0.5, 0.25, 0.5, 0.25]), ("async1", [0.5, 0.5, 0.5, 0.0])):
+    b, a = ev(0, [0.25] * 4), ev(2, after)
+    summary = {"version": 2, "before": b, "after": a, "change": {"success": 0.0, "stderr": 0.0},
+               "reward_change": evaluation.paired_change(b, a, evaluation.REWARD)}
+    train = [{"version": v, "staleness_hist": [4], "time": {"wall_s": 1.0}} for v in (1, 2)]
+    _write_run(f"{w}/{name}-s0", 0, summary=summary, train=train,
+               evals=[{"version": 0, "eval": b}, {"version": 2, "eval": a}])
+    config = json.load(open(f"{w}/{name}-s0/config.json"))
+    json.dump({**config, "env": {**ENV, "kind": "webshop"}}, open(f"{w}/{name}-s0/config.json", "w"))
+  result = aggregate.aggregate([variants.Variant("sync", "c", {}), variants.Variant("async1", "c", {})], [0], w)
+  assert result["measure"] == "reward"
+  sync, async1 = ({r["variant"]: r for r in result["runs"]}[v] for v in ("sync", "async1"))
+  assert (sync["before"], sync["after"], sync["change"]) == (0.25, 0.375, 0.125)
+  # paired against sync: diffs [0, 0.25, 0, -0.25] -> 0 ± sqrt(1/24) / 2
+  assert async1["vs_sync"]["reward"] == 0.0
+  assert async1["vs_sync"]["stderr"] == pytest.approx(math.sqrt(0.125 / 3) / 2)
+  assert plots.measure_curves(result)["async1"]["mean"] == [0.25, 0.375]
+  md = aggregate.to_markdown(result)
+  assert md.startswith("Held-out mean reward (WebShop's score)") and "| sync | finished | 0.250 ± 0.000 | 0.375 ± 0.000 |" in md
+  assert plots.write(result, w)[0] == f"{w}/reward.png" and os.path.getsize(f"{w}/reward.png") > 0
 
 
 def test_paired_vs_sync_needs_the_same_tasks(tmp_path):

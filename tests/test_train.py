@@ -145,7 +145,7 @@ def test_exception_inside_loop_leaves_no_sandbox(tokenizer_dir, tmp_path, sandbo
 
 
 def test_paired_change_uses_per_task_differences():
-  from jaxes.train.evaluation import format_table, paired_change
+  from jaxes.train.evaluation import REWARD, format_table, paired_change
   before = {"version": 0, "success": 0.5, "stderr": 0.29, "reward": 0.5, "episodes": 4,
             "per_task": [1.0, 0.0, 1.0, 0.0]}
   after = {**before, "version": 3, "success": 0.75, "per_task": [1.0, 1.0, 1.0, 0.0]}
@@ -155,6 +155,11 @@ def test_paired_change_uses_per_task_differences():
   assert "+0.250 ± 0.250" in format_table(before, after)
   assert paired_change(before, {**after, "per_task": [1.0]}) is None
   assert paired_change({k: v for k, v in before.items() if k != "per_task"}, after) is None
+  # the mean reward (WebShop's score) compares the same way, from its own per-task values
+  assert paired_change(before, after, REWARD) is None
+  before["per_task_reward"], after["per_task_reward"] = [0.5, 0.0, 0.5, 0.0], [0.5, 0.5, 0.5, 0.0]
+  assert paired_change(before, after, REWARD) == {"reward": 0.125, "stderr": 0.125, "tasks": 4}
+  assert "reward change (paired s.e.)" in format_table(before, after)
 
 
 def test_off_protocol_transcripts_fail_to_parse_and_keep_the_rest():

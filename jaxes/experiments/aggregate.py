@@ -1,7 +1,7 @@
 """Every run of a grid into one table: ``table.json`` (all numbers) and ``table.md``.
 
-Per variant, over the seeds whose run finished: held-out success before and after (mean ± s.e.
-over seeds), the run's own paired change (after − before on the same tasks), the paired change
+Per variant, over the seeds whose run finished: the held-out measure — success, or the mean
+reward (WebShop's score) when the runs are WebShop runs — before and after (mean ± s.e. over seeds), the run's own paired change (after − before on the same tasks), the paired change
 against sync of the same seed (the per-task difference of the two final evaluations — same seed,
 so the same held-out tasks — its mean ± s.e. over tasks per seed, then mean ± s.e. over seeds),
 updates/hour of the training loop (evaluations excluded), the staleness histogram of every
@@ -19,6 +19,7 @@ import numpy as np
 
 from jaxes.experiments import rundirs
 from jaxes.experiments.variants import DESCRIPTIONS, Variant
+from jaxes.train.evaluation import REWARD, SUCCESS, Measure
 from jaxes.train.metrics import mean_stderr
 
 REFERENCE = "sync"
@@ -42,15 +43,22 @@ def _same_tasks(a: rundirs.RunRecord, b: rundirs.RunRecord) -> bool:
           and (a.config.get("eval") or {}).get("num_tasks") == (b.config.get("eval") or {}).get("num_tasks"))
 
 
-def paired_vs(run: rundirs.RunRecord, ref: rundirs.RunRecord) -> dict | None:
-  """Final held-out success of ``run`` minus ``ref``'s on the same tasks, ± s.e. over tasks."""
+def measure_of(runs) -> Measure:
+  """WebShop's score (mean reward) when any run is a WebShop run, else success."""
+  webshop = any(((r.config or {}).get("env") or {}).get("kind") == "webshop" for r in runs)
+  return REWARD if webshop else SUCCESS
+
+
+def paired_vs(run: rundirs.RunRecord, ref: rundirs.RunRecord, measure: Measure = SUCCESS) -> dict | None:
+  """Final held-out ``measure`` of ``run`` minus ``ref``'s on the same tasks, ± s.e. over tasks."""
   if run.status != rundirs.FINISHED or ref.status != rundirs.FINISHED or not _same_tasks(run, ref):
     return None
-  a, b = (run.summary.get("after") or {}).get("per_task"), (ref.summary.get("after") or {}).get("per_task")
+  a = (run.summary.get("after") or {}).get(measure.per_task)
+  b = (ref.summary.get("after") or {}).get(measure.per_task)
   if not a or not b or len(a) != len(b):
     return None
   diff, se = mean_stderr(np.subtract(a, b))
-  return {"success": diff, "stderr": se, "tasks": len(a)}
+  return {measure.name: diff, "stderr": se, "tasks": len(a)}
 
 
 def staleness_summary(hist: list[int]) -> dict:
@@ -72,20 +80,20 @@ def _pool(hists) -> list[int]:
   return out
 
 
-def run_row(run: rundirs.RunRecord, ref: rundirs.RunRecord | None) -> dict:
-  s = run.summary or {}
-  before, after, change = s.get("before") or {}, s.get("after") or {}, s.get("change") or {}
+def run_row(run: rundirs.RunRecord, ref: rundirs.RunRecord | None, measure: Measure = SUCCESS) -> dict:
+  s, m = run.summary or {}, measure
+  before, after, change = s.get("before") or {}, s.get("after") or {}, s.get(m.change) or {}
   return {"variant": run.variant, "seed": run.seed, "workdir": run.workdir, "status": run.status,
           "reason": run.reason, "version": run.version, "num_updates": run.num_updates,
-          "before": before.get("success"), "before_stderr": before.get("stderr"),
-          "after": after.get("success"), "after_stderr": after.get("stderr"),
-          "change": change.get("success"), "change_stderr": change.get("stderr"),
-          "vs_sync": paired_vs(run, ref) if ref is not None and run is not ref else None,
+          "before": before.get(m.name), "before_stderr": before.get(m.stderr),
+          "after": after.get(m.name), "after_stderr": after.get(m.stderr),
+          "change": change.get(m.name), "change_stderr": change.get("stderr"),
+          "vs_sync": paired_vs(run, ref, m) if ref is not None and run is not ref else None,
           "updates_per_hour": run.updates_per_hour, "train_wall_s": run.train_wall_s,
           "staleness": staleness_summary(run.staleness_hist),
           "dropped": run.dropped, "delayed": run.delayed, "excluded": run.excluded,
           "cpu_s": run.cpu_s, "wall_s": run.wall_s,
-          "evals": [{k: e[k] for k in ("version", "success", "stderr") if k in e} for e in run.evals]}
+          "evals": [{"version": e["version"], "value": e[m.name]} for e in run.evals if m.name in e]}
 
 
 def aggregate(variants: list[Variant], seeds: list[int], workdir: str,
@@ -96,17 +104,18 @@ def aggregate(variants: list[Variant], seeds: list[int], workdir: str,
   runs = {(v.name, s): rundirs.read_run(os.path.join(workdir, rundirs.run_name(v.name, s)), v.name, s,
                                         num_updates.get((v.name, s)))
           for v in variants if v.available for s in seeds}
+  measure = measure_of(runs.values())
   rows, table = [], []
   for v in variants:
     if not v.available:
       table.append({"variant": v.name, "description": DESCRIPTIONS.get(v.name, ""),
                     "status": "not available", "reason": v.unavailable})
       continue
-    per_run = [run_row(runs[v.name, s], runs.get((REFERENCE, s))) for s in seeds]
+    per_run = [run_row(runs[v.name, s], runs.get((REFERENCE, s)), measure) for s in seeds]
     rows += per_run
     done = [r for r in per_run if r["status"] == rundirs.FINISHED]
     problems = [f"s{r['seed']} {r['status']} ({r['reason']})" for r in per_run if r["status"] != rundirs.FINISHED]
-    vs = [r["vs_sync"]["success"] for r in done if r["vs_sync"]]
+    vs = [r["vs_sync"][measure.name] for r in done if r["vs_sync"]]
     stale = staleness_summary(_pool(runs[v.name, s].staleness_hist for s in seeds
                                     if runs[v.name, s].status == rundirs.FINISHED))
     table.append({
@@ -121,7 +130,7 @@ def aggregate(variants: list[Variant], seeds: list[int], workdir: str,
         "staleness": stale,
         "dropped": _ms(r["dropped"] for r in done), "delayed": _ms(r["delayed"] for r in done),
     })
-  return {"workdir": workdir, "seeds": list(seeds), "variants": table, "runs": rows}
+  return {"workdir": workdir, "seeds": list(seeds), "measure": measure.name, "variants": table, "runs": rows}
 
 
 # -- markdown -------------------------------------------------------------------------------------
@@ -136,10 +145,14 @@ def _num(x, fmt=".3f") -> str:
   return "—" if x is None else format(x, fmt)
 
 
+MEASURE_NAMES = {"success": "success", "reward": "mean reward (WebShop's score)"}
+
+
 def to_markdown(result: dict) -> str:
   seeds = ",".join(map(str, result["seeds"]))
-  lines = [f"Held-out success of the unperturbed policy: mean ± s.e. over seeds ({seeds}). "
-           "\"vs sync\": final success minus sync's on the same tasks (same seed), mean ± s.e. "
+  name = MEASURE_NAMES[result["measure"]]
+  lines = [f"Held-out {name} of the unperturbed policy: mean ± s.e. over seeds ({seeds}). "
+           f"\"vs sync\": final {name} minus sync's on the same tasks (same seed), mean ± s.e. "
            "over seeds. Updates/hour: the training loop without evaluations. Staleness: every "
            "consumed result, pooled over seeds. Dropped, delayed: results per run (mean ± s.e.).",
            "",
@@ -167,7 +180,7 @@ def to_markdown(result: dict) -> str:
   for r in result["runs"]:
     status = r["status"] + (f": {r['reason']}" if r["status"] != rundirs.FINISHED and r["reason"] else "")
     change = f"{r['change']:+.3f} ± {r['change_stderr']:.3f}" if r["change"] is not None else "—"
-    vs = f"{r['vs_sync']['success']:+.3f} ± {r['vs_sync']['stderr']:.3f}" if r["vs_sync"] else "—"
+    vs = f"{r['vs_sync'][result['measure']]:+.3f} ± {r['vs_sync']['stderr']:.3f}" if r["vs_sync"] else "—"
     lines.append(f"| {r['variant']}-s{r['seed']} | {status} | {r['version']}/{r['num_updates']} | "
                  f"{_num(r['before'])} | {_num(r['after'])} | {change} | {vs} | "
                  f"{_num(r['updates_per_hour'], '.0f')} | {_num(r['staleness']['mean'], '.2f')} | "

@@ -12,8 +12,9 @@ and reruns the others, which resume from their newest checkpoint. With a supervi
 in the config (configs/demo_grid.py), each seed's warm start is made once, in
 ``WORKDIR/init-s<seed>``, and that seed's variants start from it (``warmstart.init_from``), as
 every variant of the paper starts from one Instruct checkpoint. Then every run is read into
-``WORKDIR/table.md``, ``table.json``, ``success.png`` and ``staleness.png``; missing, failed and
-unfinished runs and unavailable variants are rows saying so. ``--aggregate-only`` only reads.
+``WORKDIR/table.md``, ``table.json``, ``success.png`` (``reward.png`` on WebShop, whose score is
+the mean reward) and ``staleness.png``; missing, failed and unfinished runs and unavailable
+variants are rows saying so. ``--aggregate-only`` only reads.
 """
 from __future__ import annotations
 
@@ -281,10 +282,10 @@ def write_results(variants, runs, seeds, workdir) -> dict:
   from jaxes.experiments import plots
   result = aggregate.aggregate(variants, seeds, workdir, {(r.variant, r.seed): r.num_updates for r in runs})
   md, _ = aggregate.write(result, workdir)
-  plots.write(result, workdir)
+  pictures = plots.write(result, workdir)
   print(open(md).read())
-  print(f"grid: table in {md} and table.json; plots success.png, staleness.png in {workdir}",
-        file=sys.stderr)
+  print(f"grid: table in {md} and table.json; plots {', '.join(map(os.path.basename, pictures))} "
+        f"in {workdir}", file=sys.stderr)
   return result
 
 

@@ -1,5 +1,6 @@
-"""The grid's plots: held-out success against updates per variant (mean over seeds, band ± s.e.
-over seeds), and each variant's staleness histogram (share of consumed results)."""
+"""The grid's plots: the held-out measure (success, or WebShop's mean reward) against updates per
+variant (mean over seeds, band ± s.e. over seeds), and each variant's staleness histogram (share
+of consumed results)."""
 from __future__ import annotations
 
 import os
@@ -16,15 +17,15 @@ def _pyplot():
   return plt
 
 
-def success_curves(result: dict) -> dict[str, dict]:
-  """variant -> {versions, mean, stderr, seeds}: held-out success at every version that each of
-  the variant's finished runs evaluated."""
+def measure_curves(result: dict) -> dict[str, dict]:
+  """variant -> {versions, mean, stderr, seeds}: the held-out measure at every version that each
+  of the variant's finished runs evaluated."""
   curves = {}
   for v in result["variants"]:
     runs = [r for r in result["runs"] if r["variant"] == v["variant"] and r["status"] == "finished"]
     if not runs:
       continue
-    by_run = [{e["version"]: e["success"] for e in r["evals"]} for r in runs]
+    by_run = [{e["version"]: e["value"] for e in r["evals"]} for r in runs]
     versions = sorted(set.intersection(*(set(b) for b in by_run)))
     stats = [mean_stderr([b[x] for b in by_run]) for x in versions]
     curves[v["variant"]] = {"versions": versions, "mean": [m for m, _ in stats],
@@ -32,17 +33,18 @@ def success_curves(result: dict) -> dict[str, dict]:
   return curves
 
 
-def plot_success(result: dict, path: str, title: str = "") -> None:
+def plot_measure(result: dict, path: str, title: str = "") -> None:
   plt = _pyplot()
+  measure = result["measure"]
   fig, ax = plt.subplots(figsize=(7, 4.5))
-  for name, c in success_curves(result).items():
+  for name, c in measure_curves(result).items():
     x, m, s = np.array(c["versions"]), np.array(c["mean"]), np.array(c["stderr"])
     line, = ax.plot(x, m, "o-", label=f"{name} ({c['seeds']} seeds)")
     ax.fill_between(x, m - s, m + s, color=line.get_color(), alpha=0.2)
   ax.set_xlabel("policy version (updates applied)")
-  ax.set_ylabel("held-out success (mean ± s.e. over seeds)")
+  ax.set_ylabel(f"held-out {measure} (mean ± s.e. over seeds)")
   ax.legend(fontsize=8, loc="best")
-  ax.set_title(title or "held-out success vs updates")
+  ax.set_title(title or f"held-out {measure} vs updates")
   fig.tight_layout()
   fig.savefig(path, dpi=100)
   plt.close(fig)
@@ -68,7 +70,7 @@ def plot_staleness(result: dict, path: str) -> None:
 
 
 def write(result: dict, workdir: str) -> list[str]:
-  paths = [os.path.join(workdir, "success.png"), os.path.join(workdir, "staleness.png")]
-  plot_success(result, paths[0])
+  paths = [os.path.join(workdir, f"{result['measure']}.png"), os.path.join(workdir, "staleness.png")]
+  plot_measure(result, paths[0])
   plot_staleness(result, paths[1])
   return paths

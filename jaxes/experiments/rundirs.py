@@ -96,7 +96,7 @@ class RunRecord:
   num_updates: int | None = None   # what the config asks for
   summary: dict | None = None
   config: dict | None = None
-  evals: list = dataclasses.field(default_factory=list)        # [{version, success, stderr, per_task}]
+  evals: list = dataclasses.field(default_factory=list)        # [{version, success, reward, ...}]
   staleness_hist: list = dataclasses.field(default_factory=list)  # consumed results per staleness
   dropped: int = 0
   delayed: int = 0
@@ -124,8 +124,8 @@ def read_run(workdir: str, variant: str, seed: int, num_updates: int | None = No
   records = metrics.read_metrics(os.path.join(workdir, "metrics.jsonl"))
   train = [r for r in records if "train" in r]
   rec.version = max((r["version"] for r in train), default=0)
-  rec.evals = [{k: r["eval"][k] for k in ("version", "success", "stderr", "per_task") if k in r["eval"]}
-               for r in records if "eval" in r]
+  keys = ("version", "success", "stderr", "per_task", "reward", "reward_stderr", "per_task_reward")
+  rec.evals = [{k: r["eval"][k] for k in keys if k in r["eval"]} for r in records if "eval" in r]
   hist: list[int] = []
   for r in train:
     for s, n in enumerate(r.get("staleness_hist") or []):

@@ -2,8 +2,10 @@
 
 An evaluation runs ``eval.num_tasks x eval.seeds`` episodes of the current version through the
 same runner as training; training episodes already in flight keep running meanwhile and their
-results go to ``on_training_result``. Success is reported per task (mean over seeds), so two
-evaluations of the same tasks compare by their paired per-task differences.
+results go to ``on_training_result``. Success and mean reward are reported per task (mean over
+seeds), so two evaluations of the same tasks compare by their paired per-task differences.
+Success is the terminal tasks' measure; WebShop's score is the mean reward (Yao et al., 2022
+report both), so a comparison names its ``Measure``.
 """
 from __future__ import annotations
 
@@ -18,6 +20,20 @@ from jaxes.rollout.episodes import EpisodeResult, EpisodeRunner, EpisodeSpec
 from jaxes.train import metrics
 
 EVAL_STREAM_BASE = 1 << 30     # sampling streams of evaluation episodes (training: see trainer)
+
+
+@dataclasses.dataclass(frozen=True)
+class Measure:
+  """Where one held-out measure lives: its mean and s.e. in an evaluation record, its per-task
+  values, and its paired change in summary.json."""
+  name: str
+  stderr: str
+  per_task: str
+  change: str
+
+
+SUCCESS = Measure("success", "stderr", "per_task", "change")
+REWARD = Measure("reward", "reward_stderr", "per_task_reward", "reward_change")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,23 +66,28 @@ def evaluate(runner: EpisodeRunner, params_by_version: dict, version: int, tasks
       failures[r.failure or ("passed" if r.passed else "wrong")] += 1
       remaining -= 1
   per_task = passed.mean(axis=0)  # s.e. over held-out tasks of the per-task success rate
-  success, stderr = metrics.mean_stderr(per_task) if len(tasks) else (float("nan"), float("nan"))
+  per_task_reward = rewards.mean(axis=0)
+  nan = (float("nan"), float("nan"))
+  success, stderr = metrics.mean_stderr(per_task) if len(tasks) else nan
+  reward, reward_stderr = metrics.mean_stderr(per_task_reward) if len(tasks) else nan
   result = {"version": version, "success": success, "stderr": stderr,
-            "reward": float(rewards.mean()) if rewards.size else float("nan"),
+            "reward": reward, "reward_stderr": reward_stderr,
             "episodes": int(passed.size), "seconds": time.perf_counter() - t,
-            "failures": dict(failures), "per_task": per_task.tolist()}
+            "failures": dict(failures), "per_task": per_task.tolist(),
+            "per_task_reward": per_task_reward.tolist()}
   log(f"held-out eval at version {version}: success {success:.3f} ± {stderr:.3f} "
       f"({passed.size} episodes, {result['seconds']:.0f}s)")
   return result
 
 
-def paired_change(before: dict | None, after: dict | None) -> dict | None:
-  """Held-out success after minus before on the same tasks, with the standard error of the
+def paired_change(before: dict | None, after: dict | None, measure: Measure = SUCCESS) -> dict | None:
+  """Held-out ``measure`` after minus before on the same tasks, with the standard error of the
   per-task differences (much tighter than comparing two independent ± s.e.)."""
-  if not before or not after or len(before.get("per_task", [])) != len(after.get("per_task", [])):
+  key = measure.per_task
+  if not before or not after or key not in before or len(before[key]) != len(after.get(key, [])):
     return None
-  diff, stderr = metrics.mean_stderr(np.subtract(after["per_task"], before["per_task"]))
-  return {"success": diff, "stderr": stderr, "tasks": len(after["per_task"])}
+  diff, stderr = metrics.mean_stderr(np.subtract(after[key], before[key]))
+  return {measure.name: diff, "stderr": stderr, "tasks": len(after[key])}
 
 
 def format_table(before: dict, after: dict, name: str = "ES") -> str:
@@ -78,6 +99,9 @@ def format_table(before: dict, after: dict, name: str = "ES") -> str:
   change = paired_change(before, after)
   if change is not None:
     rows.append(("change (paired s.e.)", "", f"{change['success']:+.3f} ± {change['stderr']:.3f}"))
+  change = paired_change(before, after, REWARD)
+  if change is not None:
+    rows.append(("reward change (paired s.e.)", "", f"{change['reward']:+.3f} ± {change['stderr']:.3f}"))
   width = max(len(r[0]) for r in rows)
   lines = [f"{'':{width}}  {'before ' + name:>16}  {'after ' + name:>16}"]
   lines += [f"{a:{width}}  {b:>16}  {c:>16}" for a, b, c in rows]

@@ -222,6 +222,7 @@ class Trainer:
     summary = {"version": state.version, "algorithm": c.train.algorithm, "mode": c.controller.mode,
                "seed": c.seed,
                "before": before, "after": after, "change": evaluation.paired_change(before, after),
+               "reward_change": evaluation.paired_change(before, after, evaluation.REWARD),
                "train_s_this_run": train_s, "updates_this_run": updates,
                "updates_per_hour": 3600.0 * updates / train_s if train_s > 0 else 0.0,
                "peak_rss_gib": metrics.peak_rss_gib(), **state.timings}

@@ -117,7 +117,9 @@ def test_paged_cache_on_a_data4_tensor2_mesh_decodes_the_one_device_dense_tokens
   assert spec == jax.sharding.PartitionSpec(None, "data", None, "tensor", None)
   assert {s.data.shape[1] for s in paged.cache.k.addressable_shards} == {128 // 4}
   got = ragged_turns(paged, params_by_version, VERSIONS, observation_growth=2)
-  assert_same_turns(got, want, atol=1e-5)
+  # The same tokens; the log-probs within the default 1e-4, not 1e-5 as on one device: the
+  # tensor-sharded projections sum in another order (a CI run measured 1.2e-5 at a log-prob of -4.57).
+  assert_same_turns(got, want)
   assert paged.stats.rows_computed < paged.stats.rows_total
 
 

@@ -1,13 +1,14 @@
 """Every run of a grid into one table: ``table.json`` (all numbers) and ``table.md``.
 
-Per variant, over the seeds whose run finished: the held-out measure — success, or the mean
-reward (WebShop's score) when the runs are WebShop runs — before and after (mean ± s.e. over seeds), the run's own paired change (after − before on the same tasks), the paired change
-against sync of the same seed (the per-task difference of the two final evaluations — same seed,
-so the same held-out tasks — its mean ± s.e. over tasks per seed, then mean ± s.e. over seeds),
-updates/hour of the training loop (evaluations excluded), the staleness histogram of every
-consumed result pooled over seeds (mean, share with staleness >= 1, max), dropped and delayed
-results per run. A run that is missing, failed or unfinished is a row saying so, never left out;
-a variant that is not available is a row with the reason.
+Per variant, over the seeds whose run finished: the held-out measure (success; the mean reward,
+WebShop's score, when the runs are WebShop runs) before and after (mean ± s.e. over seeds), the
+run's own paired change (after − before on the same tasks), the paired change against sync of the
+same seed (the per-task difference of the two final evaluations — same seed, so the same held-out
+tasks — its mean ± s.e. over tasks per seed, then mean ± s.e. over seeds), updates/hour of the
+training loop (evaluations excluded), the staleness histogram of every consumed result pooled over
+seeds (mean, share with staleness >= 1, max), dropped and delayed results per run. A run that is
+missing, failed or unfinished is a row saying so, never left out; a variant that is not available
+is a row with the reason.
 """
 from __future__ import annotations
 

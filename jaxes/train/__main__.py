@@ -95,7 +95,8 @@ def main(argv):
   if not distributed.is_primary():
     return
   # Per-task outcomes stay in summary.json and metrics.jsonl; the terminal gets the totals.
-  brief = {k: ({kk: vv for kk, vv in v.items() if not kk.startswith("per_task")} if isinstance(v, dict) else v)
+  brief = {k: ({kk: vv for kk, vv in v.items() if not kk.startswith("per_task")}
+               if isinstance(v, dict) else v)
            for k, v in summary.items() if k != "params"}
   print(json.dumps(brief, indent=2, default=str))
 

@@ -12,9 +12,9 @@ The trainer needs four things, each the WebShop counterpart of a terminal-path p
 * ``make_goals`` is deterministic from its arguments. ``split`` is "train" or "heldout" (and
   "dev" with released data); the splits never share a goal (generated: never a target product).
   ``catalog_options``: ``data_path`` (a folder with the released files; empty = the generated
-  catalog), ``num_products`` (generated: 1000; released: all), ``catalog_seed`` and ``asin_length`` (generated),
-  ``human_goals`` (released), ``max_steps`` (generated goals are kept only if the oracle solves
-  them within it). A ``Goal`` has ``.name`` (unique per split) and ``.instruction`` (text) like a
+  catalog), ``num_products`` (generated: 1000; released: all), ``catalog_seed`` and
+  ``asin_length`` (generated), ``human_goals`` (released), ``max_steps`` (generated goals are kept
+  only if the oracle solves them within it). A ``Goal`` has ``.name`` (unique per split) and ``.instruction`` (text) like a
   ``Task``; everything else about it is WebShop's business.
 * ``WebShopBackend.start(goal)`` opens a session (the handle) in-process: no processes, no
   files; thread-safe; sessions share only the read-only catalog. ``leftovers()`` counts open

@@ -29,6 +29,10 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
+# Compile vs run time per test (build/test-timings.json, and a table at the end of the run).
+from helpers_timings import (pytest_configure, pytest_runtest_protocol,  # noqa: E402,F401
+                             pytest_sessionfinish, pytest_terminal_summary)
+
 
 # The files that took longest in CI (benchmarks of the suite: `--durations` at the end of a run).
 # A scheduling hint only: a name missing here just runs in its usual place.

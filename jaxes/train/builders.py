@@ -18,7 +18,7 @@ from ml_collections import config_dict
 from jaxes import es, sharding, tokenization
 from jaxes.controller import ControllerConfig
 from jaxes.envs import generator, make_sandbox, protocol, webshop
-from jaxes.experiments.latency import LatencySandbox
+from jaxes.envs.latency import LatencySandbox
 from jaxes.models import hf, qwen2
 from jaxes.rollout.engine import Engine, VersionSteps
 from jaxes.rollout.episodes import EpisodeRunner

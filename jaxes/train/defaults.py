@@ -74,7 +74,7 @@ def base_config() -> config_dict.ConfigDict:
   c.env.system_prompt = ""       # empty = jaxes.envs.protocol.SYSTEM_PROMPT
   c.env.max_turns = 16
   c.env.sandbox_workers = 8
-  # Heavy-tailed episode durations on top of the real sandbox work (jaxes.experiments.latency):
+  # Heavy-tailed episode durations on top of the real sandbox work (jaxes.envs.latency):
   # a seeded log-normal sleep, median latency_median_s and shape latency_sigma, once per episode
   # or before every command. 0 = off. Where asynchrony pays: real terminal tasks vary this way.
   c.env.latency_median_s = 0.0

@@ -25,30 +25,13 @@ import tqdm
 
 from jaxes.envs import generator, make_sandbox, protocol
 from jaxes.envs.sandbox import SandboxError
+from jaxes.envs.checking import exit_status, read_replay
 from jaxes.envs.task import Task
 
 DONE = "<action>done</action>"
 FAILED_TESTS = "FAILED_TESTS"     # the episode ran normally but the final tests failed
 NO_SOLUTION = "NO_SOLUTION"       # oracle asked for a task that has none
 TASK_ERROR = "TASK_ERROR"         # the backend cannot run this task (e.g. files outside /home/user)
-
-
-def read_replay(spec: str, named: str) -> list | dict:
-  """The outputs of ``--agent replay:FILE``: a JSON list of model outputs (strings), or an object
-  mapping ``named`` (task or goal) names to such lists; anything else exits with one line."""
-  path = spec[len("replay:"):]
-  try:
-    with open(path, encoding="utf-8") as f:
-      data = json.load(f)
-  except (OSError, json.JSONDecodeError) as e:
-    raise SystemExit(f"--agent {spec}: cannot read {path}: {e}")
-  lists = [data] if isinstance(data, list) else list(data.values()) if isinstance(data, dict) else None
-  # A string value would be played as one-character turns: reject anything but lists of strings.
-  if lists is None or not all(isinstance(v, list) and all(isinstance(o, str) for o in v)
-                              for v in lists):
-    raise SystemExit(f"--agent {spec}: {path} must hold a JSON list of model outputs "
-                     f"(strings) or an object mapping {named} names to such lists")
-  return data
 
 
 def make_agent(spec: str) -> Callable[[Task], Callable[[list], str] | None]:
@@ -152,13 +135,6 @@ def family_table(results) -> str:
     fail_text = ", ".join(f"{k}={v}" for k, v in sorted(fails.items())) or "-"
     lines.append(f"{family:<16} {n:>5} {p:>6} {p / n:>6.0%} {turns / n:>5.1f}  {fail_text}")
   return "\n".join(lines)
-
-
-def exit_status(agent: str, passed: int, total: int, leaked: int) -> int:
-  """1 when the check failed: anything leaked, the oracle missed a task, or a no-op agent passed
-  one (a task a policy could pass without solving it); else 0."""
-  bad = leaked > 0 or (agent == "oracle" and passed != total) or (agent == "noop" and passed > 0)
-  return 1 if bad else 0
 
 
 def main(argv: list[str] | None = None) -> int:

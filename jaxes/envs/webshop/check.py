@@ -19,7 +19,7 @@ import concurrent.futures
 import json
 import sys
 
-from jaxes.envs.check import exit_status, read_replay
+from jaxes.envs.checking import exit_status, read_replay
 from jaxes.envs.webshop import agents, generator, loader, make_goals
 from jaxes.envs.webshop.episode import MAX_STEPS, WebShopBackend, play
 

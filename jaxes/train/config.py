@@ -189,6 +189,8 @@ class _Checks:
     self.at_least("train.checkpoint_every", 1)
     self.at_least("train.keep_checkpoints", 1)
     self.at_least("train.eval_every", 0)
+    self.at_least("train.transcripts_per_update", 0)
+    self.at_least("train.transcript_chars", 100)
     self.at_least("eval.num_tasks", 0)
     self.check("eval.num_tasks", c.eval.num_tasks <= c.env.num_heldout_tasks,
                "must be <= config.env.num_heldout_tasks")

@@ -126,6 +126,9 @@ def base_config() -> config_dict.ConfigDict:
   c.train.eval_every = 10        # 0 = only before and after
   c.train.progress_bar = True
   c.train.plot = True
+  c.train.report = True          # report.html (jaxes.train.report) at every evaluation and at the end
+  c.train.transcripts_per_update = 4   # training episodes kept with their transcripts (episodes.jsonl)
+  c.train.transcript_chars = 2000      # each prompt, turn and observation cut to this many characters
 
   # Held-out evaluation of the unperturbed policy.
   # The GRPO baseline (train.algorithm = "grpo"): jaxes.rl.config documents every key.

@@ -198,7 +198,8 @@ class UpdateWindow:
         "episodes_per_s": self.episodes / wall if wall > 0 else 0.0,
         "slot_utilisation": d["rows_busy"] / d["rows_total"] if d.get("rows_total") else 0.0,
         "tokens_per_s": d["tokens_decoded"] / wall if wall > 0 else 0.0,
-        "time": {"generate_s": d["decode_s"], "env_wait_s": d["wait_s"],
+        "time": {"generate_s": d["decode_s"], "prefill_s": d.get("prefill_step_s", 0.0),
+                 "env_wait_s": d["wait_s"],
                  "env_worker_s": self.env_worker_s, "update_s": self.update_s, "wall_s": wall},
     }
 

@@ -26,9 +26,10 @@ from ml_collections import config_dict
 from jaxes.controller import Job
 from jaxes.es import keys
 from jaxes.rollout.episodes import EpisodeSpec
-from jaxes.train import builders, checkpoint, evaluation, metrics, multihost, warmstart
+from jaxes.train import builders, checkpoint, evaluation, metrics, multihost, report, warmstart
 from jaxes.train.config import validate
 from jaxes.train.hooks import Hook, UpdateInfo, run_hooks
+from jaxes.train.transcripts import TranscriptSampler
 from jaxes.train.state import (UPDATE_LOG, RunState, build_parts, initial_state, log_record,
                                needs_transcripts, save)
 from jaxes.train.update_log import UpdateLog
@@ -101,13 +102,22 @@ class Trainer:
       progress = self._progress_bar()
       stack.callback(progress.close)
       evaluates = bool(c.eval.num_tasks)
+      self._sampler = (TranscriptSampler(self.workdir, self.parts.tokenizer, c.train.transcripts_per_update,
+                                         c.train.transcript_chars, resume_version=self.state.version)
+                       if host.primary and c.train.transcripts_per_update else None)
       hooks = [Hook(self._eval_hook, every=c.train.eval_every if evaluates else 0, at_final=evaluates),
                Hook(lambda info: self._log_update(update_log, info)),
                Hook(lambda info: writer.write(info.record)),
+               Hook(self._write_sample),
+               # The report is rewritten with every evaluation, so it is live while the run trains.
+               Hook(lambda info: self._write_report(), every=c.train.eval_every if c.train.report else 0,
+                    at_final=c.train.report),
                Hook(lambda info: self._save(ckpt), every=c.train.checkpoint_every, at_final=True),
                Hook(lambda info: progress.update(info.record)),
                *self._extra_hooks]
       return self._train(ckpt, writer, hooks)
+
+  _sampler: TranscriptSampler | None = None   # set by run() on the primary process
 
   # What another algorithm's trainer (``grpo_trainer``) replaces: its state, engine, jobs and update.
   name = "ES"
@@ -187,6 +197,16 @@ class Trainer:
   def _report(self, result) -> None:
     self.state.controller.report(result.spec.key.job.job_id, reward=result.reward, failure=result.failure)
     self._window.add(result)
+    if self._sampler is not None:
+      self._sampler.offer(result)
+
+  def _write_sample(self, info: UpdateInfo) -> None:
+    if self._sampler is not None:
+      self._sampler.write(info.version)
+
+  def _write_report(self) -> None:
+    if self.host.primary:
+      report.write(self.workdir)
 
   def _apply(self, update) -> tuple[dict, list]:
     state, t = self.state, time.perf_counter()

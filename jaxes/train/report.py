@@ -1,0 +1,321 @@
+r"""``python -m jaxes.train.report --workdir=W [--out=W/report.html]``: one self-contained HTML page
+per run, from what the run directory already holds (``metrics.jsonl``, ``episodes.jsonl``,
+``config.json``, ``summary.json``). The trainer rewrites it at every evaluation, so it is live.
+
+The page needs no network and runs no script: charts are inline SVG, styles are inline, episodes
+are ``<details>`` elements. Every piece of run text (task names, transcripts, config values) goes
+through ``html.escape``; a Content-Security-Policy that allows no script at all guards the page
+too, so a transcript holding ``<script>`` is shown as text and could not run even if unescaped.
+"""
+from __future__ import annotations
+
+import argparse
+import html
+import json
+import math
+import os
+import sys
+
+from jaxes.train import metrics
+from jaxes.train.transcripts import EPISODES, read_episodes
+
+CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src data:"
+COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#7f7f7f")
+TIME_PARTS = (("decode", "#1f77b4"), ("prefill", "#aec7e8"), ("sandbox wait", "#ff7f0e"),
+              ("update", "#2ca02c"), ("evaluation", "#9467bd"), ("other", "#c7c7c7"))
+STYLE = """
+body{font:14px/1.4 system-ui,sans-serif;margin:1.5em auto;max-width:1100px;color:#222}
+h1{font-size:1.4em}h2{font-size:1.15em;margin-top:1.6em;border-bottom:1px solid #ddd}
+.charts{display:flex;flex-wrap:wrap;gap:12px}.chart{border:1px solid #eee;padding:4px}
+.chart h3{font-size:.95em;margin:.2em .4em}table{border-collapse:collapse}
+td,th{padding:2px 8px;border-bottom:1px solid #eee;text-align:left;font-size:.9em}
+details{border:1px solid #ddd;margin:4px 0;padding:4px 8px}summary{cursor:pointer}
+pre{white-space:pre-wrap;word-break:break-word;margin:2px 0 8px;padding:6px;font-size:.85em}
+.prompt{background:#f4f4f4}.model{background:#e8f0fe}.observation{background:#fff4e0}
+.role{font-size:.8em;color:#666}.legend span{margin-right:10px;font-size:.85em}
+"""
+
+
+def esc(x) -> str:
+  return html.escape(str(x), quote=True)
+
+
+def _finite(x) -> bool:
+  return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+# -- SVG charts ------------------------------------------------------------------------------------
+class Chart:
+  """One SVG plot area mapping data coordinates to pixels; ``svg()`` closes it with axes."""
+
+  W, H, L, R, T, B = 340, 210, 44, 10, 10, 30
+
+  def __init__(self, title: str, x_range, y_range, x_label: str, y_label: str):
+    self.title, self.x_label, self.y_label = title, x_label, y_label
+    self.x0, self.x1 = x_range if x_range[1] > x_range[0] else (x_range[0], x_range[0] + 1)
+    self.y0, self.y1 = y_range if y_range[1] > y_range[0] else (y_range[0], y_range[0] + 1)
+    self.parts: list[str] = []
+    self.legend: list[tuple[str, str]] = []
+
+  def px(self, x, y) -> tuple[float, float]:
+    w, h = self.W - self.L - self.R, self.H - self.T - self.B
+    return (self.L + (x - self.x0) / (self.x1 - self.x0) * w,
+            self.T + h - (y - self.y0) / (self.y1 - self.y0) * h)
+
+  def line(self, xs, ys, color, label=None, markers=True, dash=""):
+    pts = [self.px(x, y) for x, y in zip(xs, ys) if _finite(y)]
+    if not pts:
+      return
+    d = " ".join(f"{x:.1f},{y:.1f}" for x, y in pts)
+    self.parts.append(f'<polyline class="curve" fill="none" stroke="{color}" stroke-width="1.5" '
+                      f'stroke-dasharray="{dash}" points="{d}"/>')
+    if markers:
+      self.parts += [f'<circle cx="{x:.1f}" cy="{y:.1f}" r="2.5" fill="{color}"/>' for x, y in pts]
+    if label:
+      self.legend.append((label, color))
+
+  def errorbars(self, xs, ys, errs, color):
+    for x, y, e in zip(xs, ys, errs):
+      if _finite(y) and _finite(e):
+        (px, lo), (_, hi) = self.px(x, y - e), self.px(x, y + e)
+        self.parts.append(f'<line x1="{px:.1f}" x2="{px:.1f}" y1="{lo:.1f}" y2="{hi:.1f}" stroke="{color}"/>')
+
+  def band(self, xs, lo, hi, color):
+    pts = [self.px(x, y) for x, y in zip(xs, hi)] + [self.px(x, y) for x, y in zip(xs[::-1], lo[::-1])]
+    if pts:
+      d = " ".join(f"{x:.1f},{y:.1f}" for x, y in pts)
+      self.parts.append(f'<polygon points="{d}" fill="{color}" opacity="0.18"/>')
+
+  def rect(self, x, y, w, h, color, tip=""):
+    (ax, ay), (bx, by) = self.px(x, y), self.px(x + w, y + h)
+    title = f"<title>{esc(tip)}</title>" if tip else ""
+    self.parts.append(f'<rect x="{min(ax, bx):.1f}" y="{min(ay, by):.1f}" width="{abs(bx - ax):.1f}" '
+                      f'height="{abs(by - ay):.1f}" fill="{color}">{title}</rect>')
+
+  def svg(self) -> str:
+    ax0, ay0 = self.px(self.x0, self.y0)
+    ax1, ay1 = self.px(self.x1, self.y1)
+    ticks = []
+    for i in range(5):
+      y = self.y0 + (self.y1 - self.y0) * i / 4
+      _, py = self.px(self.x0, y)
+      ticks.append(f'<text x="{ax0 - 4:.0f}" y="{py + 3:.0f}" font-size="9" text-anchor="end">{y:.3g}</text>')
+    for i in range(5):
+      x = self.x0 + (self.x1 - self.x0) * i / 4
+      px, _ = self.px(x, self.y0)
+      ticks.append(f'<text x="{px:.0f}" y="{ay0 + 12:.0f}" font-size="9" text-anchor="middle">{x:.3g}</text>')
+    axes = (f'<line x1="{ax0}" y1="{ay0}" x2="{ax1}" y2="{ay0}" stroke="#888"/>'
+            f'<line x1="{ax0}" y1="{ay0}" x2="{ax0}" y2="{ay1}" stroke="#888"/>'
+            f'<text x="{(ax0 + ax1) / 2:.0f}" y="{self.H - 4}" font-size="10" text-anchor="middle">{esc(self.x_label)}</text>'
+            f'<text x="10" y="{(ay0 + ay1) / 2:.0f}" font-size="10" text-anchor="middle" '
+            f'transform="rotate(-90 10 {(ay0 + ay1) / 2:.0f})">{esc(self.y_label)}</text>')
+    legend = "".join(f'<span style="color:{c}">■ {esc(n)}</span>' for n, c in self.legend)
+    return (f'<div class="chart"><h3>{esc(self.title)}</h3><svg xmlns="http://www.w3.org/2000/svg" '
+            f'width="{self.W}" height="{self.H}" role="img" aria-label="{esc(self.title)}">'
+            + axes + "".join(ticks) + "".join(self.parts) + f'</svg><div class="legend">{legend}</div></div>')
+
+
+def _range(values, pad=0.05, lo=None, hi=None):
+  v = [x for x in values if _finite(x)]
+  a, b = (min(v), max(v)) if v else (0.0, 1.0)
+  a, b = (a if lo is None else min(a, lo)), (b if hi is None else max(b, hi))
+  span = (b - a) or 1.0
+  return a - pad * span, b + pad * span
+
+
+def heldout_chart(evals: list[dict], key: str, stderr: str, title: str) -> str:
+  xs = [e["version"] for e in evals]
+  ys, es = [e.get(key) for e in evals], [e.get(stderr) for e in evals]
+  lo = [y - e for y, e in zip(ys, es) if _finite(y) and _finite(e)]
+  hi = [y + e for y, e in zip(ys, es) if _finite(y) and _finite(e)]
+  c = Chart(title, _range(xs, 0), _range(ys + lo + hi, lo=0.0), "policy version", f"held-out {key}")
+  c.errorbars(xs, ys, es, COLORS[0])
+  c.line(xs, ys, COLORS[0], f"held-out {key} ± s.e.")
+  return c.svg()
+
+
+def training_chart(train: list[dict]) -> str:
+  xs = [r["version"] for r in train]
+  f = [r.get("fitness") or {} for r in train]
+  mean, std = [x.get("mean") for x in f], [x.get("std") for x in f]
+  lo, hi = [x.get("min") for x in f], [x.get("max") for x in f]
+  c = Chart("fitness per update (band: min-max)", _range(xs, 0), _range(lo + hi + mean), "update", "fitness")
+  ok = [i for i in range(len(xs)) if _finite(lo[i]) and _finite(hi[i])]
+  c.band([xs[i] for i in ok], [lo[i] for i in ok], [hi[i] for i in ok], COLORS[1])
+  c.errorbars(xs, mean, std, COLORS[1])
+  c.line(xs, mean, COLORS[1], "mean ± std")
+  c.line(xs, [r["train"]["success"] for r in train], COLORS[2], "training success", markers=False, dash="4 2")
+  return c.svg()
+
+
+def staleness_chart(train: list[dict]) -> str:
+  """A heat map: column = update, row = staleness, shade = share of the cohort."""
+  xs = [r["version"] for r in train]
+  depth = max([len(r.get("staleness_hist") or [1]) for r in train] + [1])
+  c = Chart("staleness of consumed results per update (shade: share)", (min(xs) - 0.5, max(xs) + 0.5),
+            (-0.5, depth - 0.5), "update", "staleness")
+  for r in train:
+    hist = r.get("staleness_hist") or []
+    total = sum(hist) or 1
+    for s, n in enumerate(hist):
+      if n:
+        shade = int(230 - 200 * n / total)
+        c.rect(r["version"] - 0.5, s - 0.5, 1, 1, f"rgb({shade},{shade},255)",
+               f"update {r['version']}: {n} results with staleness {s}")
+  c.line(xs, [r.get("staleness_mean") for r in train], COLORS[1], "mean staleness", markers=False)
+  return c.svg()
+
+
+def time_parts(record: dict, eval_s: float) -> list[float]:
+  """Seconds of one update window by ``TIME_PARTS`` (prefill: engine steps that carried prefill)."""
+  t = record.get("time") or {}
+  prefill = t.get("prefill_s", 0.0)
+  decode = max(t.get("generate_s", 0.0) - prefill, 0.0)
+  wait, update = t.get("env_wait_s", 0.0), t.get("update_s", 0.0)
+  other = max(t.get("wall_s", 0.0) - decode - prefill - wait - update, 0.0)
+  return [decode, prefill, wait, update, eval_s, other]
+
+
+def time_chart(train: list[dict]) -> str:
+  xs = [r["version"] for r in train]
+  stacks = [time_parts(r, (r.get("eval") or {}).get("seconds", 0.0)) for r in train]
+  c = Chart("where the time goes, per update", (min(xs) - 0.5, max(xs) + 0.5),
+            (0, max([sum(s) for s in stacks] + [1e-9]) * 1.05), "update", "seconds")
+  for x, parts in zip(xs, stacks):
+    y = 0.0
+    for (name, color), v in zip(TIME_PARTS, parts):
+      if v > 0:
+        c.rect(x - 0.4, y, 0.8, v, color, f"update {x}: {name} {v:.2f}s")
+        y += v
+  c.legend = [(name, color) for name, color in TIME_PARTS]
+  return c.svg()
+
+
+def throughput_chart(train: list[dict]) -> str:
+  xs = [r["version"] for r in train]
+  hours, elapsed = [], 0.0
+  for r in train:
+    elapsed += (r.get("time") or {}).get("wall_s", 0.0) + (r.get("eval") or {}).get("seconds", 0.0)
+    hours.append(elapsed / 3600)
+  rate = [(i + 1) / h if h > 0 else None for i, h in enumerate(hours)]
+  util = [r.get("slot_utilisation") for r in train]
+  c = Chart("updates/hour (cumulative) and slot utilisation", _range(xs, 0), _range(rate, lo=0.0),
+            "update", "updates / hour")
+  c.line(xs, rate, COLORS[0], "updates/hour")
+  top = max([x for x in rate if _finite(x)] + [1.0])
+  c.line(xs, [u * top if _finite(u) else None for u in util], COLORS[4], "slot utilisation (× top)",
+         markers=False, dash="4 2")
+  return c.svg()
+
+
+def failure_kinds(train: list[dict]) -> list[str]:
+  kinds = sorted({k for r in train for k in r["train"].get("failures", {}) if k != "none"})
+  return kinds + ["truncated", "dropped", "excluded"]
+
+
+def failures_chart(train: list[dict]) -> str:
+  xs = [r["version"] for r in train]
+  kinds = failure_kinds(train)
+  series = {k: [r["train"].get("failures", {}).get(k, r["train"].get(k, r.get(k, 0))) or 0 for r in train]
+            for k in kinds}
+  c = Chart("failure kinds per update (episodes / results)", _range(xs, 0),
+            _range([v for s in series.values() for v in s], lo=0.0), "update", "count")
+  for i, k in enumerate(kinds):
+    c.line(xs, series[k], COLORS[i % len(COLORS)], k)
+  return c.svg()
+
+
+# -- the page --------------------------------------------------------------------------------------
+def _read_json(path: str):
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except (OSError, ValueError):
+    return None
+
+
+def episode_html(e: dict) -> str:
+  outcome = "passed" if e.get("passed") else (e.get("failure") or "wrong")
+  reward = e.get("reward")
+  head = (f"update {e.get('update')} · {e.get('task')} · member {e.get('member')} · version "
+          f"{e.get('version')} · reward {'—' if reward is None else f'{reward:.3g}'} · {outcome} · "
+          f"{e.get('turns')} turns" + (" · truncated" if e.get("truncated") else ""))
+  turns = "".join(f'<div class="role">{esc(t.get("role"))}</div><pre class="{esc(t.get("role"))}">'
+                  f'{esc(t.get("text", ""))}</pre>' for t in e.get("transcript", []))
+  return f'<details class="episode"><summary>{esc(head)}</summary>{turns}</details>'
+
+
+def summary_rows(summary: dict | None, config: dict | None, train: list[dict]) -> str:
+  rows = []
+  c = config or {}
+  for label, path in (("algorithm", ("train", "algorithm")), ("controller", ("controller", "mode")),
+                      ("max staleness", ("controller", "max_staleness")), ("ES mode", ("es", "mode")),
+                      ("population", ("es", "population")), ("sigma", ("es", "sigma")),
+                      ("updates planned", ("train", "num_updates"))):
+    v = c.get(path[0], {}).get(path[1]) if isinstance(c.get(path[0]), dict) else None
+    if v is not None:
+      rows.append((label, v))
+  rows.append(("updates done", train[-1]["version"] if train else 0))
+  if summary:
+    for key in ("change", "reward_change"):
+      ch = summary.get(key)
+      if ch:
+        name = "success" if key == "change" else "reward"
+        rows.append((f"held-out {name} change (paired)", f"{ch[name]:+.3f} ± {ch['stderr']:.3f}"))
+    if summary.get("updates_per_hour"):
+      rows.append(("updates/hour (training loop)", f"{summary['updates_per_hour']:.1f}"))
+  return "<table>" + "".join(f"<tr><th>{esc(a)}</th><td>{esc(b)}</td></tr>" for a, b in rows) + "</table>"
+
+
+def render(workdir: str) -> str:
+  records = metrics.read_metrics(os.path.join(workdir, "metrics.jsonl"))
+  episodes = read_episodes(os.path.join(workdir, EPISODES))
+  config = _read_json(os.path.join(workdir, "config.json"))
+  summary = _read_json(os.path.join(workdir, "summary.json"))
+  train = [r for r in records if "train" in r]
+  evals = [r["eval"] for r in records if "eval" in r]
+  charts = []
+  if evals:
+    charts += [heldout_chart(evals, "success", "stderr", "held-out success per version"),
+               heldout_chart(evals, "reward", "reward_stderr", "held-out mean reward per version")]
+  if train:
+    charts += [training_chart(train), staleness_chart(train), time_chart(train),
+               throughput_chart(train), failures_chart(train)]
+  name = os.path.basename(os.path.abspath(workdir))
+  body = [f"<h1>jaxes run <code>{esc(name)}</code></h1>", summary_rows(summary, config, train),
+          "<h2>Curves</h2>", '<div class="charts">' + "".join(charts) + "</div>"
+          if charts else "<p>No update or evaluation yet.</p>",
+          f"<h2>Episodes ({len(episodes)} sampled)</h2>",
+          "<p>A bounded sample of training episodes per update (train.transcripts_per_update), "
+          "each text cut to train.transcript_chars. Newest first.</p>",
+          "".join(episode_html(e) for e in reversed(episodes)) or "<p>No episodes sampled.</p>"]
+  return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+          f'<meta http-equiv="Content-Security-Policy" content="{CSP}">'
+          f"<title>jaxes report: {esc(name)}</title><style>{STYLE}</style></head><body>"
+          + "\n".join(body) + "</body></html>\n")
+
+
+def write(workdir: str, out: str | None = None) -> str:
+  """Writes the report (atomically: a reader never sees half a page); returns its path."""
+  out = out or os.path.join(workdir, "report.html")
+  with open(out + ".tmp", "w", encoding="utf-8") as f:
+    f.write(render(workdir))
+  os.replace(out + ".tmp", out)
+  return out
+
+
+def main(argv: list[str] | None = None) -> int:
+  p = argparse.ArgumentParser(prog="python -m jaxes.train.report", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--workdir", required=True, help="a run directory (python -m jaxes.train --workdir)")
+  p.add_argument("--out", default=None, help="where to write the page (default WORKDIR/report.html)")
+  args = p.parse_args(argv)
+  if not os.path.isfile(os.path.join(args.workdir, "metrics.jsonl")):
+    print(f"error: --workdir={args.workdir}: no metrics.jsonl (not a run directory?)", file=sys.stderr)
+    return 2
+  print(write(args.workdir, args.out))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

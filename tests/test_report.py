@@ -1,0 +1,70 @@
+"""The run report: a tiny real run writes report.html and episodes.jsonl; headless Chromium renders
+it with the curves and a transcript, and a hostile transcript stays text."""
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from helpers_train import build_tiny_tokenizer, tiny_config
+from jaxes.train import report
+from jaxes.train.trainer import Trainer
+from jaxes.train.transcripts import EPISODES, clip
+
+HOSTILE = ('<script>document.body.setAttribute("data-pwned", "1")</script>'
+           '<img src=x onerror="document.body.setAttribute(\'data-pwned\', \'2\')">')
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+  tmp = tmp_path_factory.mktemp("report")
+  c = tiny_config(build_tiny_tokenizer(str(tmp / "tok")))
+  c.train.num_updates, c.train.plot, c.train.transcripts_per_update = 1, False, 2
+  workdir = str(tmp / "run")
+  Trainer(c, workdir, log=lambda s: None).run()
+  return workdir
+
+
+def test_trainer_writes_report_and_bounded_sample(run_dir):
+  episodes = [json.loads(line) for line in open(os.path.join(run_dir, EPISODES))]
+  assert len(episodes) == 2 and {e["update"] for e in episodes} == {1}
+  roles = [t["role"] for t in episodes[0]["transcript"]]
+  assert roles[:2] == ["prompt", "model"]
+  page = open(os.path.join(run_dir, "report.html")).read()
+  assert "held-out success per version" in page and episodes[0]["task"] in page
+
+
+def test_clip_keeps_head_and_tail():
+  text = "a" * 50 + "b" * 50
+  out = clip(text, 20)
+  assert out.startswith("a" * 10) and out.endswith("b" * 10) and "80 characters cut" in out
+
+
+def test_cli_rejects_a_directory_without_metrics(tmp_path, capsys):
+  assert report.main([f"--workdir={tmp_path}"]) == 2
+  assert "no metrics.jsonl" in capsys.readouterr().err
+
+
+def _chromium():
+  return shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.mark.skipif(_chromium() is None, reason="no chromium (apt-get install -y chromium)")
+def test_browser_renders_curves_and_keeps_hostile_transcript_as_text(run_dir, tmp_path):
+  workdir = tmp_path / "hostile"
+  shutil.copytree(run_dir, workdir, ignore=shutil.ignore_patterns("checkpoints", "tensorboard"))
+  with open(workdir / EPISODES, "a") as f:
+    f.write(json.dumps({"update": 1, "task": "evil" + HOSTILE, "member": 0, "version": 0, "reward": 0.0,
+                        "passed": False, "turns": 1, "failure": None, "truncated": False,
+                        "transcript": [{"role": "model", "text": HOSTILE}]}) + "\n")
+  assert report.main([f"--workdir={workdir}"]) == 0
+  dom = subprocess.run(
+      [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+       "--disable-component-update", "--disable-sync", "--no-first-run",
+       f"--user-data-dir={tmp_path / 'profile'}", "--dump-dom", f"file://{workdir / 'report.html'}"],
+      capture_output=True, text=True, timeout=120, check=True).stdout
+  assert dom.count('class="curve"') >= 3                         # SVG curves are in the DOM
+  assert dom.count('class="episode"') == 3 and '<pre class="model">' in dom   # transcripts
+  assert "data-pwned" not in dom.split("<body", 1)[1].split(">", 1)[0]      # no script ran
+  assert "<script" not in dom and "<img" not in dom and "&lt;script&gt;document.body" in dom      # shown as text

@@ -68,3 +68,32 @@ def test_browser_renders_curves_and_keeps_hostile_transcript_as_text(run_dir, tm
   assert dom.count('class="episode"') == 3 and '<pre class="model">' in dom   # transcripts
   assert "data-pwned" not in dom.split("<body", 1)[1].split(">", 1)[0]      # no script ran
   assert "<script" not in dom and "<img" not in dom and "&lt;script&gt;document.body" in dom      # shown as text
+
+
+def test_wandb_offline_logs_scalars_histogram_and_transcripts(run_dir, tmp_path, monkeypatch):
+  pytest.importorskip("wandb", reason="wandb not installed (pip install wandb)")
+  from jaxes.train import metrics, tracker
+  from jaxes.train.transcripts import read_episodes
+  monkeypatch.setenv("WANDB_MODE", "offline")   # no network: W&B writes its files locally
+  monkeypatch.setenv("WANDB_SILENT", "true")
+  episodes = read_episodes(os.path.join(run_dir, EPISODES))
+  t = tracker.build("wandb", str(tmp_path), {"seed": 0})
+  for record in metrics.read_metrics(os.path.join(run_dir, "metrics.jsonl")):
+    if "train" in record:
+      t.log(record, episodes)
+  t.close()
+  (run,) = (tmp_path / "wandb").glob("offline-run-*")
+  logged = (next(run.glob("*.wandb"))).read_bytes()
+  assert b"train/success" in logged and b"staleness" in logged and b"histogram" in logged
+  (table,) = run.glob("files/media/table/episodes_*.table.json")
+  data = json.loads(table.read_text())
+  assert data["columns"][-1] == "transcript" and episodes[0]["task"] in {row[1] for row in data["data"]}
+
+
+def test_tracker_off_by_default_and_missing_package_is_one_line(monkeypatch):
+  from jaxes.train import tracker
+  assert tracker.build("", "/nonexistent", {}) is None
+  monkeypatch.setitem(__import__("sys").modules, "wandb", None)   # import wandb raises ImportError
+  lines = []
+  assert tracker.build("wandb", "/nonexistent", {}, log=lines.append) is None
+  assert len(lines) == 1 and "not installed" in lines[0]

@@ -15,6 +15,7 @@ from jaxes.models import qwen2
 from jaxes.rl import config as rl_config
 from jaxes.train import builders, defaults
 from jaxes.train.errors import ConfigError
+from jaxes.train.tracker import TRACKERS
 
 # The typed objects' errors start with the option they reject: "population must be even ..."
 # (es.Strategy), "ControllerConfig.max_staleness=3: must be 0 ...", "Qwen2Config.num_layers must ...".
@@ -191,6 +192,7 @@ class _Checks:
     self.at_least("train.eval_every", 0)
     self.at_least("train.transcripts_per_update", 0)
     self.at_least("train.transcript_chars", 100)
+    self.one_of("train.tracker", TRACKERS)
     self.at_least("eval.num_tasks", 0)
     self.check("eval.num_tasks", c.eval.num_tasks <= c.env.num_heldout_tasks,
                "must be <= config.env.num_heldout_tasks")

@@ -129,6 +129,7 @@ def base_config() -> config_dict.ConfigDict:
   c.train.report = True          # report.html (jaxes.train.report) at every evaluation and at the end
   c.train.transcripts_per_update = 4   # training episodes kept with their transcripts (episodes.jsonl)
   c.train.transcript_chars = 2000      # each prompt, turn and observation cut to this many characters
+  c.train.tracker = ""           # "wandb": also log to Weights & Biases (jaxes.train.tracker); "" = off
 
   # Held-out evaluation of the unperturbed policy.
   # The GRPO baseline (train.algorithm = "grpo"): jaxes.rl.config documents every key.

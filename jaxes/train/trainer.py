@@ -26,7 +26,7 @@ from ml_collections import config_dict
 from jaxes.controller import Job
 from jaxes.es import keys
 from jaxes.rollout.episodes import EpisodeSpec
-from jaxes.train import builders, checkpoint, evaluation, metrics, multihost, report, warmstart
+from jaxes.train import builders, checkpoint, evaluation, metrics, multihost, report, tracker, warmstart
 from jaxes.train.config import validate
 from jaxes.train.hooks import Hook, UpdateInfo, run_hooks
 from jaxes.train.transcripts import TranscriptSampler
@@ -105,6 +105,10 @@ class Trainer:
       self._sampler = (TranscriptSampler(self.workdir, self.parts.tokenizer, c.train.transcripts_per_update,
                                          c.train.transcript_chars, resume_version=self.state.version)
                        if host.primary and c.train.transcripts_per_update else None)
+      self._tracker = (tracker.build(c.train.tracker, self.workdir, json.loads(c.to_json_best_effort()),
+                                     self.log) if host.primary else None)
+      if self._tracker is not None:
+        stack.callback(self._tracker.close)
       hooks = [Hook(self._eval_hook, every=c.train.eval_every if evaluates else 0, at_final=evaluates),
                Hook(lambda info: self._log_update(update_log, info)),
                Hook(lambda info: writer.write(info.record)),
@@ -118,6 +122,7 @@ class Trainer:
       return self._train(ckpt, writer, hooks)
 
   _sampler: TranscriptSampler | None = None   # set by run() on the primary process
+  _tracker: tracker.WandbTracker | None = None
 
   # What another algorithm's trainer (``grpo_trainer``) replaces: its state, engine, jobs and update.
   name = "ES"
@@ -201,8 +206,10 @@ class Trainer:
       self._sampler.offer(result)
 
   def _write_sample(self, info: UpdateInfo) -> None:
-    if self._sampler is not None:
-      self._sampler.write(info.version)
+    """The update's sampled episodes to episodes.jsonl; its metrics and them to the tracker."""
+    episodes = self._sampler.write(info.version) if self._sampler is not None else []
+    if self._tracker is not None:
+      self._tracker.log(info.record, episodes)
 
   def _write_report(self) -> None:
     if self.host.primary:

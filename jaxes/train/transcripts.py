@@ -62,16 +62,19 @@ class TranscriptSampler:
     if len(self._window) < self.per_update:
       self._window.append(result)
 
-  def write(self, update: int) -> None:
-    """Appends the window's episodes, tagged with the version ``update`` produced."""
+  def write(self, update: int) -> list[dict]:
+    """Appends the window's episodes, tagged with the version ``update`` produced; returns them."""
     window, self._window = self._window, []
-    if not window:
-      return
-    with open(self.path, "a") as f:
-      for r in window:
-        job = r.spec.key.job
-        f.write(json.dumps({
-            "update": update, "task": r.spec.task.name, "family": r.spec.task.family,
-            "version": r.spec.version, "member": r.spec.member, "episode": job.episode,
-            "reward": r.reward, "passed": r.passed, "turns": r.turns, "failure": r.failure,
-            "truncated": r.truncated, "transcript": transcript(self.tok, r.tokens, self.max_chars)}) + "\n")
+    entries = [self._entry(update, r) for r in window]
+    if entries:
+      with open(self.path, "a") as f:
+        f.writelines(json.dumps(e) + "\n" for e in entries)
+    return entries
+
+  def _entry(self, update: int, r) -> dict:
+    job = r.spec.key.job
+    return {
+        "update": update, "task": r.spec.task.name, "family": r.spec.task.family,
+        "version": r.spec.version, "member": r.spec.member, "episode": job.episode,
+        "reward": r.reward, "passed": r.passed, "turns": r.turns, "failure": r.failure,
+        "truncated": r.truncated, "transcript": transcript(self.tok, r.tokens, self.max_chars)}

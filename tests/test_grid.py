@@ -104,6 +104,9 @@ def test_aggregate_synthetic_runs_known_table(tmp_path):
   assert "delay8" not in curves
   plots.write(result, w)
   assert os.path.getsize(f"{w}/success.png") > 0 and os.path.getsize(f"{w}/staleness.png") > 0
+  page = open(plots.write_grid_report(result, w)).read()
+  assert page.count('class="curve"') >= 2 and "<script" not in page   # sync's and async1's curves
+  assert "<td>sync</td><td>finished</td><td>0.500 ± 0.250</td><td>0.254</td>" in page
 
 
 def test_webshop_runs_are_compared_by_mean_reward(tmp_path):
@@ -226,6 +229,7 @@ def test_grid_end_to_end_tiny(tiny_grid_config, tmp_path):
   md = (w / "table.md").read_text()
   assert "| async1 | finished |" in md and "| grpo | not available |" in md
   assert (w / "success.png").stat().st_size > 0 and (w / "staleness.png").stat().st_size > 0
+  assert 'class="curve"' in (w / "report.html").read_text()
   # --aggregate-only rereads the same runs into the same table
   again = subprocess.run(_grid_cmd(tiny_grid_config, w, 2) + ["--aggregate-only"], cwd=ROOT,
                          capture_output=True, text=True, timeout=300)

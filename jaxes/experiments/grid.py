@@ -13,7 +13,8 @@ in the config (configs/demo_grid.py), each seed's warm start is made once, in
 ``WORKDIR/init-s<seed>``, and that seed's variants start from it (``warmstart.init_from``), as
 every variant of the paper starts from one Instruct checkpoint. Then every run is read into
 ``WORKDIR/table.md``, ``table.json``, ``success.png`` (``reward.png`` on WebShop, whose score is
-the mean reward) and ``staleness.png``; missing, failed and unfinished runs and unavailable
+the mean reward), ``staleness.png`` and ``report.html`` (curves side by side, the paper's
+numbers beside them); missing, failed and unfinished runs and unavailable
 variants are rows saying so. ``--aggregate-only`` only reads.
 """
 from __future__ import annotations
@@ -283,9 +284,10 @@ def write_results(variants, runs, seeds, workdir) -> dict:
   result = aggregate.aggregate(variants, seeds, workdir, {(r.variant, r.seed): r.num_updates for r in runs})
   md, _ = aggregate.write(result, workdir)
   pictures = plots.write(result, workdir)
+  page = plots.write_grid_report(result, workdir)
   print(open(md).read())
   print(f"grid: table in {md} and table.json; plots {', '.join(map(os.path.basename, pictures))} "
-        f"in {workdir}", file=sys.stderr)
+        f"in {workdir}; report {page}", file=sys.stderr)
   return result
 
 

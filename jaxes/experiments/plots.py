@@ -74,3 +74,52 @@ def write(result: dict, workdir: str) -> list[str]:
   plot_measure(result, paths[0])
   plot_staleness(result, paths[1])
   return paths
+
+
+# The paper's held-out success (Qwen2.5-7B-Instruct, Endless Terminals, 3 eval seeds; delays as
+# sync's 25.4% plus their reported change), shown beside a grid's own numbers.
+PAPER_SUCCESS = {"sync": 0.254, "async1": 0.259, "delay4": 0.254 - 0.016, "delay8": 0.254 - 0.031,
+                 "grpo": 0.290}
+
+
+def grid_html(result: dict) -> str:
+  """The grid's report page: each variant's curve (mean ± s.e. over seeds) side by side on one
+  scale, and a table of its final measure beside the paper's. Self-contained as ``report.render``."""
+  from jaxes.train import report
+  esc, measure = report.esc, result["measure"]
+  curves = measure_curves(result)
+  everything = [m + s for c in curves.values() for m, s in zip(c["mean"], c["stderr"])]
+  everything += [m - s for c in curves.values() for m, s in zip(c["mean"], c["stderr"])]
+  xs = [x for c in curves.values() for x in c["versions"]]
+  y_range, x_range = report.value_range(everything, lo=0.0) if everything else (0, 1), report.value_range(xs, 0)
+  charts = []
+  for i, (name, c) in enumerate(curves.items()):
+    color = report.COLORS[i % len(report.COLORS)]
+    chart = report.Chart(f"{name} ({c['seeds']} seeds)", x_range, y_range, "policy version",
+                         f"held-out {measure}")
+    chart.errorbars(c["versions"], c["mean"], c["stderr"], color)
+    chart.line(c["versions"], c["mean"], color, "mean ± s.e. over seeds")
+    if measure == "success" and name in PAPER_SUCCESS:
+      chart.line(x_range, [PAPER_SUCCESS[name]] * 2, "#555", "paper (7B, final)", markers=False, dash="5 3")
+    charts.append(chart.svg())
+  rows = []
+  for v in result["variants"]:
+    after = v.get("after")
+    paper = PAPER_SUCCESS.get(v["variant"]) if measure == "success" else None
+    final = "—" if not after else f"{after['mean']:.3f} ± {after['stderr']:.3f}"
+    rows.append(f"<tr><td>{esc(v['variant'])}</td><td>{esc(v['status'])}</td><td>{final}</td>"
+                f"<td>{'—' if paper is None else f'{paper:.3f}'}</td>"
+                f"<td>{esc(v.get('description') or v.get('reason') or '')}</td></tr>")
+  body = (f"<h1>jaxes grid <code>{esc(os.path.basename(os.path.abspath(result['workdir'])))}</code></h1>"
+          f"<p>Held-out {esc(measure)} per variant, seeds {esc(','.join(map(str, result['seeds'])))}; "
+          "the paper's numbers are Qwen2.5-7B-Instruct on Endless Terminals, a different scale: "
+          "compare the ordering, not the level. All numbers: table.md / table.json.</p>"
+          f"<table><tr><th>variant</th><th>runs</th><th>final {esc(measure)}</th><th>paper</th>"
+          f"<th>what it is</th></tr>{''.join(rows)}</table>"
+          f'<h2>Curves</h2><div class="charts">{"".join(charts) or "<p>No finished run yet.</p>"}</div>')
+  return report.page(f"jaxes grid: {result['workdir']}", body)
+
+
+def write_grid_report(result: dict, workdir: str) -> str:
+  from jaxes.train import report
+  return report.write_page(os.path.join(workdir, "report.html"), grid_html(result))

@@ -115,7 +115,7 @@ class Chart:
             + axes + "".join(ticks) + "".join(self.parts) + f'</svg><div class="legend">{legend}</div></div>')
 
 
-def _range(values, pad=0.05, lo=None, hi=None):
+def value_range(values, pad=0.05, lo=None, hi=None):
   v = [x for x in values if _finite(x)]
   a, b = (min(v), max(v)) if v else (0.0, 1.0)
   a, b = (a if lo is None else min(a, lo)), (b if hi is None else max(b, hi))
@@ -128,7 +128,7 @@ def heldout_chart(evals: list[dict], key: str, stderr: str, title: str) -> str:
   ys, es = [e.get(key) for e in evals], [e.get(stderr) for e in evals]
   lo = [y - e for y, e in zip(ys, es) if _finite(y) and _finite(e)]
   hi = [y + e for y, e in zip(ys, es) if _finite(y) and _finite(e)]
-  c = Chart(title, _range(xs, 0), _range(ys + lo + hi, lo=0.0), "policy version", f"held-out {key}")
+  c = Chart(title, value_range(xs, 0), value_range(ys + lo + hi, lo=0.0), "policy version", f"held-out {key}")
   c.errorbars(xs, ys, es, COLORS[0])
   c.line(xs, ys, COLORS[0], f"held-out {key} ± s.e.")
   return c.svg()
@@ -139,7 +139,7 @@ def training_chart(train: list[dict]) -> str:
   f = [r.get("fitness") or {} for r in train]
   mean, std = [x.get("mean") for x in f], [x.get("std") for x in f]
   lo, hi = [x.get("min") for x in f], [x.get("max") for x in f]
-  c = Chart("fitness per update (band: min-max)", _range(xs, 0), _range(lo + hi + mean), "update", "fitness")
+  c = Chart("fitness per update (band: min-max)", value_range(xs, 0), value_range(lo + hi + mean), "update", "fitness")
   ok = [i for i in range(len(xs)) if _finite(lo[i]) and _finite(hi[i])]
   c.band([xs[i] for i in ok], [lo[i] for i in ok], [hi[i] for i in ok], COLORS[1])
   c.errorbars(xs, mean, std, COLORS[1])
@@ -199,7 +199,7 @@ def throughput_chart(train: list[dict]) -> str:
     hours.append(elapsed / 3600)
   rate = [(i + 1) / h if h > 0 else None for i, h in enumerate(hours)]
   util = [r.get("slot_utilisation") for r in train]
-  c = Chart("updates/hour (cumulative) and slot utilisation", _range(xs, 0), _range(rate, lo=0.0),
+  c = Chart("updates/hour (cumulative) and slot utilisation", value_range(xs, 0), value_range(rate, lo=0.0),
             "update", "updates / hour")
   c.line(xs, rate, COLORS[0], "updates/hour")
   top = max([x for x in rate if _finite(x)] + [1.0])
@@ -218,8 +218,8 @@ def failures_chart(train: list[dict]) -> str:
   kinds = failure_kinds(train)
   series = {k: [r["train"].get("failures", {}).get(k, r["train"].get(k, r.get(k, 0))) or 0 for r in train]
             for k in kinds}
-  c = Chart("failure kinds per update (episodes / results)", _range(xs, 0),
-            _range([v for s in series.values() for v in s], lo=0.0), "update", "count")
+  c = Chart("failure kinds per update (episodes / results)", value_range(xs, 0),
+            value_range([v for s in series.values() for v in s], lo=0.0), "update", "count")
   for i, k in enumerate(kinds):
     c.line(xs, series[k], COLORS[i % len(COLORS)], k)
   return c.svg()
@@ -282,26 +282,33 @@ def render(workdir: str) -> str:
     charts += [training_chart(train), staleness_chart(train), time_chart(train),
                throughput_chart(train), failures_chart(train)]
   name = os.path.basename(os.path.abspath(workdir))
-  body = [f"<h1>jaxes run <code>{esc(name)}</code></h1>", summary_rows(summary, config, train),
+  return page(f"jaxes report: {name}", "\n".join([f"<h1>jaxes run <code>{esc(name)}</code></h1>", summary_rows(summary, config, train),
           "<h2>Curves</h2>", '<div class="charts">' + "".join(charts) + "</div>"
           if charts else "<p>No update or evaluation yet.</p>",
           f"<h2>Episodes ({len(episodes)} sampled)</h2>",
           "<p>A bounded sample of training episodes per update (train.transcripts_per_update), "
           "each text cut to train.transcript_chars. Newest first.</p>",
-          "".join(episode_html(e) for e in reversed(episodes)) or "<p>No episodes sampled.</p>"]
+          "".join(episode_html(e) for e in reversed(episodes)) or "<p>No episodes sampled.</p>"]))
+
+
+def page(title: str, body: str) -> str:
+  """A whole HTML document around ``body`` (already escaped), under the no-script policy."""
   return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
           f'<meta http-equiv="Content-Security-Policy" content="{CSP}">'
-          f"<title>jaxes report: {esc(name)}</title><style>{STYLE}</style></head><body>"
-          + "\n".join(body) + "</body></html>\n")
+          f"<title>{esc(title)}</title><style>{STYLE}</style></head><body>{body}</body></html>\n")
+
+
+def write_page(out: str, text: str) -> str:
+  """Writes a page atomically (a reader never sees half of it); returns its path."""
+  with open(out + ".tmp", "w", encoding="utf-8") as f:
+    f.write(text)
+  os.replace(out + ".tmp", out)
+  return out
 
 
 def write(workdir: str, out: str | None = None) -> str:
-  """Writes the report (atomically: a reader never sees half a page); returns its path."""
-  out = out or os.path.join(workdir, "report.html")
-  with open(out + ".tmp", "w", encoding="utf-8") as f:
-    f.write(render(workdir))
-  os.replace(out + ".tmp", out)
-  return out
+  """Writes the run's report; returns its path."""
+  return write_page(out or os.path.join(workdir, "report.html"), render(workdir))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -261,6 +261,8 @@ class Trainer:
                    title=f"{self._plot_label()} — held-out success and staleness")
     with open(os.path.join(self.workdir, "summary.json"), "w") as f:
       json.dump(summary, f, indent=2)
+    if c.train.report:   # again, with the summary's paired change
+      report.write(self.workdir)
     if before is not None and after is not None:
       self.log(evaluation.format_table(before, after, self.name))
     return {**summary, "params": self._current_params()}

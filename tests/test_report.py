@@ -97,3 +97,23 @@ def test_tracker_off_by_default_and_missing_package_is_one_line(monkeypatch):
   lines = []
   assert tracker.build("wandb", "/nonexistent", {}, log=lines.append) is None
   assert len(lines) == 1 and "not installed" in lines[0]
+
+
+def test_atif_export_of_the_sample(run_dir, tmp_path):
+  from jaxes.train import atif
+  episodes = [json.loads(line) for line in open(os.path.join(run_dir, EPISODES))]
+  out = str(tmp_path / "t.jsonl")
+  assert atif.main([f"--workdir={run_dir}", f"--out={out}"]) == 0
+  trajectories = [json.loads(line) for line in open(out)]
+  assert len(trajectories) == len(episodes)
+  for t, e in zip(trajectories, episodes):
+    assert t["schema_version"] == "ATIF-v1.4" and t["agent"]["name"] == "jaxes"
+    assert [s["step_id"] for s in t["steps"]] == list(range(1, len(t["steps"]) + 1))
+    assert {s["source"] for s in t["steps"]} <= {"system", "user", "agent"}
+    assert sum(s["source"] == "agent" for s in t["steps"]) == sum(x["role"] == "model" for x in e["transcript"])
+    assert t["final_metrics"]["extra"]["reward"] == e["reward"]
+  step = atif.trajectory({"transcript": [{"role": "model", "text": "<command>ls -la</command>"},
+                                         {"role": "observation", "text": "out"}]}, "r", "m")["steps"][0]
+  assert step["tool_calls"][0]["arguments"] == {"command": "ls -la"}
+  assert step["observation"]["results"][0] == {"source_call_id": step["tool_calls"][0]["tool_call_id"],
+                                               "content": "out"}

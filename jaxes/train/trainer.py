@@ -166,6 +166,8 @@ class Trainer:
     t0, start_version = time.perf_counter(), state.version
     if not state.evals and c.eval.num_tasks:
       writer.write({"version": 0, "eval": self.evaluate()})
+      if c.train.report:   # the page exists from the first evaluation on
+        self._write_report()
     if not ckpt.steps():
       self._save(ckpt)   # version 0: warm-started params, initial evaluation
     self._window = metrics.UpdateWindow(self.runner.stats())

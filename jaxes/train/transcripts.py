@@ -75,6 +75,6 @@ class TranscriptSampler:
     job = r.spec.key.job
     return {
         "update": update, "task": r.spec.task.name, "family": r.spec.task.family,
-        "version": r.spec.version, "member": r.spec.member, "episode": job.episode,
+        "version": r.spec.version, "member": job.member, "episode": job.episode,
         "reward": r.reward, "passed": r.passed, "turns": r.turns, "failure": r.failure,
         "truncated": r.truncated, "transcript": transcript(self.tok, r.tokens, self.max_chars)}

@@ -6,10 +6,15 @@ template, so CPU runs and tests go through the same ``AutoTokenizer`` path as a 
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 from typing import Iterable, Mapping, Sequence
 
-import transformers
+# torch is optional (tests and check_logits only): without it transformers prints an advisory
+# "PyTorch was not found" notice on import that reads as an error; only tokenizers are used here.
+if importlib.util.find_spec("torch") is None:
+  os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+import transformers  # noqa: E402
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
 from tokenizers import pre_tokenizers, trainers
 

@@ -167,7 +167,11 @@ def main(argv: list[str] | None = None) -> int:
   if args.generated is not None and args.generated < 1:
     ap.error("--generated must be at least 1")
 
-  make_agent(args.agent)   # fail on a bad --agent before starting anything
+  try:
+    make_agent(args.agent)   # fail on a bad --agent before starting anything: a set-up error
+  except SystemExit as e:
+    print(f"check: {e}", file=sys.stderr)
+    return 2
   if args.tasks:
     from jaxes.envs.loaders import TaskLoadError, load_tasks
     try:

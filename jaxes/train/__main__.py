@@ -21,11 +21,14 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to an ml-collect
                                           "(configs/*.py; add :ARG for configs taking one).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory: checkpoints, metrics, plots.")
 _RESTART = flags.DEFINE_bool("restart", False, "Set the directory's previous run aside and start fresh.")
+_ALLOW_CHANGE = flags.DEFINE_bool("allow_config_change", False, "Resume with a config that differs from "
+                                  "the run's; the change is recorded in WORKDIR/config_history.json.")
+_VERBOSE = flags.DEFINE_bool("verbose", False, "Print the run's summary (summary.json) as JSON at the end.")
 flags.mark_flags_as_required(["config", "workdir"])
 
 # What a run directory holds; --restart moves these aside.
 RUN_FILES = ("checkpoints", "checkpoints_superseded", "update_log", "metrics.jsonl", "tensorboard",
-             "summary.json", "progress.png", "tokenizer", "config.json")
+             "summary.json", "progress.png", "tokenizer", "config.json", "config_history.json")
 
 
 def _fail(message: str) -> None:
@@ -79,7 +82,12 @@ def main(argv):
     validate(config)
   except ConfigError as e:
     _fail(f"invalid config: {e}")
-  os.makedirs(_WORKDIR.value, exist_ok=True)
+  if os.path.exists(_WORKDIR.value) and not os.path.isdir(_WORKDIR.value):
+    _fail(f"--workdir={_WORKDIR.value}: is a file, not a directory")
+  try:
+    os.makedirs(_WORKDIR.value, exist_ok=True)
+  except OSError as e:   # a parent is a file, or not writable
+    _fail(f"--workdir={_WORKDIR.value}: cannot create it ({e.strerror})")
   if _RESTART.value and (aside := restart(_WORKDIR.value)):
     print(f"--restart: the previous run in {_WORKDIR.value} was moved to {aside}", file=sys.stderr)
   from jaxes.train.policy import PolicyLoadError
@@ -89,11 +97,11 @@ def main(argv):
   else:
     from jaxes.train.trainer import Trainer
   try:
-    summary = Trainer(config, _WORKDIR.value).run()
+    summary = Trainer(config, _WORKDIR.value, allow_config_change=_ALLOW_CHANGE.value).run()
   except (RunStateError, PolicyLoadError, ConfigError) as e:
     _fail(str(e))
-  if not distributed.is_primary():
-    return
+  if not distributed.is_primary() or not _VERBOSE.value:
+    return   # the before/after table stays the last thing on the screen; the rest is in summary.json
   # Per-task outcomes stay in summary.json and metrics.jsonl; the terminal gets the totals.
   brief = {k: ({kk: vv for kk, vv in v.items() if not kk.startswith("per_task")}
                if isinstance(v, dict) else v)

@@ -94,15 +94,17 @@ def param_differences(a, b) -> dict[str, float]:
 def compare(run_a: str, run_b: str, norm_rtol: float = 1e-6, log=print) -> bool:
   """Logs one line per check; True iff the runs agree on all of them."""
   agree = True
+  # Both runs are read before anything is printed, so an unreadable one is the only line.
+  (version_a, ctrl_a), (version_b, ctrl_b) = final_controller(run_a), final_controller(run_b)
   lines_a, lines_b = metrics_lines(run_a), metrics_lines(run_b)
-  if not lines_a:
-    raise PolicyLoadError(f"{run_a}: no metrics lines (metrics.jsonl missing or empty)")
+  for run, lines in ((run_a, lines_a), (run_b, lines_b)):
+    if not lines:
+      raise PolicyLoadError(f"{run}: no metrics lines (metrics.jsonl missing or empty)")
   diffs = metrics_differences(lines_a, lines_b, norm_rtol)
   log(f"metrics: {len(lines_a)} lines " + ("identical (timings left out; update norms within "
                                              f"{norm_rtol:g} relative)" if not diffs else
                                              f"DIFFER in {len(diffs)} places: " + "; ".join(diffs[:5])))
   agree &= not diffs
-  (version_a, ctrl_a), (version_b, ctrl_b) = final_controller(run_a), final_controller(run_b)
   same = version_a == version_b and ctrl_a == ctrl_b
   log(f"controller at versions {version_a} / {version_b}: " + ("identical" if same else "DIFFERS"))
   agree &= same

@@ -32,12 +32,9 @@ import jax
 from jaxes import distributed, es
 from jaxes.controller import Controller
 from jaxes.train import builders, checkpoint, multihost, warmstart
+from jaxes.train.errors import RunStateError
 from jaxes.train.policy import load_policy
 from jaxes.train.update_log import UpdateLog
-
-
-class RunStateError(RuntimeError):
-  """The run directory cannot be continued with this config (one line, says what to do)."""
 
 
 @dataclasses.dataclass

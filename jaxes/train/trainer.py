@@ -26,7 +26,7 @@ from ml_collections import config_dict
 from jaxes.controller import Job
 from jaxes.es import keys
 from jaxes.rollout.episodes import EpisodeSpec
-from jaxes.train import builders, checkpoint, evaluation, metrics, multihost, report, tracker, warmstart
+from jaxes.train import builders, checkpoint, config_history, evaluation, metrics, multihost, report, tracker, warmstart
 from jaxes.train.config import validate
 from jaxes.train.hooks import Hook, UpdateInfo, run_hooks
 from jaxes.train.transcripts import TranscriptSampler
@@ -61,9 +61,10 @@ class Trainer:
 
   def __init__(self, config: config_dict.ConfigDict, workdir: str, *, sandbox=None,
                on_update: Callable[[dict], None] | None = None, hooks: list[Hook] = (),
-               log: Callable[[str], None] = print):
+               log: Callable[[str], None] = print, allow_config_change: bool = False):
     validate(config)
     self.config, self.workdir, self.log = config, os.path.abspath(workdir), log
+    self.allow_config_change = allow_config_change
     self._sandbox = sandbox
     self._extra_hooks = list(hooks) + ([Hook(lambda info: on_update(info.record))] if on_update else [])
 
@@ -74,9 +75,12 @@ class Trainer:
     if not host.primary:
       self.log = lambda message: None       # the primary's lines are every process's (same state)
     os.makedirs(self.workdir, exist_ok=True)
-    if host.primary:
-      with open(os.path.join(self.workdir, "config.json"), "w") as f:
-        f.write(c.to_json_best_effort(indent=2))
+    # Read and check before writing anything: a refused rerun leaves the directory as it was.
+    steps_dir = os.path.join(self.workdir, "checkpoints")
+    resuming = os.path.isdir(steps_dir) and any(n.isdigit() for n in os.listdir(steps_dir))
+    changes = config_history.check_rerun(self.workdir, c, self.allow_config_change) if resuming else []
+    if host.primary and (not resuming or config_history.original(self.workdir) is None):
+      config_history.write_original(self.workdir, c)
     with contextlib.ExitStack() as stack:
       sandbox = self._sandbox or builders.build_sandbox(c)
       stack.callback(sandbox.shutdown)
@@ -88,6 +92,11 @@ class Trainer:
       update_log = UpdateLog(os.path.join(self.workdir, UPDATE_LOG))
       stack.callback(update_log.close)
       self.state = self._initial_state(ckpt, update_log, transcripts)
+      if changes and host.primary:
+        config_history.record(self.workdir, self.state.version, changes)
+        self.log(f"config changed from version {self.state.version} on (recorded in "
+                 f"{config_history.HISTORY}): " + "; ".join(map(str, changes)))
+      self._in_force = config_history.changed_in_force(self.workdir, c)
       engine = self._build_engine()
       # Oracle transcripts above ran on the bare sandbox; training and evaluation pay the latency.
       self.runner = builders.build_runner(c, engine, self.parts.tokenizer,
@@ -178,6 +187,8 @@ class Trainer:
       while (state.controller.version < c.train.num_updates
              and (update := state.controller.pop_update()) is not None):
         record, results = self._apply(update)
+        if self._in_force:   # the values in force of keys changed since config.json
+          record["config_in_force"] = self._in_force
         run_hooks(hooks, UpdateInfo(state.version, record, state.version == c.train.num_updates, results))
         self._window = metrics.UpdateWindow(self.runner.stats())
     train_s = time.perf_counter() - t0
@@ -248,16 +259,24 @@ class Trainer:
     c, state = self.config, self.state
     before, after = (state.evals[0], state.evals[-1]) if state.evals else (None, None)
     updates = state.version - start_version
+    records = metrics.read_metrics(os.path.join(self.workdir, "metrics.jsonl")) if self.host.primary else []
+    # Run totals from the metrics lines (one per version, kept across resumes): the sum of the
+    # update windows (training, no evaluation), as the grid counts them. A rerun that trains
+    # nothing changes neither.
+    windows = [(r.get("time") or {}).get("wall_s") or 0.0 for r in records if "train" in r]
+    run_s, mine = sum(windows), sum(windows[len(windows) - updates:]) if updates else 0.0
     summary = {"version": state.version, "algorithm": c.train.algorithm, "mode": c.controller.mode,
                "seed": c.seed,
                "before": before, "after": after, "change": evaluation.paired_change(before, after),
                "reward_change": evaluation.paired_change(before, after, evaluation.REWARD),
-               "train_s_this_run": train_s, "updates_this_run": updates,
-               "updates_per_hour": 3600.0 * updates / train_s if train_s > 0 else 0.0,
-               "peak_rss_gib": metrics.peak_rss_gib(), **state.timings}
+               "train_s": run_s, "updates_per_hour": _per_hour(len(windows), run_s),
+               "updates_this_run": updates,
+               "this_invocation": {"updates": updates, "train_s": mine, "wall_s": train_s,
+                                   "updates_per_hour": _per_hour(updates, mine),
+                                   "peak_rss_gib": metrics.peak_rss_gib()},
+               **state.timings}
     if not self.host.primary:
       return {**summary, "params": self._current_params()}
-    records = metrics.read_metrics(os.path.join(self.workdir, "metrics.jsonl"))
     if c.train.plot and records:
       metrics.plot(records, os.path.join(self.workdir, "progress.png"),
                    title=f"{self._plot_label()} — held-out success and staleness")
@@ -271,3 +290,7 @@ class Trainer:
 
   def _plot_label(self) -> str:
     return f"ES ({self.config.controller.mode}, {self.config.es.mode})"
+
+
+def _per_hour(updates: int, seconds: float) -> float | None:
+  return 3600.0 * updates / seconds if updates and seconds > 0 else None

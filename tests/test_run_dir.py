@@ -1,0 +1,109 @@
+"""What a rerun does to a run directory: a refused config change writes nothing, an allowed one
+is in the history and the metrics, a rerun of a finished run keeps the run's totals; bad
+workdirs, a missing run to compare and an unknown checker agent are one line with exit 2."""
+import hashlib
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from helpers_train import ROOT, build_tiny_tokenizer, tiny_config, write_config_file
+from jaxes.envs import check
+from jaxes.train import compare, config_history, metrics
+from jaxes.train.errors import RunStateError
+from jaxes.train.trainer import Trainer
+
+QUIET = dict(log=lambda s: None)
+BASE = {"controller.mode": "sync", "controller.max_staleness": 0, "eval.num_tasks": 0,
+        "train.plot": False}
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+  """A finished 2-update run (copied by tests that change it)."""
+  tok = build_tiny_tokenizer(str(tmp_path_factory.mktemp("tok")))
+  workdir = tmp_path_factory.mktemp("runs") / "done"
+  config = tiny_config(tok, **BASE)
+  Trainer(config, str(workdir), **QUIET).run()
+  return workdir, config
+
+
+def _digest(root) -> dict:
+  return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+          for p in sorted(pathlib.Path(root).rglob("*")) if p.is_file()}
+
+
+def _copy(src, dst):
+  subprocess.run(["cp", "-a", str(src), str(dst)], check=True)
+  return dst
+
+
+def test_refused_change_writes_nothing_and_allowed_one_is_recorded(finished, tmp_path):
+  src, config = finished
+  workdir = _copy(src, tmp_path / "run")
+  before = _digest(workdir)
+  changed = tiny_config(config.tokenizer.path, **{**BASE, "es.sigma": 0.05, "train.num_updates": 3})
+  with pytest.raises(RunStateError, match=r"config.es.sigma was 0.005 there, is 0.05 here"
+                                          r".*--allow_config_change"):
+    Trainer(changed, str(workdir), **QUIET).run()
+  assert _digest(workdir) == before   # every file byte-identical, config.json included
+
+  Trainer(changed, str(workdir), allow_config_change=True, **QUIET).run()
+  assert json.loads((workdir / "config.json").read_text())["es"]["sigma"] == 0.005   # the original
+  assert config_history.history(str(workdir)) == [{"since_version": 2, "changes": [
+      {"key": "config.es.sigma", "old": 0.005, "new": 0.05},
+      {"key": "config.train.num_updates", "old": 2, "new": 3}]}]
+  lines = [r for r in metrics.read_metrics(str(workdir / "metrics.jsonl")) if "train" in r]
+  assert [r.get("config_in_force") for r in lines] == [None, None, {"es.sigma": 0.05}]
+  assert lines[-1]["sigma"] == pytest.approx(0.05)
+  # The same changed config again: in force already, so nothing to refuse or record.
+  Trainer(changed, str(workdir), **QUIET).run()
+  assert len(config_history.history(str(workdir))) == 1
+  # Extending the run is free (no flag), and recorded.
+  longer = tiny_config(config.tokenizer.path, **{**BASE, "es.sigma": 0.05, "train.num_updates": 4})
+  Trainer(longer, str(workdir), **QUIET).run()
+  assert config_history.history(str(workdir))[-1] == {"since_version": 3, "changes": [
+      {"key": "config.train.num_updates", "old": 3, "new": 4}]}
+
+
+def test_rerun_of_a_finished_run_keeps_the_totals(finished, tmp_path):
+  src, config = finished
+  workdir = _copy(src, tmp_path / "run")
+  first = json.loads((workdir / "summary.json").read_text())
+  windows = [r["time"]["wall_s"] for r in metrics.read_metrics(str(workdir / "metrics.jsonl")) if "train" in r]
+  assert first["train_s"] == pytest.approx(sum(windows)) and first["this_invocation"]["updates"] == 2
+  again = Trainer(config, str(workdir), **QUIET).run()
+  assert (again["train_s"], again["updates_per_hour"]) == (first["train_s"], first["updates_per_hour"])
+  assert again["this_invocation"]["updates"] == 0 and again["this_invocation"]["updates_per_hour"] is None
+  assert json.loads((workdir / "summary.json").read_text())["train_s"] == first["train_s"]
+
+
+def test_compare_names_the_missing_run_first(finished, tmp_path, capsys):
+  src, _ = finished
+  with pytest.raises(SystemExit) as exit_:
+    compare.main([str(src), str(tmp_path / "missing")])
+  assert exit_.value.code == 2
+  out = capsys.readouterr()
+  assert out.out == "" and out.err.strip().splitlines() == [
+      f"compare: {tmp_path / 'missing'}: not a run directory (no checkpoints/ in it)"]
+
+
+def test_unknown_checker_agent_is_a_set_up_error(capsys):
+  assert check.main(["--generated", "1", "--agent", "foo"]) == 2
+  assert capsys.readouterr().err.strip() == "check: --agent 'foo': expected oracle, noop or replay:FILE"
+
+
+@pytest.mark.parametrize("inside", [False, True])
+def test_workdir_that_is_a_file_or_inside_one_is_one_line(finished, tmp_path, inside):
+  _, config = finished
+  (tmp_path / "f").write_text("not a directory")
+  workdir = tmp_path / "f" / "run" if inside else tmp_path / "f"
+  done = subprocess.run([sys.executable, "-m", "jaxes.train", f"--config={write_config_file(config, tmp_path / 'c.py')}",
+                         f"--workdir={workdir}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+  last = done.stderr.strip().splitlines()[-1]
+  assert last.startswith(f"error: --workdir={workdir}: ") and (
+      "cannot create it (Not a directory)" if inside else "is a file") in last
+  assert (tmp_path / "f").read_text() == "not a directory"

@@ -11,7 +11,7 @@ import pytest
 
 from helpers_train import ROOT, build_tiny_tokenizer, tiny_config, write_config_file
 from jaxes.envs import check
-from jaxes.train import compare, config_history, metrics
+from jaxes.train import compare, config_history, export, metrics
 from jaxes.train.errors import RunStateError
 from jaxes.train.trainer import Trainer
 
@@ -107,3 +107,24 @@ def test_workdir_that_is_a_file_or_inside_one_is_one_line(finished, tmp_path, in
   assert last.startswith(f"error: --workdir={workdir}: ") and (
       "cannot create it (Not a directory)" if inside else "is a file") in last
   assert (tmp_path / "f").read_text() == "not a directory"
+
+
+def test_export_of_a_run_whose_newest_checkpoint_is_corrupt_falls_back_and_says_so(finished, tmp_path, capsys):
+  src, _ = finished
+  workdir = _copy(src, tmp_path / "run")
+  for f in (workdir / "checkpoints" / "2").rglob("*"):
+    if f.is_file() and f.stat().st_size > 256 and "meta" not in f.relative_to(workdir / "checkpoints" / "2").parts[0]:
+      data = bytearray(f.read_bytes())
+      data[128:192] = bytes(b ^ 0xFF for b in data[128:192])
+      f.write_bytes(bytes(data))
+  export.main([f"--workdir={workdir}", f"--out={tmp_path / 'hf'}"])
+  out = capsys.readouterr()
+  err = out.err.strip().splitlines()
+  assert len(err) == 1 and err[0].startswith("export: checkpoint step 2 in ") and "corrupt" in err[0], err
+  assert "loading the previous step" in err[0] and "<bound method" not in err[0]
+  assert out.out.startswith("exported version 1 of ")
+  with pytest.raises(SystemExit) as exit_:   # asked for exactly the corrupt step: named, rc 2
+    export.main([f"--workdir={workdir}", "--version=2", f"--out={tmp_path / 'hf2'}"])
+  assert exit_.value.code == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and "checkpoint step 2 in " in err[0] and "corrupt" in err[0], err

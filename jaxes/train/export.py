@@ -4,9 +4,13 @@ Hugging Face directory (config.json, safetensors, tokenizer) that transformers l
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
+import warnings
 
 from jaxes.models import hf
+from jaxes.train import checkpoint
 from jaxes.train.policy import PolicyLoadError, load_policy
 
 
@@ -15,6 +19,10 @@ def export(workdir: str, out: str, version: int | None = None) -> int:
   policy = load_policy(workdir, version)
   hf.save(out, policy.model_config, policy.params)
   policy.tokenizer.save_pretrained(out)
+  if policy.config_changes:   # provenance: the version was trained under config changes
+    with open(os.path.join(out, "jaxes_config_history.json"), "w") as f:
+      json.dump({"run": os.path.abspath(workdir), "version": policy.version,
+                 "config_changes": policy.config_changes}, f, indent=2)
   return policy.version
 
 
@@ -25,10 +33,14 @@ def main(argv=None) -> None:
   parser.add_argument("--out", required=True, help="output directory")
   args = parser.parse_args(argv)
   try:
-    version = export(args.workdir, args.out, args.version)
-  except PolicyLoadError as e:
+    with warnings.catch_warnings(record=True) as said:   # a skipped corrupt step: one line, below
+      warnings.simplefilter("always", RuntimeWarning)
+      version = export(args.workdir, args.out, args.version)
+  except (PolicyLoadError, checkpoint.CheckpointError) as e:
     print(f"export: {e}", file=sys.stderr)
     sys.exit(2)
+  for w in said:
+    print(f"export: {w.message}", file=sys.stderr)
   print(f"exported version {version} of {args.workdir} to {args.out}")
 
 

@@ -1,7 +1,8 @@
 """A trained run's policy, loaded from its run directory: ``load_policy(workdir, version=None)``.
 
 Reads only what a policy is: the run's config (stored in every checkpoint), its tokenizer and
-the parameters of one checkpointed version, restored against abstract shapes (no optimizer
+the parameters of one checkpointed version (default: the newest readable one; a corrupt newest
+step is skipped with a warning, as training does), restored against abstract shapes (no optimizer
 state, no old versions, nothing allocated twice). Benchmarks, ``warmstart.init_from`` and
 ``python -m jaxes.train.export`` all load runs this way.
 """
@@ -9,13 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from typing import Any
 
 from flax import nnx
 from ml_collections import config_dict
 
 from jaxes.models import qwen2
-from jaxes.train import builders, checkpoint
+from jaxes.train import builders, checkpoint, config_history
 
 
 class PolicyLoadError(RuntimeError):
@@ -30,6 +32,8 @@ class Policy:
   graphdef: nnx.GraphDef
   params: nnx.State
   version: int
+  # config_history entries that apply to the updates up to this version (config changes on resume)
+  config_changes: list = dataclasses.field(default_factory=list)
 
 
 def load_policy(workdir: str, version: int | None = None) -> Policy:
@@ -42,17 +46,29 @@ def load_policy(workdir: str, version: int | None = None) -> Policy:
     steps = ckpt.steps()
     if not steps:
       raise PolicyLoadError(f"{workdir}: the run has no checkpoint yet")
-    step = steps[-1] if version is None else int(version)
-    if step not in steps:
-      raise PolicyLoadError(f"{workdir}: no checkpoint of version {step}; checkpointed versions: {steps}")
-    config = config_dict.ConfigDict(ckpt.restore_host(step)["config"])
-    tokenizer_path = builders.tokenizer_dir(config, workdir)
-    if tokenizer_path is None:
-      raise PolicyLoadError(f"{workdir}: the run's tokenizer is missing (expected {workdir}/tokenizer)")
-    tokenizer = builders.load_tokenizer(tokenizer_path)
-    model = builders.build_model(config, len(tokenizer))
-    item = "learner" if config.train.get("algorithm", "es") == "grpo" else "es"  # (grpo_trainer)
-    params = ckpt.restore_item(step, item, {"params": model.abstract_params}, partial=True)["params"]
+    if version is not None and int(version) not in steps:
+      raise PolicyLoadError(f"{workdir}: no checkpoint of version {version}; checkpointed versions: {steps}")
+    # The newest readable step, as training resumes; an explicit version is that step or an error.
+    for step in reversed(steps) if version is None else [int(version)]:
+      try:
+        return _load_step(ckpt, workdir, step)
+      except checkpoint.CorruptCheckpoint as e:
+        if version is not None or step == steps[0]:
+          raise PolicyLoadError(f"{workdir}: {e}") from None
+        warnings.warn(f"{e}; loading the previous step (nothing moved or deleted)", RuntimeWarning,
+                      stacklevel=2)
   finally:
     ckpt.close()
-  return Policy(config, tokenizer, model.config, model.graphdef, params, step)
+
+
+def _load_step(ckpt: checkpoint.Checkpointer, workdir: str, step: int) -> Policy:
+  config = config_dict.ConfigDict(ckpt.restore_host(step)["config"])   # the config in force at step
+  tokenizer_path = builders.tokenizer_dir(config, workdir)
+  if tokenizer_path is None:
+    raise PolicyLoadError(f"{workdir}: the run's tokenizer is missing (expected {workdir}/tokenizer)")
+  tokenizer = builders.load_tokenizer(tokenizer_path)
+  model = builders.build_model(config, len(tokenizer))
+  item = "learner" if config.train.get("algorithm", "es") == "grpo" else "es"  # (grpo_trainer)
+  params = ckpt.restore_item(step, item, {"params": model.abstract_params}, partial=True)["params"]
+  changes = [e for e in config_history.history(workdir) if e["since_version"] < step]
+  return Policy(config, tokenizer, model.config, model.graphdef, params, step, changes)

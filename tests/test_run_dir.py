@@ -2,6 +2,7 @@
 is in the history and the metrics, a rerun of a finished run keeps the run's totals; bad
 workdirs, a missing run to compare and an unknown checker agent are one line with exit 2."""
 import hashlib
+import io
 import json
 import pathlib
 import subprocess
@@ -13,6 +14,7 @@ from helpers_train import ROOT, build_tiny_tokenizer, tiny_config, write_config_
 from jaxes.envs import check
 from jaxes.train import compare, config_history, export, metrics
 from jaxes.train.errors import RunStateError
+from jaxes.train.metrics import ProgressBar
 from jaxes.train.trainer import Trainer
 
 QUIET = dict(log=lambda s: None)
@@ -128,3 +130,13 @@ def test_export_of_a_run_whose_newest_checkpoint_is_corrupt_falls_back_and_says_
   assert exit_.value.code == 2
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and "checkpoint step 2 in " in err[0] and "corrupt" in err[0], err
+
+
+def test_progress_bar_says_compiling_until_the_first_update_then_times_from_there():
+  out = io.StringIO()
+  bar = ProgressBar(3, 0, file=out)
+  assert out.getvalue().rstrip().endswith("0/3 [compiling…]")
+  bar.update({"train": {"success": 0.5}, "staleness_mean": 0.0, "episodes_per_s": 1.0})
+  # No rate yet: the first update (its compiles) is not part of the estimate.
+  assert "1/3 [00:00<?, ?upd/s" in out.getvalue().split("\r")[-1]
+  bar.close()

@@ -3,6 +3,9 @@
 Validates the config (errors name the key) before any compute, then trains; rerunning the same
 command resumes from the newest checkpoint in ``--workdir``. ``--restart`` sets the directory's
 previous run aside (moved into ``WORKDIR/restarted-<time>/``, nothing deleted) and starts fresh.
+A rerun whose config differs from the run's (beyond ``config_history.FREE_KEYS``) stops unless
+``--allow_config_change``, which records the change in ``WORKDIR/config_history.json``. The run's
+summary goes to ``WORKDIR/summary.json`` (also printed with ``--verbose``).
 A bad config, a missing config file or a run directory that cannot be continued is one line on
 stderr and exit status 2.
 """

@@ -75,6 +75,18 @@ def in_force(workdir: str, version: int | None = None) -> dict | None:
   return current
 
 
+def unflat(values: dict) -> dict:
+  """The nested form of a flat config (``{"config.es.sigma": x}`` -> ``{"es": {"sigma": x}}``)."""
+  out: dict = {}
+  for key, v in values.items():
+    *sections, name = key.split(".")[1:]
+    node = out
+    for part in sections:
+      node = node.setdefault(part, {})
+    node[name] = v
+  return out
+
+
 def differences(recorded: dict, config) -> list[Change]:
   """Every key whose value differs between a flat recorded config and ``config``."""
   now = flat(values(config))

@@ -206,20 +206,31 @@ class UpdateWindow:
 
 class ProgressBar:
   """A tqdm bar over updates showing training success, staleness and episodes/s (a no-op when
-  disabled)."""
+  disabled). A process's first update includes its XLA compiles (a minute for the demo), so the
+  bar says "compiling…" without an estimate until it ends, and then starts timing afresh."""
 
-  def __init__(self, total: int, initial: int, enabled: bool = True, desc: str = "ES updates"):
+  def __init__(self, total: int, initial: int, enabled: bool = True, desc: str = "ES updates",
+               file=None):
+    self._total, self._desc, self._file, self._timed = total, desc, file, False
     self._bar = None
     if enabled:
-      self._bar = tqdm(total=total, initial=initial, desc=desc, unit="upd")
+      self._bar = tqdm(total=total, initial=initial, desc=desc, unit="upd", file=file, leave=False,
+                       bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [compiling…]")
 
   def update(self, record: dict) -> None:
     if self._bar is None:
       return
-    self._bar.update(1)
+    if not self._timed:   # a new bar from here on: its rate and estimate leave the compiles out
+      done = self._bar.n + 1
+      self._bar.close()
+      self._bar = tqdm(total=self._total, initial=done, desc=self._desc, unit="upd", file=self._file)
+      self._timed = True
+    else:
+      self._bar.update(1)
     self._bar.set_postfix(success=f"{record['train']['success']:.2f}",
                           stale=f"{record['staleness_mean']:.2f}", eps=f"{record['episodes_per_s']:.1f}/s")
 
   def close(self) -> None:
     if self._bar is not None:
       self._bar.close()
+      self._bar = None

@@ -168,15 +168,17 @@ def config_difference(stored: dict, current: dict) -> str:
 # -- the initial state ----------------------------------------------------------------------------
 def initial_state(config, workdir: str, parts: Parts, ckpt: checkpoint.Checkpointer,
                   update_log: UpdateLog, transcripts: list[list[dict]], log=print,
-                  place=None) -> RunState:
+                  place=None, replay_strategy: es.Strategy | None = None) -> RunState:
   """The newest checkpoint's state, or a fresh one: version-0 parameters from the warm start on
   ``transcripts``, from ``warmstart.init_from``'s version 0, from ``model.path`` or random.
   ``place``: the mesh the ES state lives on, in the rule table's shardings (``es_shardings``),
-  restored into them too; None leaves arrays where they are made."""
+  restored into them too; None leaves arrays where they are made. ``replay_strategy``: the
+  strategy the logged updates were made with, when the config changed since (default: this one)."""
   shardings = es_shardings(parts, place)
   if ckpt.steps():
     state = _restore(ckpt, parts, config, shardings)
-    state.replayed = replay(state, update_log.replay_after(state.restored_from), parts.strategy)
+    state.replayed = replay(state, update_log.replay_after(state.restored_from),
+                            replay_strategy or parts.strategy)
     log(f"resumed from checkpoint at version {state.restored_from}"
         + (f" and {len(state.replayed)} logged updates" if state.replayed else ""))
     return state

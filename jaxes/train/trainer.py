@@ -78,7 +78,8 @@ class Trainer:
     # Read and check before writing anything: a refused rerun leaves the directory as it was.
     steps_dir = os.path.join(self.workdir, "checkpoints")
     resuming = os.path.isdir(steps_dir) and any(n.isdigit() for n in os.listdir(steps_dir))
-    changes = config_history.check_rerun(self.workdir, c, self.allow_config_change) if resuming else []
+    self._changes = changes = (config_history.check_rerun(self.workdir, c, self.allow_config_change)
+                               if resuming else [])
     if host.primary and (not resuming or config_history.original(self.workdir) is None):
       config_history.write_original(self.workdir, c)
     with contextlib.ExitStack() as stack:
@@ -108,7 +109,7 @@ class Trainer:
       stack.callback(writer.close)
       if host.primary:
         writer.backfill(self.state.replayed)   # lines a kill cut off after their update was logged
-      progress = self._progress_bar()
+      self._progress = progress = self._progress_bar()
       stack.callback(progress.close)
       evaluates = bool(c.eval.num_tasks)
       self._sampler = (TranscriptSampler(self.workdir, self.parts.tokenizer, c.train.transcripts_per_update,
@@ -138,8 +139,14 @@ class Trainer:
 
   def _initial_state(self, ckpt, update_log: UpdateLog, transcripts) -> RunState:
     host = self.host
+    # Logged updates after the checkpoint are replayed as they were made: under the config in
+    # force before this rerun's change (recorded only once the state is restored).
+    before = self._changes and config_history.in_force(self.workdir)
+    replay_strategy = (builders.build_strategy(config_dict.ConfigDict(config_history.unflat(before)))
+                       if before else None)
     return initial_state(self.config, self.workdir, self.parts, ckpt, update_log, transcripts,
-                         self.log, place=host.mesh if host.mesh.size > 1 else None)
+                         self.log, place=host.mesh if host.mesh.size > 1 else None,
+                         replay_strategy=replay_strategy)
 
   def _build_engine(self):
     return builders.build_engine(self.config, self.parts.model, self.parts.tokenizer,
@@ -197,6 +204,7 @@ class Trainer:
       writer.write({"version": state.version, "eval": self.evaluate()})
       self._save(ckpt)
     ckpt.wait()
+    self._progress.close()   # before the before/after table, which stays the last thing shown
     return self._summary(train_s, start_version)
 
   def _issue_jobs(self) -> None:

@@ -26,7 +26,8 @@ from ml_collections import config_dict
 from jaxes.controller import Job
 from jaxes.es import keys
 from jaxes.rollout.episodes import EpisodeSpec
-from jaxes.train import builders, checkpoint, config_history, evaluation, metrics, multihost, report, tracker, warmstart
+from jaxes.train import (builders, checkpoint, compile_cache, config_history, evaluation, metrics, multihost,
+                         report, tracker, warmstart)
 from jaxes.train.config import validate
 from jaxes.train.hooks import Hook, UpdateInfo, run_hooks
 from jaxes.train.transcripts import TranscriptSampler
@@ -82,6 +83,8 @@ class Trainer:
                                if resuming else [])
     if host.primary and (not resuming or config_history.original(self.workdir) is None):
       config_history.write_original(self.workdir, c)
+    # Before the first compile: a rerun (or another host of the pod) reads the programs back.
+    self.log(f"compilation cache: {compile_cache.enable(self.workdir)}")
     with contextlib.ExitStack() as stack:
       sandbox = self._sandbox or builders.build_sandbox(c)
       stack.callback(sandbox.shutdown)

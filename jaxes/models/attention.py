@@ -55,13 +55,16 @@ def block_size(span: int, block: int) -> int:
 
 def blockwise(q: jax.Array, read: Callable[[jax.Array, int], tuple[jax.Array, jax.Array]],
               visible: Callable[[jax.Array, int], jax.Array], span: int,
-              block: int | None = None) -> jax.Array:
+              block: int | None = None, keys_needed: jax.Array | None = None) -> jax.Array:
   """Online-softmax attention over keys ``[0, span)`` read ``block`` at a time.
 
   ``read(start, n) -> (k, v)`` each ``[B, n, K, hd]`` and ``visible(start, n) -> bool [B, T, n]``
   give one block (``start`` is traced); reading through callbacks lets the caller slice a block
   straight out of a larger buffer (the engine's whole cache) instead of copying the span first.
-  Equals ``dense`` over the same keys up to float rounding.
+  ``keys_needed`` (traced int, or None: the whole span): no query sees a key at or past it, so
+  the blocks after it are not read (a loop with a traced trip count: one program serves every
+  attention length). Equals ``dense`` over the same keys up to float rounding (a skipped block
+  is fully masked: it would add exactly nothing).
   """
   n = block_size(span, KV_BLOCK if block is None else block)
   B, T, K, G, hd = q.shape
@@ -85,7 +88,11 @@ def blockwise(q: jax.Array, read: Callable[[jax.Array, int], tuple[jax.Array, ja
 
   init = (jnp.full((B, K, G, T), _FLOOR, jnp.float32), jnp.zeros((B, K, G, T), jnp.float32),
           jnp.zeros((B, K, G, T, hd), jnp.float32))
-  (_, l, acc), _ = jax.lax.scan(one_block, init, jnp.arange(span // n))
+  if keys_needed is None:
+    (_, l, acc), _ = jax.lax.scan(one_block, init, jnp.arange(span // n))
+  else:
+    blocks = jnp.clip((keys_needed + n - 1) // n, 1, span // n)
+    _, l, acc = jax.lax.fori_loop(0, blocks, lambda j, carry: one_block(carry, j)[0], init)
   out = acc / l[..., None]
   return jnp.moveaxis(out, 3, 1).astype(q.dtype)  # [B, K, G, T, hd] -> [B, T, K, G, hd]
 
@@ -109,16 +116,19 @@ def as_bits(x: jax.Array) -> jax.Array:
 
 def cached(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, layer: jax.Array,
            cache_valid: jax.Array, q_slots: jax.Array, span: int, dtype=None,
-           block: int | None = None, rows: "Rows | None" = None) -> jax.Array:
+           block: int | None = None, rows: "Rows | None" = None, bounded: bool = False
+           ) -> jax.Array:
   """Attention of ``q`` to the first ``span`` slots of layer ``layer`` of a ``[L, B, S, K, hd]``
   cache; query t of row b sees slot s iff ``cache_valid[b, s]`` and ``s <= q_slots[b, t]``.
   ``dtype``: the cache holds raw bits (``as_bits``) of this dtype; None: plain values. Blocks
   are read as bits and converted one at a time, so no compiler can hoist a dtype conversion of
   the whole cache out of the block loop (the CPU backend, which computes bfloat16 dots in
   float32, did: a float32 copy of the cache). ``rows``: q's batch is those rows of the cache
-  (``cache_valid`` and ``q_slots`` per batch row); see ``Rows``."""
+  (``cache_valid`` and ``q_slots`` per batch row); see ``Rows``. ``bounded``: read key blocks
+  up to the furthest query only (``_attend``)."""
   if rows is not None:
-    return rows.attend(q, cache_k, cache_v, layer, cache_valid, q_slots, span, dtype, block)
+    return rows.attend(q, cache_k, cache_v, layer, cache_valid, q_slots, span, dtype, block,
+                       bounded)
   B = q.shape[0]
   K, hd = cache_k.shape[-2:]
 
@@ -130,10 +140,11 @@ def cached(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, layer: jax.Arra
       k, v = (jax.lax.bitcast_convert_type(c, dtype) for c in (k, v))
     return k, v
 
-  return _attend(q, read, cache_valid, q_slots, span, block)
+  return _attend(q, read, cache_valid, q_slots, span, block, bounded)
 
 
-def _attend_rows(q, cache_k, cache_v, layer, row_valid, q_slots, index, span, dtype, block):
+def _attend_rows(q, cache_k, cache_v, layer, row_valid, q_slots, index, span, dtype, block,
+                 bounded=False):
   """``cached`` for batch row i reading cache row ``index[i]``, all on one device: each key block
   is gathered for the batch's rows only (``[n, block, K, hd]``), never their whole rows."""
   def read(start, n):
@@ -143,13 +154,14 @@ def _attend_rows(q, cache_k, cache_v, layer, row_valid, q_slots, index, span, dt
       k, v = (jax.lax.bitcast_convert_type(c, dtype) for c in (k, v))
     return k, v
 
-  return _attend(q, read, row_valid, q_slots, span, block)
+  return _attend(q, read, row_valid, q_slots, span, block, bounded)
 
 
-def _attend(q, read, valid, q_slots, span, block):
+def _attend(q, read, valid, q_slots, span, block, bounded=False):
   """Attention of ``q`` to the keys ``read(start, n)`` returns: query t of row b sees slot s iff
   ``valid[b, s]`` and ``s <= q_slots[b, t]``. cuDNN on the GPU (handed the whole span), else
-  ``blockwise``."""
+  ``blockwise``; ``bounded``: ``blockwise`` reads key blocks up to this device's furthest query
+  only (``q_slots`` of padding tokens must not point past the real ones)."""
   def visible(start, n):
     keys = start + jnp.arange(n)
     return (jax.lax.dynamic_slice_in_dim(valid, start, n, axis=1)[:, None, :]
@@ -160,7 +172,8 @@ def _attend(q, read, valid, q_slots, span, block):
     out = _cudnn(q, k, v, visible(0, span))
     if out is not None:
       return out
-  return blockwise(q, read, visible, span, block)
+  return blockwise(q, read, visible, span, block,
+                   keys_needed=q_slots.max() + 1 if bounded else None)
 
 
 def _per_device(mesh, fn, in_specs, out_specs):
@@ -226,10 +239,12 @@ class Rows:
     return self._local(lambda x, c, i: x.at[i].add(c), (rows, rows, rows), rows)(
         index, counts, self.index)
 
-  def attend(self, q, cache_k, cache_v, layer, row_valid, q_slots, span, dtype=None, block=None):
-    """``cached`` for these rows: ``q [n, T, K, G, hd]``, ``row_valid [n, S]``, ``q_slots [n, T]``."""
+  def attend(self, q, cache_k, cache_v, layer, row_valid, q_slots, span, dtype=None, block=None,
+             bounded=False):
+    """``cached`` for these rows: ``q [n, T, K, G, hd]``, ``row_valid [n, S]``, ``q_slots [n, T]``
+    (``bounded``: see ``_attend``)."""
     b, h = self.batch_axis, self.heads_axis
-    fn = functools.partial(_attend_rows, span=span, dtype=dtype, block=block)
+    fn = functools.partial(_attend_rows, span=span, dtype=dtype, block=block, bounded=bounded)
     cache = self._cache_spec()
     return self._local(fn, (P(b, None, h), cache, cache, P(), P(b), P(b), P(b)),
                        P(b, None, h))(q, cache_k, cache_v, layer, row_valid, q_slots, self.index)
@@ -242,7 +257,8 @@ def _page_block(span: int, page: int, block: int | None) -> int:
   return page * block_size(span // page, max(1, (KV_BLOCK if block is None else block) // page))
 
 
-def _paged_attend(q, pages_k, pages_v, layer, row_valid, q_slots, table, span, dtype, block):
+def _paged_attend(q, pages_k, pages_v, layer, row_valid, q_slots, table, span, dtype, block,
+                  bounded=False):
   """``cached`` for batch row i reading the pages ``table[i]`` of ``[L, P, page, K, hd]``, on one
   device: a key block is whole pages, gathered for the batch's rows only."""
   page = pages_k.shape[2]
@@ -256,7 +272,7 @@ def _paged_attend(q, pages_k, pages_v, layer, row_valid, q_slots, table, span, d
       k, v = (jax.lax.bitcast_convert_type(c, dtype) for c in (k, v))
     return k, v
 
-  return _attend(q, read, row_valid, q_slots, span, n_block)
+  return _attend(q, read, row_valid, q_slots, span, n_block, bounded)
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["table"],
@@ -295,11 +311,12 @@ class Pages:
     return self._local(fn, (self._pages_spec(), P(), P(b), P(b, None, h), P(b)),
                        self._pages_spec())(pages, layer, slots, x, self.table)
 
-  def attend(self, q, pages_k, pages_v, layer, row_valid, q_slots, span, dtype=None, block=None):
+  def attend(self, q, pages_k, pages_v, layer, row_valid, q_slots, span, dtype=None, block=None,
+             bounded=False):
     """``cached`` over these rows' pages: ``q [n, T, K, G, hd]``, ``row_valid [n, S]``,
-    ``q_slots [n, T]``."""
+    ``q_slots [n, T]`` (``bounded``: see ``_attend``)."""
     b, h = self.batch_axis, self.heads_axis
-    fn = functools.partial(_paged_attend, span=span, dtype=dtype, block=block)
+    fn = functools.partial(_paged_attend, span=span, dtype=dtype, block=block, bounded=bounded)
     pages = self._pages_spec()
     return self._local(fn, (P(b, None, h), pages, pages, P(), P(b), P(b), P(b)),
                        P(b, None, h))(q, pages_k, pages_v, layer, row_valid, q_slots, self.table)

@@ -298,13 +298,13 @@ class Attention(nnx.Module):
     if cached is None:
       out, kv = attention.causal(q, k, v, mask), None
     else:
-      cache_k, cache_v, valid, slots, write_slots, span, dtype, cache_rows, pages = cached
+      cache_k, cache_v, valid, slots, write_slots, span, dtype, cache_rows, pages, bounded = cached
       # Written into the whole cache (the layer scan's carry, as raw bits) in place; invalid
       # tokens carry an out-of-range slot, so mode="drop" skips them.
       if pages is not None:  # a paged cache (``attention.Pages``): each shard its own pages
         cache_k = pages.write(cache_k, layer, write_slots, attention.as_bits(k.astype(dtype)))
         cache_v = pages.write(cache_v, layer, write_slots, attention.as_bits(v.astype(dtype)))
-        out = pages.attend(q, cache_k, cache_v, layer, valid, slots, span, dtype)
+        out = pages.attend(q, cache_k, cache_v, layer, valid, slots, span, dtype, bounded=bounded)
         return self.o_proj(out.reshape(B, T, -1), noiser, layer), (cache_k, cache_v)
       if cache_rows is None:
         rows = jnp.arange(B)[:, None]
@@ -313,7 +313,8 @@ class Attention(nnx.Module):
       else:  # some rows of the cache (``attention.Rows``): each device writes its own
         cache_k = cache_rows.write(cache_k, layer, write_slots, attention.as_bits(k.astype(dtype)))
         cache_v = cache_rows.write(cache_v, layer, write_slots, attention.as_bits(v.astype(dtype)))
-      out = attention.cached(q, cache_k, cache_v, layer, valid, slots, span, dtype, rows=cache_rows)
+      out = attention.cached(q, cache_k, cache_v, layer, valid, slots, span, dtype, rows=cache_rows,
+                             bounded=bounded)
       kv = (cache_k, cache_v)
     return self.o_proj(out.reshape(B, T, -1), noiser, layer), kv
 
@@ -367,8 +368,8 @@ class Qwen2ForCausalLM(nnx.Module):
                cache: KVCache | None = None, noiser: Noiser | None = None,
                logits_at: jax.Array | None = None, attend_len: int | None = None,
                cache_rows: attention.Rows | None = None, remat: bool = False,
-               head: bool = True, cache_pages: attention.Pages | None = None
-               ) -> tuple[jax.Array, KVCache | None]:
+               head: bool = True, cache_pages: attention.Pages | None = None,
+               token_offsets: jax.Array | None = None) -> tuple[jax.Array, KVCache | None]:
     """tokens, positions: int32 [B, T]; valid: bool [B, T]. Returns (float32 logits [B, T, V],
     updated cache). See ``KVCache`` and the module docstring for the cache semantics.
     ``logits_at`` (int32 [B]) computes the logits of one position per row only, [B, V]: a
@@ -382,7 +383,11 @@ class Qwen2ForCausalLM(nnx.Module):
     without a cache): each layer under ``jax.checkpoint``, so a gradient holds one layer's
     activations at a time (plus every layer's input) and recomputes the rest in the backward. ``head=False`` (static):
     the final-normed hidden states [B, T, d] in place of the logits, for a caller that applies
-    the LM head (``lm_logits``) to a few positions at a time."""
+    the LM head (``lm_logits``) to a few positions at a time. ``token_offsets`` (int32 [B, T],
+    with ``cache_rows``; a ragged token batch): batch rows may share a cache row, token t of
+    batch row i going to slot ``index + token_offsets[i, t]`` of its row and seeing every slot
+    of that row this call writes up to its own; attention reads key blocks up to each device's
+    furthest token only (one program for every attention length)."""
     cfg = self.config
     noiser = IdentityNoiser() if noiser is None else noiser
     valid = valid.astype(bool)
@@ -404,11 +409,22 @@ class Qwen2ForCausalLM(nnx.Module):
       # Each batch row's cache index and valid slots (its cache row's, with ``cache_rows``).
       row_index, row_valid = ((cache.index, cache.valid) if cache_rows is None else
                               (cache_rows.take(cache.index), cache_rows.take(cache.valid)))
-      slots = row_index[:, None] + jnp.cumsum(valid, axis=1, dtype=jnp.int32) - 1
-      write_slots = jnp.where(valid, slots, S)
-      rows = jnp.arange(tokens.shape[0])[:, None]
-      cache_valid = row_valid.at[rows, write_slots].set(True, mode="drop")
+      if token_offsets is None:
+        slots = row_index[:, None] + jnp.cumsum(valid, axis=1, dtype=jnp.int32) - 1
+        write_slots = jnp.where(valid, slots, S)
+        rows = jnp.arange(tokens.shape[0])[:, None]
+        cache_valid = row_valid.at[rows, write_slots].set(True, mode="drop")
+      else:
+        if cache_rows is None:
+          raise ValueError("token_offsets needs cache_rows: a ragged batch names its tokens' rows")
+        # Padding tokens query slot 0, so they never extend the key blocks a device reads.
+        slots = jnp.where(valid, row_index[:, None] + token_offsets, 0)
+        write_slots = jnp.where(valid, slots, S)
+        # A row's slots from its index on are this call's tokens (of any batch row), each written
+        # before attention reads it; ``s <= q_slot`` keeps the later ones out of view.
+        cache_valid = row_valid | (jnp.arange(S)[None, :] >= row_index[:, None])
       span = S if attend_len is None else min(attend_len, S)
+      bounded = token_offsets is not None
 
       # The cache rides in the scan's carry and each layer writes its new keys into it: a cache
       # passed as scanned input/output would be rebuilt as a second full copy.
@@ -419,7 +435,8 @@ class Qwen2ForCausalLM(nnx.Module):
         state, layer = scanned
         x, (k, v) = nnx.merge(layers_def, state)(
             x, positions, noiser, layer,
-            cached=(k, v, cache_valid, slots, write_slots, span, dtype, cache_rows, cache_pages))
+            cached=(k, v, cache_valid, slots, write_slots, span, dtype, cache_rows, cache_pages,
+                    bounded))
         return (x, k, v), None
 
       (x, cache_k, cache_v), _ = jax.lax.scan(one_layer, (x, cache.k, cache.v),
@@ -451,9 +468,9 @@ def forward(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array, positi
             valid: jax.Array, cache: KVCache | None = None, noiser: Noiser | None = None,
             logits_at: jax.Array | None = None, attend_len: int | None = None,
             cache_rows: attention.Rows | None = None, remat: bool = False, head: bool = True,
-            cache_pages: attention.Pages | None = None):
+            cache_pages: attention.Pages | None = None, token_offsets: jax.Array | None = None):
   """Pure functional forward for use inside ``jax.jit``: ``nnx.merge`` then call."""
   model = nnx.merge(graphdef, params)
   return model(tokens, positions, valid, cache=cache, noiser=noiser, logits_at=logits_at,
                attend_len=attend_len, cache_rows=cache_rows, remat=remat, head=head,
-               cache_pages=cache_pages)
+               cache_pages=cache_pages, token_offsets=token_offsets)

@@ -15,6 +15,15 @@ def docker_or_skip():
     pytest.skip(f"no docker engine or image ({err}); run `bash launch/docker/setup.sh`")
 
 
+def verifier_pytest_or_skip(sandbox, task):
+  """Skips, naming what to install, where the backend's verifier lacks pytest for ``task``."""
+  from jaxes.envs.sandbox import SandboxError
+  try:
+    sandbox.check_verifier([task])
+  except SandboxError as err:
+    pytest.skip(str(err))
+
+
 @pytest.fixture(scope="module", params=["local", "docker"])
 def sandbox(request):
   if request.param == "docker":

@@ -109,3 +109,23 @@ def test_weak_isolation_only_when_asked_for_and_warned(capsys):
   with pytest.warns(RuntimeWarning, match=r"WEAK ISOLATION \(none\)"):
     code, _, summary = run(capsys, "--generated", "2", "--isolation", "none")
   assert code == 0 and summary["passed"] == 2
+
+
+def test_local_backend_refuses_up_front_when_its_verifier_lacks_pytest(tmp_path):
+  from jaxes.envs import make_sandbox
+  from jaxes.envs.sandbox import SandboxError
+  from jaxes.envs.task import Task
+  no_pytest = tmp_path / "python3"   # the host's python3 without site packages: no python3-pytest
+  no_pytest.write_text('#!/bin/sh\nexec /usr/bin/python3 -S "$@"\n')
+  no_pytest.chmod(0o755)
+  light = Task(name="light", instruction="x", final_tests="def test_x():\n  assert True\n")
+  needs = Task(name="needs-pytest", instruction="x",
+               final_tests="import pytest\n\ndef test_x():\n  assert True\n")
+  sandbox = make_sandbox("local", python=str(no_pytest))
+  try:
+    sandbox.check_verifier([light])   # the light runner needs nothing
+    with pytest.raises(SandboxError, match=r"1 task\(s\) \(e.g. 'needs-pytest'\) need pytest.*"
+                       r"apt-get install python3-pytest"):
+      sandbox.check_verifier([light, needs])
+  finally:
+    sandbox.shutdown()

@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from helpers_sandboxes import sandbox  # noqa: F401  (the fixture: both backends)
+from helpers_sandboxes import sandbox, verifier_pytest_or_skip  # noqa: F401  (sandbox: both backends)
 from jaxes.envs import check, generator
 from jaxes.envs.task import Task
 
@@ -215,6 +215,7 @@ REACH = textwrap.dedent('''\
 def test_programs_the_tests_run_cannot_reach_the_verifier(sandbox, runner):
   tests = REACH if runner == "light" else "import pytest\n" + REACH
   task = Task(name="reach", instruction="x", final_tests=tests)
+  verifier_pytest_or_skip(sandbox, task)
   with sandbox.start(task) as handle:
     report = handle.run_tests()
   assert report.passed, report.report

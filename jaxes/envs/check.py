@@ -191,6 +191,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"check: {e}", file=sys.stderr)
     return 2
   try:
+    sandbox.check_verifier(tasks)
+  except SandboxError as e:
+    sandbox.shutdown()
+    print(f"check: {e}", file=sys.stderr)
+    return 2
+  try:
     results, leaked = run_checks(sandbox, tasks, args.agent, args.workers, not args.no_progress)
   finally:
     sandbox.shutdown()

@@ -77,5 +77,8 @@ class LatencySandbox(Sandbox):
   def shutdown(self):
     self.inner.shutdown()
 
+  def check_verifier(self, tasks):
+    self.inner.check_verifier(tasks)
+
   def leftovers(self):
     return self.inner.leftovers()

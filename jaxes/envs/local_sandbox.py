@@ -361,6 +361,18 @@ class LocalSandbox(Sandbox):
       raise
     return handle
 
+  def check_verifier(self, tasks) -> None:
+    needs_pytest = [t.name for t in tasks
+                    if self.use_pytest or final_tests.plain_test_names(t.final_tests) is None]
+    if not needs_pytest:
+      return
+    # The verifier runs this interpreter (bound read-only into the sandbox) with -I, as probed here.
+    probe = subprocess.run([self.python, "-I", "-c", "import pytest"], capture_output=True)
+    if probe.returncode != 0:
+      raise SandboxError(
+          f"{len(needs_pytest)} task(s) (e.g. {needs_pytest[0]!r}) need pytest, which the local "
+          f"verifier's {self.python} lacks: apt-get install python3-pytest, or use the docker backend")
+
   def shutdown(self) -> None:
     with self._lock:
       live = list(self._live)

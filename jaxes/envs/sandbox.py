@@ -61,6 +61,11 @@ class Sandbox(abc.ABC):
   def shutdown(self) -> None:
     pass
 
+  def check_verifier(self, tasks) -> None:
+    """Raises SandboxError (one line saying what to install) where this backend's verifier
+    lacks what ``tasks`` need, so a run refuses at start instead of losing those tasks one
+    SANDBOX_ERROR at a time. Backends with a known verifier runtime need nothing here."""
+
   def leftovers(self) -> dict[str, int]:
     """Counts of things this backend created that still exist (e.g. {"directories": 0})."""
     return {}

@@ -95,13 +95,14 @@ def main(argv):
     print(f"--restart: the previous run in {_WORKDIR.value} was moved to {aside}", file=sys.stderr)
   from jaxes.train.policy import PolicyLoadError
   from jaxes.train.state import RunStateError
+  from jaxes.envs.sandbox import SandboxError
   if config.train.algorithm == "grpo":
     from jaxes.train.grpo_trainer import GRPOTrainer as Trainer
   else:
     from jaxes.train.trainer import Trainer
   try:
     summary = Trainer(config, _WORKDIR.value, allow_config_change=_ALLOW_CHANGE.value).run()
-  except (RunStateError, PolicyLoadError, ConfigError) as e:
+  except (RunStateError, PolicyLoadError, ConfigError, SandboxError) as e:
     _fail(str(e))
   if not distributed.is_primary() or not _VERBOSE.value:
     return   # the before/after table stays the last thing on the screen; the rest is in summary.json

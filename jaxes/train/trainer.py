@@ -26,6 +26,7 @@ from ml_collections import config_dict
 from jaxes.controller import Job
 from jaxes.es import keys
 from jaxes.rollout.episodes import EpisodeSpec
+from jaxes.envs.sandbox import Sandbox
 from jaxes.train import (builders, checkpoint, compile_cache, config_history, evaluation, metrics, multihost,
                          report, tracker, warmstart)
 from jaxes.train.config import validate
@@ -93,6 +94,8 @@ class Trainer:
       transcripts = multihost.shared(host, lambda: self._transcripts(sandbox, resuming=bool(ckpt.steps())))
       self.parts = multihost.primary_first(host, "tokenizer",
                                            lambda: build_parts(c, self.workdir, transcripts, self.log))
+      if isinstance(sandbox, Sandbox):   # refuses here, not one SANDBOX_ERROR per task later
+        sandbox.check_verifier(self.parts.train_tasks + self.parts.heldout_tasks)
       update_log = UpdateLog(os.path.join(self.workdir, UPDATE_LOG))
       stack.callback(update_log.close)
       self.state = self._initial_state(ckpt, update_log, transcripts)

@@ -333,6 +333,31 @@ def test_fifos_and_devices_are_refused(tmp_path):
       load_task(str(tb))
 
 
+def test_hard_links_are_refused_naming_the_entry(tmp_path):
+  host_file = tmp_path / "host-secret"   # stands for a file of the host's outside the folder
+  host_file.write_text("secret\n")
+  tb = terminal_bench_folder(tmp_path / "tb")
+  os.link(host_file, tb / "inputs" / "copy")
+  with pytest.raises(TaskLoadError, match=r"inputs/copy is a hard link \(2 names\)"):
+    load_task(str(tb))
+
+
+@pytest.mark.parametrize("workdir", ["/usr/local", "/etc", "/opt/x", "/var/tmp", "/root",
+                                     "/app/../usr/lib", "/home/other"])
+def test_workdir_in_a_system_directory_is_refused(tmp_path, workdir):
+  tb = terminal_bench_folder(tmp_path / "tb", Dockerfile=DOCKERFILE.replace("WORKDIR /app",
+                                                                             f"WORKDIR {workdir}"))
+  with pytest.raises(TaskLoadError, match=r"WORKDIR /\S+ is a system directory"):
+    load_task(str(tb))
+
+
+@pytest.mark.parametrize("workdir", ["/home/user/work", "/tmp/w", "/srvx"])
+def test_workdir_in_the_agents_space_is_accepted(tmp_path, workdir):
+  tb = terminal_bench_folder(tmp_path / "tb", Dockerfile=DOCKERFILE.replace("WORKDIR /app",
+                                                                             f"WORKDIR {workdir}"))
+  assert f"working directory is {workdir}" in load_task(str(tb)).instruction
+
+
 def test_bytes_a_task_copies_in_are_capped(tmp_path):
   tb = terminal_bench_folder(tmp_path / "tb", **{"inputs/big.bin": "z" * 5000})
   with pytest.raises(TaskLoadError, match=r"big.bin \(5000 bytes\) would take the task past "

@@ -239,6 +239,9 @@ class _Folder:
       st = os.fstat(fd)
       if not stat.S_ISREG(st.st_mode):
         raise TaskLoadError(f"{where}: {path} is a {_file_kind(st.st_mode)}, not a regular file")
+      if st.st_nlink > 1:   # another name of the same bytes may be any file of the host's
+        raise TaskLoadError(f"{where}: {path} is a hard link ({st.st_nlink} names), not a file "
+                            "of this folder alone")
       if st.st_size > self.left:
         raise TaskLoadError(f"{where}: {path} ({st.st_size} bytes) would take the task past its "
                             f"{self.max_bytes}-byte cap")
@@ -486,7 +489,8 @@ def _parse_dockerfile(path: str, context: str, folder: _Folder):
       for key, value in pairs:
         env.append((key, _expand(value, dict(env), where)))
     elif instruction == "WORKDIR":
-      workdir = os.path.join(workdir, args.strip())
+      workdir = os.path.normpath(os.path.join(workdir, args.strip()))
+      _check_workdir(workdir, where)
       setup_lines.append(f"mkdir -p {shlex.quote(workdir)}")
     elif instruction in ("CMD", "ENTRYPOINT", "EXPOSE", "LABEL", "VOLUME", "STOPSIGNAL",
                          "HEALTHCHECK", "MAINTAINER", "USER"):
@@ -533,6 +537,22 @@ def _terminal_bench_config(reader: _Folder) -> tuple[str, dict]:
   if "memory_mb" in config.get("environment", {}):
     limits["memory_mb"] = int(config["environment"]["memory_mb"])
   return instruction, limits
+
+
+# Directories of the image's system: a WORKDIR there would be chowned to the agent, which could
+# then plant code (a .pth in site-packages, a library) that the root-phase verifier runs.
+SYSTEM_DIRS = ("bin", "boot", "dev", "etc", "home", "lib", "lib32", "lib64", "libx32", "media", "mnt",
+               "opt", "proc", "root", "run", "sbin", "srv", "sys", "usr", "var")
+
+
+def _check_workdir(workdir: str, where: str) -> None:
+  """Refuses a WORKDIR in the system's directories (the agent's home, /tmp and new top-level
+  directories such as /app are fine)."""
+  top = workdir.strip("/").split("/")[0]
+  inside_home = workdir == SANDBOX_HOME or workdir.startswith(SANDBOX_HOME + "/")
+  if top in SYSTEM_DIRS and not inside_home:
+    raise TaskLoadError(f"{where}: WORKDIR {workdir} is a system directory; the agent's working "
+                        f"directory must be in {SANDBOX_HOME}, /tmp or a new top-level directory")
 
 
 def load_terminal_bench(folder: str, max_bytes: int = MAX_TASK_BYTES) -> Task:

@@ -252,3 +252,13 @@ def test_tools_on_an_agent_writable_task_path_never_run_privileged(sandbox):
     ran_as = handle.exec("cat /home/user/ran_as 2>/dev/null; true", 10).output.split()
   assert not report.passed and report.num_passed == 0, report.report
   assert "0" not in ran_as, ran_as     # the agent's wrappers only ever ran as the agent
+
+
+def test_task_env_reaches_the_agent_but_never_the_verifier(sandbox):
+  # A task folder's ENV (LD_PRELOAD, LD_LIBRARY_PATH…) would steer the root-phase verifier.
+  task = Task(name="env", instruction="x", env=(("LD_LIBRARY_PATH", "/home/user/lib"),),
+              final_tests="import os\n\ndef test_scrubbed():\n  assert 'LD_LIBRARY_PATH' not in os.environ\n")
+  with sandbox.start(task) as handle:
+    assert handle.exec("echo $LD_LIBRARY_PATH", 10).output.strip() == "/home/user/lib"
+    report = handle.run_tests()
+  assert report.passed, report.report

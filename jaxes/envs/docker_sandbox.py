@@ -330,10 +330,10 @@ class DockerHandle(SandboxHandle):
     self._broken = reason
     raise SandboxError(reason) from cause
 
-  def _exec(self, argv: list[str], user: str, timeout_s: float,
-            cap_chars: int) -> tuple[int, str, int, float, bool]:
-    """Runs argv (which must end by itself within timeout_s); returns (exit code, capped
-    output, true output length, seconds, flooded)."""
+  def _exec(self, argv: list[str], user: str, timeout_s: float, cap_chars: int,
+            environment: dict[str, str] | None = None) -> tuple[int, str, int, float, bool]:
+    """Runs argv (which must end by itself within timeout_s) with ``environment`` (default:
+    the task's); returns (exit code, capped output, true output length, seconds, flooded)."""
     if self._closed:
       raise SandboxError("exec on a closed sandbox handle")
     if self._broken:
@@ -342,7 +342,7 @@ class DockerHandle(SandboxHandle):
     started = time.monotonic()
     try:
       exec_id = api.exec_create(self._container.id, argv, user=user, workdir=SANDBOX_HOME,
-                                environment=self._env)["Id"]
+                                environment=self._env if environment is None else environment)["Id"]
     except _DOCKER_ERRORS as err:
       self._fail(f"container {self._container.short_id} unusable: {err}", err)
     output = OutputCapture(cap_chars)
@@ -471,7 +471,9 @@ class DockerHandle(SandboxHandle):
       self._fail(f"copying tests failed: {err}", err)
     argv = [TIMEOUT, "-s", "KILL", f"{timeout_s:g}s",
             PYTHON, "-I", "-B", "-c", final_tests.VERIFIER, job_path]
-    exit_code, output, _, seconds, _ = self._exec(argv, "root", timeout_s, 200_000)
+    # The shell's fixed environment, never the task's ENV (LD_LIBRARY_PATH, PYTHONPATH…), which
+    # would otherwise steer the root-phase verifier.
+    exit_code, output, _, seconds, _ = self._exec(argv, "root", timeout_s, 200_000, SHELL_ENV)
     timed_out = exit_code == KILL_EXIT_CODE and seconds >= timeout_s
     verdict = None if timed_out else final_tests.parse_verdict(output, key)
     if verdict is None:

@@ -468,11 +468,12 @@ class LocalHandle(SandboxHandle):
     except OSError as e:   # the episode directory vanished, no file descriptors left, …
       raise SandboxError(f"exec failed: {e}") from e
 
-  def _env(self) -> dict[str, str]:
+  def _env(self, with_task: bool = True) -> dict[str, str]:
     env = {"HOME": self._localise(HOME), "USER": "user", "LOGNAME": "user", "PATH": _PATH,
            "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "TERM": "dumb", "SHELL": "/bin/bash",
            "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1"}
-    env.update(dict(self.task.env))
+    if with_task:
+      env.update(dict(self.task.env))
     return env
 
   def _localise(self, text: str) -> str:
@@ -499,7 +500,7 @@ class LocalHandle(SandboxHandle):
     return argv
 
   def _run(self, command: str, timeout_s: float, argv: list[str] | None = None,
-           stdin_data: bytes | None = None) -> ExecResult:
+           stdin_data: bytes | None = None, task_env: bool = True) -> ExecResult:
     limits = self.task.limits
     if argv is None:
       with open(os.path.join(self.cmd_dir, "cmd"), "w", encoding="utf-8", errors="replace") as f:
@@ -529,7 +530,7 @@ class LocalHandle(SandboxHandle):
     try:
       proc = subprocess.Popen(full, stdin=subprocess.DEVNULL if stdin_data is None else subprocess.PIPE,
                               stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, env=self._env(), cwd=cwd,
+                              stderr=subprocess.STDOUT, env=self._env(task_env), cwd=cwd,
                               start_new_session=True, close_fds=True, **as_user)
     except OSError as e:
       raise SandboxError(f"could not start a sandboxed command: {e}") from e
@@ -573,7 +574,8 @@ class LocalHandle(SandboxHandle):
         self._localise(source), key, runner, path=f"{TESTS}/test_final_state.py",
         cwd=self._localise(HOME), cpu_s=limits.cpu_s, mem_bytes=limits.memory_mb << 20)
     argv = [self._sb.python, "-I", "-B", "-c", final_tests.VERIFIER]
-    res = self._run("", limits.test_timeout_s, argv=argv, stdin_data=job)
+    # task_env=False: the task's ENV (LD_LIBRARY_PATH, PYTHONPATH…) never steers the verifier.
+    res = self._run("", limits.test_timeout_s, argv=argv, stdin_data=job, task_env=False)
     expected = len(names) if names is not None else final_tests.count_tests(source)
     verdict = None if res.timed_out else final_tests.parse_verdict(res.output, key)
     if verdict is None:

@@ -78,11 +78,12 @@ def test_bad_task_folders_give_one_line_and_no_traceback(capsys, tmp_path):
 
 @pytest.mark.parametrize("content", ['{"shell_script-d1-s24": "ls"}', '["ok", 3]', '"ls"',
                                      '{"t": [["nested"]]}'])
-def test_replay_values_must_be_lists_of_strings(tmp_path, content):
+def test_replay_values_must_be_lists_of_strings(tmp_path, capsys, content):
   bad = tmp_path / "bad.json"
   bad.write_text(content)
-  with pytest.raises(SystemExit, match="must hold a JSON list of model outputs"):
-    check.main(["--generated", "1", "--agent", f"replay:{bad}"])
+  assert check.main(["--generated", "1", "--agent", f"replay:{bad}"]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and "must hold a JSON list of model outputs" in err[0], err
 
 
 def test_pytest_missing_in_the_sandbox_is_an_infrastructure_error(tmp_path):

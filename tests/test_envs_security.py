@@ -262,3 +262,15 @@ def test_task_env_reaches_the_agent_but_never_the_verifier(sandbox):
     assert handle.exec("echo $LD_LIBRARY_PATH", 10).output.strip() == "/home/user/lib"
     report = handle.run_tests()
   assert report.passed, report.report
+
+
+@pytest.mark.parametrize("last_command", ["true", "chmod 000 /home/user"])
+def test_an_unreadable_home_is_a_failed_episode_not_an_excluded_one(sandbox, last_command):
+  # Abstaining: a SandboxError would leave the episode out of the member's fitness.
+  task = Task(name="abstain", instruction="x",
+              final_tests="def test_done():\n  assert open('/home/user/done').read() == 'ok\\n'\n")
+  with sandbox.start(task) as handle:
+    handle.exec("echo ok > /home/user/done", 10)
+    handle.exec(last_command, 10)
+    report = handle.run_tests()   # never raises SandboxError
+  assert report.passed == (last_command == "true"), report.report

@@ -479,6 +479,8 @@ class DockerHandle(SandboxHandle):
     if verdict is None:
       return TestReport(False, 0, final_tests.count_tests(source), timed_out, output)
     num_passed, num_failed, collected, status = verdict
+    if status == final_tests.CWD_UNUSABLE:
+      return TestReport(False, 0, final_tests.count_tests(source), False, output)
     if status != "ok":
       self._fail(f"the verifier could not run ({status}): {output[-500:]}")
     num_tests = num_passed + num_failed if collected else final_tests.count_tests(source)

@@ -26,6 +26,9 @@ import secrets
 
 RESULT_TAG = "JAXES_TEST_RESULT "
 NO_PYTEST = "no-pytest"          # a verifier status besides "ok": an infrastructure fault
+# The agent's home is not usable as the tests' working directory (e.g. it ran `chmod 000` on it):
+# the agent's doing, so a failed episode (reward 0), never an excluded one.
+CWD_UNUSABLE = "cwd-unusable"
 
 # Runs inside the sandbox. Whatever goes wrong, its result line is the last thing it prints.
 VERIFIER = r"""
@@ -48,6 +51,11 @@ def report(passed, failed, collected, status="ok"):
   os._exit(0)
 
 try:
+  os.chdir(job["cwd"])                      # as root in docker: the agent's mode bits cannot stop it
+except OSError as e:
+  print("the tests' working directory is unusable: %r" % (e,))
+  report(0, 0, 0, CWD_UNUSABLE)
+try:
   uid = job.get("uid")
   if uid is not None and os.getuid() == 0:
     os.setgroups([])
@@ -58,7 +66,6 @@ try:
     raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0) failed")
   for limit, value in ((resource.RLIMIT_CPU, job["cpu_s"]), (resource.RLIMIT_AS, job["mem_bytes"])):
     resource.setrlimit(limit, (value, value))
-  os.chdir(job["cwd"])
 except BaseException as e:
   print("verifier set-up failed: %r" % (e,))
   report(0, 0, 0, "setup-failed")
@@ -121,7 +128,8 @@ finally:
   shutil.rmtree(home, ignore_errors=True)
 good = sum(outcomes.values())
 report(good, len(outcomes) - good, int(code in (0, 1)))
-""".replace("TAG", repr(RESULT_TAG)).replace("NO_PYTEST", repr(NO_PYTEST))
+""".replace("TAG", repr(RESULT_TAG)).replace("NO_PYTEST", repr(NO_PYTEST)).replace(
+    "CWD_UNUSABLE", repr(CWD_UNUSABLE))
 
 
 def new_key() -> str:

@@ -581,6 +581,8 @@ class LocalHandle(SandboxHandle):
     if verdict is None:
       return TestReport(False, 0, expected, res.timed_out, res.output)
     num_passed, num_failed, collected, status = verdict
+    if status == final_tests.CWD_UNUSABLE:
+      return TestReport(False, 0, expected, False, res.output)
     if status == final_tests.NO_PYTEST:
       raise SandboxError("final tests need pytest, which the sandbox's python3 lacks "
                          "(apt-get install python3-pytest)")

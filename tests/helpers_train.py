@@ -54,10 +54,13 @@ def write_config_file(config, path) -> str:
 
 def launch_env(tmp, **extra) -> dict:
   """The environment of a launched training process: this one's, less any JAX / SLURM / jaxes
-  settings (the launch sets its own), on CPU, with a compilation cache under ``tmp`` that every
-  launch of a test shares (later launches load their programs instead of compiling them)."""
+  settings (the launch sets its own), on CPU, with a compilation cache that every launch shares
+  (later launches load their programs instead of compiling them)."""
   env = {k: v for k, v in os.environ.items()
          if not k.startswith(("JAX_", "SLURM_", "JAXES_", "XLA_FLAGS"))}
-  env.update(JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(pathlib.Path(tmp) / "jax-cache"),
+  # The suite's cache (tests/conftest.py) where there is one: launches of other tests with the
+  # same shapes and device counts then load their programs too.
+  cache = os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(pathlib.Path(tmp) / "jax-cache")
+  env.update(JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=cache,
              JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", PYTHONUNBUFFERED="1", **extra)
   return env

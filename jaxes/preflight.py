@@ -67,6 +67,8 @@ if __name__ == "__main__":
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from jaxes import gpu_targets  # noqa: E402
+
 # Google Cloud's TPU system-architecture pages: per-chip HBM (decimal GB) and the topology of
 # each slice name (vN-C: C TensorCores; v5p and v4 chips are one megacore device of 2 cores).
 TPU_MEMORY = {"v4": 32e9, "v5e": 16e9, "v5p": 95e9, "v6e": 32e9}
@@ -84,7 +86,7 @@ class Target:
   name: str
   devices: list
   device_memory: float   # bytes per device
-  compiler: str          # "tpu", or "cpu" (cpu:N and the GPU estimates)
+  compiler: str          # "tpu", "gpu" (deviceless, gpu_targets), or "cpu" (cpu:N, GPU estimates)
   estimate: bool         # GPU by the CPU compiler
 
 
@@ -102,6 +104,11 @@ def resolve_topology(name: str, device_memory_gib: float | None = None) -> Targe
     return Target(name, list(topo.devices), memory, "tpu", False)
   if name in GPU_TARGETS:
     _, n, memory = GPU_TARGETS[name]
+    gpu = gpu_targets.devices(name)
+    if gpu is not None:
+      return Target(name, gpu, override or memory, "gpu", False)
+    print(f"preflight: {name} sized by the CPU compiler (an estimate); for the real GPU compiler: "
+          f"pip install -e '.[gpu-aot]'", file=sys.stderr)
     return Target(name, _host_devices(name, n), override or memory, "cpu", True)
   m = re.fullmatch(r"cpu:(\d+)", name)
   if m:
@@ -395,13 +402,16 @@ def _render_one(report: dict, headroom: float) -> tuple[list[str], bool]:
   lines.append(f"  {'peak':16s} {_gib(peak)}  = {peak / memory:.1%} of device memory "
                f"(headroom {headroom:.0%})")
   subset = f", only those matching {report['only']!r}" if report.get("only") else ""
-  lines.append(f"  programs{subset} (per device: arguments / temporaries / outputs not donated):")
+  lines.append(f"  programs{subset} (per device: arguments / temporaries / outputs not donated; "
+               f"compile seconds):")
   for p in report["programs"]:
     if p["required"]:
       lines.append(f"    {p['name']:24s} refused by the compiler: needs {_gib(p['required'])}")
       continue
     lines.append(f"    {p['name']:24s} {_gib(p['arguments'])} / {_gib(p['temporaries'])} / "
-                 f"{_gib(max(0, p['outputs'] - p['aliased']))}")
+                 f"{_gib(max(0, p['outputs'] - p['aliased']))}  {p['seconds']:7.1f} s")
+  lines.append(f"  {len(report['programs'])} programs, {sum(p['seconds'] for p in report['programs']):.0f} "
+               f"compile seconds")
   if fits:
     lines.append(f"fits: peak {_gib(peak).strip()} <= {headroom:.0%} of {_gib(memory).strip()}")
   else:

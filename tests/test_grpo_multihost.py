@@ -33,7 +33,9 @@ def runs(tmp_path_factory):
   config_file = write_config_file(config, tmp / "config.py")
 
   def command(workdir):
-    return [sys.executable, "-m", "jaxes.train", f"--config={config_file}", f"--workdir={workdir}"]
+    # --verbose: the summary printed as JSON, by process 0 only (test_metrics_summary_...).
+    return [sys.executable, "-m", "jaxes.train", f"--config={config_file}", f"--workdir={workdir}",
+            "--verbose"]
 
   two = subprocess.run(["bash", str(ROOT / "launch" / "local.sh"), "--devices", "2", "2", "--",
                         *command(tmp / "two")], cwd=ROOT, env=launch_env(tmp), capture_output=True,

@@ -90,7 +90,9 @@ def sync_setup(setup):
 
 
 def _command(tmp, config_file, workdir):
-  return [sys.executable, str(tmp / "driver.py"), f"--config={config_file}", f"--workdir={workdir}"]
+  # --verbose: the run's summary printed as JSON at the end, by process 0 only (checked below).
+  return [sys.executable, str(tmp / "driver.py"), f"--config={config_file}", f"--workdir={workdir}",
+          "--verbose"]
 
 
 def _launch_two(tmp, config_file, workdir, timeout=1500):

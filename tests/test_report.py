@@ -126,7 +126,7 @@ def test_sampler_keeps_per_update_and_drops_lines_past_the_resume_point(tmp_path
   path.write_text("".join(json.dumps({"update": u, "task": "t"}) + "\n" for u in (1, 2, 3)))
   sampler = TranscriptSampler(str(tmp_path), None, per_update=2, max_chars=100, resume_version=2)
   assert [e["update"] for e in read_episodes(str(path))] == [1, 2]   # update 3 is redone
-  task = NS(name="t<b>", family="f")
+  task = NS(name="t<b>")
   for member in range(3):
     sampler.offer(NS(spec=NS(key=NS(job=NS(member=member, episode=0)), task=task, version=2, member=member),
                      reward=1.0, passed=True, turns=1, failure=None, truncated=False, tokens=None))

@@ -74,7 +74,7 @@ class TranscriptSampler:
   def _entry(self, update: int, r) -> dict:
     job = r.spec.key.job
     return {
-        "update": update, "task": r.spec.task.name, "family": r.spec.task.family,
+        "update": update, "task": r.spec.task.name,
         "version": r.spec.version, "member": job.member, "episode": job.episode,
         "reward": r.reward, "passed": r.passed, "turns": r.turns, "failure": r.failure,
         "truncated": r.truncated, "transcript": transcript(self.tok, r.tokens, self.max_chars)}

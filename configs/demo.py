@@ -3,9 +3,10 @@ sandboxes, asynchronous low-rank ES. Runs in <= 15 minutes on 2 CPU cores.
 
   python -m jaxes.train --config=configs/demo.py --workdir=runs/demo [--config.controller.mode=sync]
 
-Outcome (benchmarks/RESULTS.md, "CPU demo"; 3 seeds, 20 updates): held-out success rose by
-+35 +- 6 points async and +43 +- 2 points sync (mean +- s.e. over seeds), from 5-13% to 38-55%;
-the README run alone took 7 minutes on 2 cores.
+Outcome (benchmarks/RESULTS.md, "The CPU demo"; 3 seeds, 20 updates): held-out success rose by
++35 +- 6 points async and +43 +- 2 points sync (mean +- s.e. over seeds), from 5-13% to 38-55%
+(on the previous engine, 7 minutes a run); on the current engine the README run alone takes
+2 min 44 s on 2 cores (seed 0: +37.5 points).
 
 What ES has to learn here: the warm start (a stand-in for an Instruct checkpoint) was taught on
 oracle transcripts 62% of which write the command as a fenced code block, which the agent
@@ -13,7 +14,7 @@ protocol rejects (`warmstart.off_protocol_fraction`) -- the format failure Instr
 on a new agent harness. The policy knows the commands but mostly uses the wrong format; ES
 finds the format from task reward alone (no format reward: `env.parse_error_penalty` is 0).
 
-Choices, by measurement on a 2-core VM (see benchmarks/RESULTS.md, "CPU demo" for the numbers):
+Choices, by measurement on a 2-core VM (benchmarks/RESULTS.md, "The CPU demo"; the sizing runs are in its history, docs/log/):
   * warm start: 300 supervised steps on oracle transcripts of training-split tasks. With every
     transcript on-protocol (100 or 300 steps), held-out success stayed flat under ES: the
     failures left are copying errors in long commands, spread over many directions in 0.56M

@@ -119,7 +119,7 @@ def base_config() -> config_dict.ConfigDict:
   c.rollout.sandbox_steps = 0
 
   c.train = config_dict.ConfigDict()
-  c.train.algorithm = "es"       # "es"; "grpo" (the baseline's learner is jaxes.rl, its loop is not built yet)
+  c.train.algorithm = "es"       # "es", or "grpo" (the baseline: jaxes.rl's learner in the same trainer)
   c.train.num_updates = 100
   c.train.checkpoint_every = 1
   c.train.keep_checkpoints = 3

@@ -179,11 +179,11 @@ class FlakyCreate(DockerSandbox):
   def fail_next_creates(self, n):
     self._faults.remaining = n
 
-  def _create_container(self, memory_mb, pids):
+  def _create_container(self, spec):
     if getattr(self._faults, "remaining", 0) > 0:
       self._faults.remaining -= 1
       raise docker.errors.APIError("injected create failure")
-    return super()._create_container(memory_mb, pids)
+    return super()._create_container(spec)
 
 
 def test_create_is_retried_with_backoff(client):

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import dataclasses
 import io
 import os
 import queue
+import shlex
 import socket
 import tarfile
 import threading
@@ -26,7 +28,7 @@ import uuid
 import docker
 import requests
 
-from jaxes.envs import final_tests
+from jaxes.envs import final_tests, harbor
 from jaxes.envs.image import DEFAULT_TAG, SANDBOX_HOME, SANDBOX_UID, SANDBOX_USER
 from jaxes.envs.sandbox import (ExecResult, OutputCapture, Sandbox, SandboxError, SandboxHandle,
                                 TestReport)
@@ -124,6 +126,15 @@ def list_run_containers(client, run_label: str) -> list:
                                 ignore_removed=True)
 
 
+@dataclasses.dataclass(frozen=True)
+class ContainerSpec:
+  """What one episode's container is created with: its image and limits."""
+  image: str
+  memory_mb: int
+  pids: int
+  cpus: float
+
+
 def _force_remove(container) -> None:
   try:
     container.remove(force=True)
@@ -214,14 +225,21 @@ class DockerSandbox(Sandbox):
 
   # -- containers ---------------------------------------------------------------------------
 
-  def _limits_for(self, task: Task) -> tuple[int, int]:
-    return min(self.memory_mb, task.limits.memory_mb), min(self.pids, task.limits.processes)
+  def _default_spec(self) -> ContainerSpec:
+    return ContainerSpec(self.image, self.memory_mb, self.pids, self.cpus)
 
-  def _create_container(self, memory_mb: int, pids: int):
+  def _spec_for(self, task: Task) -> ContainerSpec:
+    """The task's own image when it has one (built from its recipe), else ours; the task's
+    limits where they ask for less than the sandbox's."""
+    return ContainerSpec(task.image or self.image, min(self.memory_mb, task.limits.memory_mb),
+                         min(self.pids, task.limits.processes), min(self.cpus, task.limits.cpus))
+
+  def _create_container(self, spec: ContainerSpec):
     container = self._client.containers.create(
-      self.image, ["sleep", "infinity"], init=True, network_mode="none", user="root",
-      working_dir=SANDBOX_HOME, mem_limit=f"{memory_mb}m", memswap_limit=f"{memory_mb}m",
-      pids_limit=pids, nano_cpus=int(self.cpus * 1e9), security_opt=["no-new-privileges"],
+      spec.image, ["sleep", "infinity"], init=True, network_mode="none", user="root",
+      working_dir=SANDBOX_HOME, mem_limit=f"{spec.memory_mb}m",
+      memswap_limit=f"{spec.memory_mb}m", pids_limit=spec.pids, nano_cpus=int(spec.cpus * 1e9),
+      security_opt=["no-new-privileges"],
       labels={LABEL: "1", RUN_LABEL: self.run_label, OWNER_LABEL: self._owner})
     try:
       container.start()
@@ -230,13 +248,13 @@ class DockerSandbox(Sandbox):
       raise
     return container
 
-  def _create_with_retries(self, memory_mb: int, pids: int):
+  def _create_with_retries(self, spec: ContainerSpec):
     errors = []
     for attempt in range(self.create_retries + 1):
       if self._closed.is_set():
         raise SandboxError("sandbox is shut down")
       try:
-        return self._create_container(memory_mb, pids)
+        return self._create_container(spec)
       except _DOCKER_ERRORS as err:
         errors.append(f"attempt {attempt + 1}: {err}")
         if attempt < self.create_retries:
@@ -245,7 +263,7 @@ class DockerSandbox(Sandbox):
 
   def _refill_one(self) -> None:
     try:
-      container = self._create_with_retries(self.memory_mb, self.pids)
+      container = self._create_with_retries(self._default_spec())
     except SandboxError:
       return  # start() creates on demand when the pool is empty
     if self._closed.is_set():
@@ -274,12 +292,12 @@ class DockerSandbox(Sandbox):
   def start(self, task: Task) -> "DockerHandle":
     if self._closed.is_set():
       raise SandboxError("sandbox is shut down")
-    memory_mb, pids = self._limits_for(task)
+    spec = self._spec_for(task)
     container = None
-    if self._refiller is not None and (memory_mb, pids) == (self.memory_mb, self.pids):
+    if self._refiller is not None and spec == self._default_spec():
       container = self._take_pooled()
     if container is None:
-      container = self._create_with_retries(memory_mb, pids)
+      container = self._create_with_retries(spec)
     handle = DockerHandle(self, container, task)
     try:
       handle.prepare()
@@ -488,7 +506,57 @@ class DockerHandle(SandboxHandle):
     return TestReport(passed=passed, num_passed=num_passed if collected else 0,
                       num_tests=num_tests, timed_out=False, report=output)
 
+  def _as_agent(self, script: str, timeout_s: float, environment: dict[str, str] | None = None,
+                cap_chars: int = 200_000):
+    """Runs a bash script as the agent's user (not the agent's shell: no saved state)."""
+    argv = [TIMEOUT, "-s", "KILL", f"{timeout_s:g}s",
+            SETPRIV, f"--reuid={SANDBOX_UID}", f"--regid={SANDBOX_UID}", "--init-groups",
+            "--inh-caps=-all", "--", BASH, "--noprofile", "--norc", "-c", script]
+    exit_code, output, _, seconds, _ = self._exec(argv, "root", timeout_s, cap_chars,
+                                                  environment)
+    return exit_code, output, seconds
+
+  def _run_test_script(self) -> TestReport:
+    """Harbor's verifier: once the agent's processes are gone, a fresh ``/tests`` (root-owned,
+    so the tests cannot be edited) and an empty ``/logs/verifier`` are made, ``tests/test.sh``
+    runs in the image's working directory, and its reward file is read. test.sh runs as the
+    agent's user, not as root as in Harbor: it runs the agent's programs, and on a task-built
+    image whatever the agent planted (a ``pytest.py`` in the working directory, say) must not
+    gain root by it. Its leftovers are killed before the reward is read."""
+    self._kill_agent_processes()
+    task, timeout_s = self._task, self._task.limits.test_timeout_s
+    exit_code, output, _ = self._root_script(
+      f"rm -rf {harbor.TESTS_DIR} {harbor.LOGS_DIR} && mkdir -p {harbor.LOGS_DIR} && "
+      f"chown {SANDBOX_UID}:{SANDBOX_UID} {harbor.LOGS_DIR}", 30.0)
+    if exit_code != 0:
+      self._fail(f"task {task.name}: could not prepare the verifier's folders: {output[-500:]}")
+    files = [(f"{harbor.TESTS_DIR}/{path}", data) for path, data in task.verifier_files]
+    try:
+      self._container.put_archive("/", _tar_files(files, SANDBOX_HOME))
+    except _DOCKER_ERRORS as err:
+      self._fail(f"copying tests failed: {err}", err)
+    workdir = shlex.quote(task.workdir or SANDBOX_HOME)
+    exit_code, output, seconds = self._as_agent(
+      f"cd {workdir} && exec {BASH} {harbor.TESTS_DIR}/test.sh", timeout_s, self._env)
+    timed_out = exit_code == KILL_EXIT_CODE and seconds >= timeout_s
+    self._kill_agent_processes()
+    if timed_out:
+      return TestReport(False, 0, 1, True, output)
+    texts = []
+    for path in (harbor.REWARD_TXT, harbor.REWARD_JSON):
+      code, text, _ = self._as_agent(f"exec /usr/bin/head -c {harbor.MAX_REWARD_BYTES} -- {path}",
+                                     10.0, SHELL_ENV)
+      texts.append(text if code == 0 else None)
+    try:
+      reward = harbor.parse_reward(*texts)
+    except harbor.RewardError as err:
+      return TestReport(False, 0, 1, False, f"{output}\n{err}")
+    passed = reward >= 1.0
+    return TestReport(passed, int(passed), 1, False, f"{output}\nreward: {reward:g}")
+
   def run_tests(self) -> TestReport:
+    if self._task.verifier_files:
+      return self._run_test_script()
     return self._verify(self._task.final_tests, "test_final_state.py",
                         self._task.limits.test_timeout_s)
 

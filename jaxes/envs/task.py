@@ -16,6 +16,7 @@ class Limits:
   processes: int = 256         # RLIMIT_NPROC / container pids
   file_size_mb: int = 256      # RLIMIT_FSIZE
   disk_mb: int = 1024          # local backend: size cap of the episode's files (and of each /tmp)
+  cpus: float = 1.0            # docker backend: the container's CPU quota (at most the sandbox's)
   output_chars: int = 50_000   # observation cap (head + tail kept)
 
 
@@ -29,6 +30,11 @@ class Task:
   final_tests: source of a stdlib-only pytest file; all tests pass iff the task is solved.
   initial_tests: optional pytest source that must pass right after setup.
   solution:    optional bash reference solution (the oracle).
+  image:       docker image built from the task's own recipe (jaxes.envs.task_images); None:
+               the sandbox's shared image. Only the docker backend runs such tasks.
+  workdir:     the image's working directory (where a Harbor test.sh runs); None: /home/user.
+  verifier_files: a Harbor ``tests/`` folder (path relative to it -> bytes); when given,
+               its ``test.sh`` is the verifier instead of ``final_tests``.
   """
   name: str
   instruction: str
@@ -42,3 +48,6 @@ class Task:
   family: str = "external"
   difficulty: int = 1
   seed: int | None = None
+  image: str | None = None
+  workdir: str | None = None
+  verifier_files: tuple[tuple[str, bytes], ...] = ()

@@ -1,0 +1,182 @@
+"""Builds a task's own docker image from its recipe, cached by a content hash of the build context.
+
+A task folder's ``Dockerfile`` (Harbor: ``environment/Dockerfile``; Endless Terminals: the
+Dockerfile ``jaxes.envs.apptainer`` writes from ``container.def``) is built by the docker
+engine with its folder as the context, through the docker SDK. The image is tagged
+``jaxes-task/<name>:<hash>``, the hash covering every file of the context (paths, bytes, modes),
+so an unchanged folder is never built twice and a changed one always is. Each build's log is
+kept in ``log_dir``; a failing build raises ``TaskImageError`` in one line naming the step.
+
+What the image provides is the task's; the episode protocol, the agent's user (uid 1000,
+``user``, home /home/user) and the verifier are ours, so a built image must have bash,
+coreutils' ``timeout``, util-linux's ``setpriv``, ``/usr/bin/python3`` and that user: images
+``FROM jaxes-sandbox:latest`` have them; others are probed after their build and refused,
+saying what is missing.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import os
+import re
+import tarfile
+import time
+
+import docker
+import requests
+
+REPOSITORY = "jaxes-task"
+HASH_LABEL = "jaxes.task-context"
+# Bumped when what goes into an image besides the folder changes (the probe, the translation).
+RECIPE_VERSION = "1"
+DEFAULT_LOG_DIR = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
+                               "jaxes", "task-images")
+_NEEDS = {"/bin/bash": "bash", "/usr/bin/timeout": "coreutils (timeout)",
+          "/usr/bin/setpriv": "util-linux (setpriv)", "/usr/bin/python3": "python3"}
+_PROBE = "; ".join(f"[ -x {path} ] || echo missing: {what}" for path, what in _NEEDS.items()) + (
+  "; [ \"$(id -u user 2>/dev/null)\" = 1000 ] || echo missing: the user 'user' with uid 1000"
+  "; [ -d /home/user ] || echo missing: /home/user")
+_ERRORS = (docker.errors.DockerException, requests.exceptions.RequestException)
+
+
+class TaskImageError(ValueError):
+  """A task image that cannot be built or used; one line naming the task and the step."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildContext:
+  """A build's context: (path relative to the context, bytes, mode) and the Dockerfile's path."""
+  files: tuple[tuple[str, bytes, int], ...]
+  dockerfile: str = "Dockerfile"
+
+  def digest(self) -> str:
+    h = hashlib.sha256(f"jaxes task image {RECIPE_VERSION}\0{self.dockerfile}\0".encode())
+    for path, data, mode in sorted(self.files):
+      h.update(f"{path}\0{mode:o}\0{len(data)}\0".encode())
+      h.update(data)
+    return h.hexdigest()
+
+  def tar(self) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+      for path, data, mode in sorted(self.files):
+        info = tarfile.TarInfo(path)
+        info.size, info.mode = len(data), mode
+        tar.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()
+
+
+@dataclasses.dataclass(frozen=True)
+class BuiltImage:
+  tag: str
+  built: bool          # False: the cached image was used
+  seconds: float       # build time (0 when cached)
+  workdir: str         # the image's WORKDIR ("/" when it sets none)
+  log_path: str | None
+
+
+def image_tag(name: str, context: BuildContext) -> str:
+  safe = re.sub(r"[^a-z0-9._-]+", "-", name.lower()).strip(".-_") or "task"
+  return f"{REPOSITORY}/{safe[:100]}:{context.digest()[:20]}"
+
+
+class TaskImageBuilder:
+  """Builds task images with the docker engine; ``rebuild`` builds even when cached.
+
+  network: the build's network mode (None: the engine's default; "none" for builds that must
+           not reach out, as in the tests). Episodes always run without a network.
+  """
+
+  def __init__(self, client=None, log_dir: str = DEFAULT_LOG_DIR, rebuild: bool = False,
+               network: str | None = None, timeout_s: float = 1800.0):
+    try:
+      self.client = client or docker.from_env(timeout=int(timeout_s))
+      self.client.ping()
+    except _ERRORS as err:
+      raise TaskImageError(f"building task images needs a docker engine; none answers: {err}") \
+        from err
+    self.log_dir, self.rebuild, self.network = log_dir, rebuild, network
+    self.builds: list[tuple[str, BuiltImage]] = []   # (task name, result), in load order
+
+  def _cached(self, tag: str):
+    try:
+      return self.client.images.get(tag)
+    except docker.errors.ImageNotFound:
+      return None
+    except _ERRORS as err:
+      raise TaskImageError(f"cannot inspect image {tag}: {err}") from err
+
+  def ensure(self, name: str, context: BuildContext) -> BuiltImage:
+    """The task's image, built unless an image of this exact context exists."""
+    tag = image_tag(name, context)
+    image = None if self.rebuild else self._cached(tag)
+    if image is not None:
+      result = BuiltImage(tag, False, 0.0, _workdir(image), None)
+    else:
+      result = self._build(name, tag, context)
+    self.builds.append((name, result))
+    return result
+
+  def _build(self, name: str, tag: str, context: BuildContext) -> BuiltImage:
+    os.makedirs(self.log_dir, exist_ok=True)
+    log_path = os.path.join(self.log_dir, tag.replace("/", "_").replace(":", "_") + ".log")
+    started = time.monotonic()
+    step, error, lines = None, None, []
+    try:
+      # The low-level API streams the log as it comes (the high-level build returns it only at
+      # the end), so a failure's step is known and the log is kept whatever happens.
+      events = self.client.api.build(
+        fileobj=io.BytesIO(context.tar()), custom_context=True, dockerfile=context.dockerfile,
+        tag=tag, rm=True, forcerm=True, pull=False, decode=True, network_mode=self.network,
+        labels={HASH_LABEL: context.digest()})
+      for event in events:
+        text = event.get("stream") or event.get("status") or ""
+        if text:
+          lines.append(text)
+          found = re.match(r"Step (\d+/\d+) : (.*)", text.strip())
+          if found:
+            step = f"step {found.group(1)} `{found.group(2)[:120]}`"
+        if "error" in event:
+          error = event.get("errorDetail", {}).get("message") or event["error"]
+          lines.append(f"ERROR: {error}\n")
+    except _ERRORS as err:
+      error = f"{type(err).__name__}: {err}"
+      lines.append(f"ERROR: {error}\n")
+    finally:
+      with open(log_path, "w", encoding="utf-8") as f:
+        f.write("".join(lines))
+    if error is not None:
+      where = f" at {step}" if step else ""
+      raise TaskImageError(f"task {name}: image build failed{where}: "
+                           f"{' '.join(error.split())[:300]} (build log: {log_path})")
+    image = self._cached(tag)
+    if image is None:
+      raise TaskImageError(f"task {name}: the build ended without an image {tag} "
+                           f"(build log: {log_path})")
+    self._probe(name, tag, log_path)
+    return BuiltImage(tag, True, time.monotonic() - started, _workdir(image), log_path)
+
+  def _probe(self, name: str, tag: str, log_path: str) -> None:
+    """Refuses (and removes) an image our protocol cannot drive, naming what it lacks."""
+    try:
+      out = self.client.containers.run(tag, ["/bin/sh", "-c", _PROBE], entrypoint=[],
+                                        remove=True, network_mode="none", user="root")
+    except docker.errors.ContainerError as err:
+      out = (err.stderr or b"") or str(err).encode()
+    except _ERRORS as err:
+      raise TaskImageError(f"task {name}: cannot start the built image {tag}: {err}") from err
+    missing = [line[len("missing: "):] for line in out.decode(errors="replace").splitlines()
+               if line.startswith("missing: ")]
+    if missing:
+      try:
+        self.client.images.remove(tag, force=True)
+      except _ERRORS:
+        pass
+      raise TaskImageError(f"task {name}: image {tag} lacks what jaxes' agent protocol needs: "
+                           f"{', '.join(missing)} (build FROM jaxes-sandbox:latest or add them; "
+                           f"build log: {log_path})")
+
+
+def _workdir(image) -> str:
+  return (image.attrs.get("Config") or {}).get("WorkingDir") or "/"

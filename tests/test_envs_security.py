@@ -14,7 +14,7 @@ import pytest
 
 from helpers_sandboxes import sandbox, verifier_pytest_or_skip  # noqa: F401  (sandbox: both backends)
 from jaxes.envs import check, generator
-from jaxes.envs.task import Task
+from jaxes.envs.task import Limits, Task
 
 # Finds the final tests wherever the verifier might keep them (files, open fds of any process)
 # and prints the expected answer for its arguments.
@@ -274,3 +274,16 @@ def test_an_unreadable_home_is_a_failed_episode_not_an_excluded_one(sandbox, las
     handle.exec(last_command, 10)
     report = handle.run_tests()   # never raises SandboxError
   assert report.passed == (last_command == "true"), report.report
+
+
+def test_a_full_episode_disk_still_takes_long_commands(sandbox):
+  # Abstaining: with the episode's space full, a host-side write of a >4 KiB command failed with
+  # ENOSPC (a SandboxError, an excluded episode). The command now reaches the shell untouched.
+  task = Task(name="full", instruction="x", limits=Limits(disk_mb=16, file_size_mb=64),
+              final_tests="def test_done():\n  assert open('/home/user/done').read() == 'ok\\n'\n")
+  with sandbox.start(task) as handle:
+    handle.exec("head -c 48M /dev/zero > /home/user/fill; df -k /home/user", 20)
+    long_command = "rm -f /home/user/fill && echo ok > /home/user/done # " + "x" * 5000
+    assert handle.exec(long_command, 10).exit_code == 0
+    report = handle.run_tests()
+  assert report.passed, report.report

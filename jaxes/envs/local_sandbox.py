@@ -48,7 +48,6 @@ log = logging.getLogger(__name__)
 ISOLATIONS = ("auto", "bwrap", "unshare", "none")
 HOME = "/home/user"
 CTL = "/run/jaxes"              # per-episode shell state (cwd, exported variables), agent-writable
-CMD = "/run/jaxes-in"           # the command to run, read-only to the agent
 TESTS = "/run/jaxes-tests"      # the name tracebacks give the final tests (never a real file)
 NOBODY = 65534
 MAX_READ_BYTES = 16 << 20       # a command printing more than this is killed
@@ -58,8 +57,9 @@ _KILL_GRACE_S = 2.0
 _POLL_S = 0.05
 _PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
-# Restores the previous command's cwd and exported variables, applies rlimits, runs the
-# command (eval'd in this shell, so `exit`, `cd` and `export` behave as in a terminal and
+# Restores the previous command's cwd and exported variables, applies rlimits, reads the command
+# from stdin (never from a file: the host's writes then need no space the agent can fill), runs
+# it (eval'd in this shell, so `exit`, `cd` and `export` behave as in a terminal and
 # errors read "bash: line 1: ...") and saves the state. Builtins only: every fork costs ~1 ms.
 _PRELUDE = """\
 ulimit -S -c 0
@@ -69,7 +69,7 @@ cd {home}
 if [ -f {ctl}/env ]; then . {ctl}/env 2>/dev/null; fi
 if [ -f {ctl}/cwd ]; then IFS= read -r __cwd < {ctl}/cwd; cd "$__cwd" 2>/dev/null; unset __cwd; fi
 trap 'pwd > {ctl}/cwd 2>/dev/null; export -p > {ctl}/env 2>/dev/null' EXIT
-IFS= read -r -d '' __command < {cmd}/cmd
+IFS= read -r -d '' __command; exec 0</dev/null
 eval "$__command"
 """
 
@@ -99,15 +99,13 @@ def _bwrap_argv(ep_dir: str, tmp_bytes: int = 1 << 30) -> list[str]:
           "--dir", "/run", "--dir", "/home",
           "--bind", os.path.join(ep_dir, "home"), HOME,
           "--bind", os.path.join(ep_dir, "ctl"), CTL,
-          "--ro-bind", os.path.join(ep_dir, "in"), CMD,
           "--hostname", "sandbox", "--chdir", HOME]
   return argv
 
 
 def _unshare_argv(ep_dir: str) -> list[str]:
   # Mapped root inside a fresh user namespace may mount; the mounts vanish with the namespace.
-  mounts = [f"mount --bind {ep_dir}/home {HOME}", f"mount --bind {ep_dir}/ctl {CTL}",
-            f"mkdir {CMD} && mount --bind -o ro,nosuid,nodev {ep_dir}/in {CMD}"]
+  mounts = [f"mount --bind {ep_dir}/home {HOME}", f"mount --bind {ep_dir}/ctl {CTL}"]
   script = " && ".join([
       "mount -t tmpfs tmpfs /home", f"mkdir {HOME}",
       "mount -t tmpfs tmpfs /run", f"mkdir {CTL}", *mounts,
@@ -123,9 +121,9 @@ def _probe(isolation: str, uid: int | None) -> bool:
   """Whether this isolation mechanism works here (one trial run, cached per process)."""
   with tempfile.TemporaryDirectory(prefix="jaxes-probe-", dir=_default_parent()) as root:
     os.chmod(root, 0o711)
-    for sub in ("home", "ctl", "in"):
+    for sub in ("home", "ctl"):
       os.mkdir(os.path.join(root, sub))
-      if uid is not None and sub != "in":
+      if uid is not None:
         os.chown(os.path.join(root, sub), uid, uid)
     argv = (_bwrap_argv if isolation == "bwrap" else _unshare_argv)(root)
     try:
@@ -404,9 +402,6 @@ class LocalHandle(SandboxHandle):
     self.ep_dir = ep_dir
     self.home = os.path.join(ep_dir, "home")
     self.ctl = os.path.join(ep_dir, "ctl")
-    # Written by us and mounted read-only: never write into a directory the agent controls
-    # (as root, a planted symlink there would redirect our write onto a host file).
-    self.cmd_dir = os.path.join(ep_dir, "in")
     self.cgroup: cgroups.EpisodeCgroup | None = None
     self._closed = False
 
@@ -421,7 +416,6 @@ class LocalHandle(SandboxHandle):
                                              self._sb.cpus)
     os.mkdir(self.home, 0o755)
     os.mkdir(self.ctl, 0o700)
-    os.mkdir(self.cmd_dir, 0o755)
     for path, data in self.task.files:
       self._place(path, data)
     self._chown_tree(self.home)
@@ -464,6 +458,8 @@ class LocalHandle(SandboxHandle):
     if self._closed:
       raise SandboxError("exec on a closed sandbox")
     try:
+      if not os.path.isdir(self.home):   # removed under us (not by the agent: it cannot)
+        raise FileNotFoundError(f"{self.home} vanished")
       return self._run(command, timeout_s)
     except OSError as e:   # the episode directory vanished, no file descriptors left, …
       raise SandboxError(f"exec failed: {e}") from e
@@ -480,12 +476,12 @@ class LocalHandle(SandboxHandle):
     """Without namespaces the sandbox paths do not exist: rewrite them to the episode's."""
     if self._sb.isolation != "none":
       return text
-    return text.replace(CMD, self.cmd_dir).replace(CTL, self.ctl).replace(HOME, self.home)
+    return text.replace(CTL, self.ctl).replace(HOME, self.home)
 
   def _delocalise(self, text: str) -> str:
     if self._sb.isolation != "none":
       return text
-    return text.replace(self.home, HOME).replace(self.ctl, CTL).replace(self.cmd_dir, CMD)
+    return text.replace(self.home, HOME).replace(self.ctl, CTL)
 
   def _argv(self, inner: list[str]) -> list[str]:
     iso = self._sb.isolation
@@ -503,14 +499,15 @@ class LocalHandle(SandboxHandle):
            stdin_data: bytes | None = None, task_env: bool = True) -> ExecResult:
     limits = self.task.limits
     if argv is None:
-      with open(os.path.join(self.cmd_dir, "cmd"), "w", encoding="utf-8", errors="replace") as f:
-        f.write(self._localise(command) + "\n")
+      # Through the shell's stdin: a host-side file would live in the episode's tmpfs, which
+      # the agent can fill (ENOSPC on our write would be a SandboxError, an excluded episode).
+      stdin_data = (self._localise(command) + "\n").encode("utf-8", errors="replace")
       prelude = _PRELUDE.format(
           cpu=limits.cpu_s, mem_kb=limits.memory_mb * 1024, fsize_blocks=limits.file_size_mb * 1024,
           # Host root is exempt from RLIMIT_NPROC and counts every root process: skip it there.
           nproc_line=("" if self._sb.uid is None and os.geteuid() == 0
                       else f"ulimit -u {limits.processes} 2>/dev/null"),
-          home=self._localise(HOME), ctl=self._localise(CTL), cmd=self._localise(CMD))
+          home=self._localise(HOME), ctl=self._localise(CTL))
       # One line, so bash reports errors as "bash: x: command not found", without line numbers.
       one_line = "; ".join(line for line in prelude.splitlines() if line.strip())
       argv = ["bash", "--noprofile", "--norc", "-c", one_line]

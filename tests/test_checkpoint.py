@@ -160,6 +160,19 @@ def test_flipped_bytes_are_detected_and_fall_back_leaving_the_step_untouched(tmp
   ckpt.close()
 
 
+def test_a_truncated_chunk_warns_with_the_read_error_not_an_object_repr(tmp_path):
+  d = str(tmp_path / "ckpt")
+  _save_steps(d, [1, 2])
+  open(_data_files(d, 2)[0], "wb").close()   # the largest chunk file of step 2, cut to 0 bytes
+  ckpt = Checkpointer(d, keep=5)
+  with pytest.warns(RuntimeWarning, match=r"step 2 .* corrupt \(arrays unreadable in item 'es' "
+                                          r"\(ValueError: [A-Z_]+: ") as said:
+    assert ckpt.restore(_target)[0] == 1
+  message = str(said[0].message)
+  assert "<bound method" not in message and " object at 0x" not in message, message
+  ckpt.close()
+
+
 def test_flipped_bytes_in_a_non_es_item_are_detected(tmp_path):
   d = str(tmp_path / "ckpt")
   _save_steps(d, [1, 2])

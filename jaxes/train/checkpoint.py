@@ -183,7 +183,12 @@ def _checksums(values: list) -> list[str]:
 
 
 def _one_line(e: Exception) -> str:
-  return f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+  """The root cause of ``e`` in one line. Orbax wraps tensorstore's read error (which says what is
+  wrong: a short file, a bad checksum) in an ``Exception`` whose message formats the uncalled
+  ``TensorStore.spec`` method (a bound-method repr); the error it was raised from is the reason."""
+  while e.__cause__ is not None:
+    e = e.__cause__
+  return f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
 
 
 def _json_crc(body: dict) -> int:

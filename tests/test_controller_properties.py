@@ -10,6 +10,7 @@ import random
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from jaxes.controller import Controller, ControllerConfig
+from jaxes.controller.policies import POLICIES
 
 
 def reward_of(job):
@@ -28,8 +29,12 @@ def configs(draw):
               delay_updates=draw(st.integers(1, 3)))
   elif delay == "stress":
     kw = dict(stress_all_stale=draw(st.integers(1, 3)))
+  policy = draw(st.sampled_from(POLICIES))
+  if policy == "pace":
+    kw.update(pace_pool_capacity=draw(st.sampled_from([0, n + 1])),
+              pace_generation_weight=draw(st.sampled_from([0.0, 0.5, 1.0])))
   return ControllerConfig(mode=mode, population=n, episodes_per_member=draw(st.integers(1, 3)),
-                          max_staleness=k, overage=draw(st.sampled_from(["drop", "wait"])),
+                          max_staleness=k, overage=policy,
                           max_retries=draw(st.integers(0, 2)), seed=draw(st.integers(0, 5)), **kw)
 
 
@@ -95,10 +100,14 @@ def check_updates(cfg, updates):
     assert len(upd.results) == len(upd.staleness) == len(upd.delayed)
     consumed = len(upd.results) + upd.excluded
     assert consumed == (n if u >= hold else n - held)
-    for (v, m, f), s, d in zip(upd.results, upd.staleness, upd.delayed):
+    assert len(upd.generation) == len(upd.waiting) == len(upd.weights) == len(upd.results)
+    for (v, m, f), s, d, g, w, wt in zip(upd.results, upd.staleness, upd.delayed, upd.generation,
+                                         upd.waiting, upd.weights):
       assert (v, m) not in seen
       seen.add((v, m))
-      assert s == u - v
+      assert s == u - v and g >= 0 and w >= 0 and g + w == s
+      assert wt == {"weight": cfg.staleness_decay ** s, "baseline_only": float(s == 0)}.get(
+          cfg.overage, 1.0)
       if d:
         assert hold <= s <= hold + k
       else:

@@ -5,8 +5,9 @@ import dataclasses
 import math
 from typing import Any, Mapping
 
+from jaxes.controller.policies import POLICIES
+
 MODES = ("sync", "async")
-OVERAGES = ("drop", "wait")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -17,8 +18,14 @@ class ControllerConfig:
   population:        N, members consumed per update; even (antithetic pairs 2j, 2j+1).
   episodes_per_member: E; a member's fitness is the mean reward of its episodes.
   max_staleness:     K, bound on (version consumed at) - (version generated with).
-  overage:           "drop" results that can no longer be consumed within K (counted), or
-                     "wait": the update waits for them (stale-synchronous).
+  overage:           the stale-result policy (``policies.py``): "drop" results that can no
+                     longer be consumed within K (counted), "wait" for them (stale-synchronous),
+                     "weight" (drop, and weigh results by staleness_decay ** staleness),
+                     "baseline_only" (drop; stale results only shape the others) or "pace"
+                     (drop; PACE's pool rejection budget and effective-staleness ranking).
+  staleness_decay:   "weight": the decay in (0, 1].
+  pace_pool_capacity: "pace": ready results beyond max(this, population) are rejected (0 = N).
+  pace_generation_weight: "pace": weight of prefix-aware generation staleness in the ranking.
   delay_fraction:    p; round-half-up(p N) members of each cohort are held back ...
   delay_updates:     ... d updates on top of natural asynchrony (staleness in [d, d + K]).
   stress_all_stale:  d > 0 holds back *every* member of each cohort d updates.
@@ -33,6 +40,9 @@ class ControllerConfig:
   episodes_per_member: int = 1
   max_staleness: int = 0
   overage: str = "drop"
+  staleness_decay: float = 0.5
+  pace_pool_capacity: int = 0
+  pace_generation_weight: float = 1.0
   delay_fraction: float = 0.0
   delay_updates: int = 0
   stress_all_stale: int = 0
@@ -47,8 +57,14 @@ class ControllerConfig:
 
     if self.mode not in MODES:
       bad("mode", f"must be one of {MODES}")
-    if self.overage not in OVERAGES:
-      bad("overage", f"must be one of {OVERAGES}")
+    if self.overage not in POLICIES:
+      bad("overage", f"must be one of {POLICIES}")
+    if not 0.0 < float(self.staleness_decay) <= 1.0:
+      bad("staleness_decay", "must be in (0, 1]")
+    if not isinstance(self.pace_pool_capacity, int) or self.pace_pool_capacity < 0:
+      bad("pace_pool_capacity", "must be an int >= 0 (0 = population)")
+    if not float(self.pace_generation_weight) >= 0:
+      bad("pace_generation_weight", "must be >= 0")
     for key in ("population", "episodes_per_member"):
       if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
         bad(key, "must be an int >= 1")

@@ -10,9 +10,9 @@ out by ``next_jobs``; infrastructure failures are retried up to R times; once ev
 done the member is *resolved* (fitness = mean reward of its successful episodes, or *excluded*
 when all failed) and joins the ready queue in completion order. An update is due when N
 resolved members are ready (and, with overage "wait", what it leaves behind can still be
-consumed within the bound). The cohort is filled earliest deadline first: oldest version, then
-completion order (plain FIFO can strand more than N old members for one cohort; see
-``staleness.py``). A controlled delay holds back a seeded choice of round-half-up(pN)
+consumed within the bound). The stale-result policy (``policies.py``) chooses the cohort: earliest
+deadline first, oldest version then completion order (plain FIFO can strand more than N old
+members for one cohort; see ``staleness.py``), or PACE's effective-staleness ranking. A controlled delay holds back a seeded choice of round-half-up(pN)
 members of each cohort for d updates; they are consumed, with their own (version, member),
 by the update d later.
 """
@@ -24,12 +24,13 @@ import random
 from collections import deque
 from typing import Any
 
+from jaxes.controller import policies
 from jaxes.controller.config import ControllerConfig
 from jaxes.controller.staleness import StalenessManager
 from jaxes.controller.tasks import TaskSampler
 
 FAILED = "failed"   # episode outcome after R infrastructure retries
-STATE_FORMAT = 1
+STATE_FORMAT = 2   # 2: members carry the version each episode completed at
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,15 +48,34 @@ class Update:
   """An update that is due. ``results[i] = (version, member, fitness)`` with staleness
   ``staleness[i] = version_now - version`` and ``delayed[i]`` True for a held-back result.
   ``excluded``: consumed members whose episodes all failed (no fitness). ``dropped``: members
-  this update made too stale to ever be consumed. ``results`` may be empty (every member
-  excluded, or the warm-up of a stress test): the trainer then applies no step but still
-  advances its version with the controller's."""
+  this update made too stale to ever be consumed, and ``rejected`` of them thrown away by the
+  policy (PACE's budget). ``results`` may be empty (every member excluded, or the warm-up of a
+  stress test): the trainer then applies no step but still advances its version with the
+  controller's. ``generation[i]`` / ``waiting[i]``: the result's generation and waiting
+  staleness (they sum to ``staleness[i]``); ``weights[i]``: the policy's weight of its shaped
+  fitness in the step."""
   version: int
   results: list[tuple[int, int, float]]
   staleness: list[int]
   dropped: int
   excluded: int
   delayed: list[bool]
+  generation: list[int] = dataclasses.field(default_factory=list)
+  waiting: list[int] = dataclasses.field(default_factory=list)
+  weights: list[float] = dataclasses.field(default_factory=list)
+  rejected: int = 0
+
+  def staleness_metrics(self) -> dict[str, Any]:
+    """Histograms of generation and waiting staleness (count per value 0..max) and the weights'
+    sum, for a metrics line."""
+    def hist(values):
+      counts = [0] * (max(values, default=0) + 1)
+      for x in values:
+        counts[x] += 1
+      return counts
+    return {"generation_staleness_hist": hist(self.generation),
+            "waiting_staleness_hist": hist(self.waiting),
+            "weight_sum": float(sum(self.weights)), "rejected": self.rejected}
 
 
 @dataclasses.dataclass
@@ -65,6 +85,7 @@ class _Member:
   outcomes: list      # per episode: None (pending), float reward, or FAILED
   in_flight: int = 0
   dropped: bool = False
+  done: list = dataclasses.field(default_factory=list)   # per episode: controller version at its outcome
 
   @property
   def resolved(self) -> bool:
@@ -81,10 +102,12 @@ def _job_row(job: Job) -> list[int]:
 
 
 class Controller:
-  def __init__(self, config: ControllerConfig, num_tasks: int, log: list | None = None):
+  def __init__(self, config: ControllerConfig, num_tasks: int, log: list | None = None,
+               policy: policies.Policy | None = None):
     self.config = config
     self.num_tasks = num_tasks
     self.log = log   # if a list, every decision is appended as a tuple (the event log)
+    self.policy = policy if policy is not None else policies.from_config(config)
     self._tasks = TaskSampler(num_tasks, config.seed)
     self._budget = StalenessManager(config.population, config.max_staleness)
     self._next_job_id = 0
@@ -98,7 +121,10 @@ class Controller:
     self._held: dict[int, list[tuple[int, int]]] = {}   # release update -> members
     self.stats = dict(jobs_issued=0, jobs_reissued=0, reports=0, retries=0, failed_episodes=0,
                       members_admitted=0, members_dropped=0, members_excluded=0,
-                      members_consumed=0, members_held=0, ignored_reports=0, updates=0)
+                      members_consumed=0, members_held=0, members_rejected=0,
+                      ignored_reports=0, updates=0)
+    self.scored_episodes = 0                 # episodes with a reward (in fitness)
+    self.excluded_kinds: dict[str, int] = {}  # failure kind -> episodes left out of fitness
 
   @property
   def version(self) -> int:
@@ -119,7 +145,8 @@ class Controller:
     members = [group * size + i for i in range(size)]
     order = self._unresolved.setdefault(v, {})
     for m in members:
-      self._members[(v, m)] = _Member(v, m, [None] * cfg.episodes_per_member)
+      self._members[(v, m)] = _Member(v, m, [None] * cfg.episodes_per_member,
+                                      done=[None] * cfg.episodes_per_member)
       order[m] = None
     self.stats["members_admitted"] += size
     self._event("admit", v, tuple(members))
@@ -202,8 +229,11 @@ class Controller:
         return
       rec.outcomes[job.episode] = FAILED
       self.stats["failed_episodes"] += 1
+      self.excluded_kinds[failure] = self.excluded_kinds.get(failure, 0) + 1
     else:
       rec.outcomes[job.episode] = reward
+      self.scored_episodes += 1
+    rec.done[job.episode] = self.version
     if rec.resolved:
       self._budget.resolve(job.version)
       del self._unresolved[job.version][job.member]
@@ -211,6 +241,26 @@ class Controller:
         del self._unresolved[job.version]
       self._ready.append(key)
       self._event("resolve", job.version, job.member, rec.fitness)
+
+  # ---- what fitness leaves out ---------------------------------------------------------------
+
+  def excluded_share(self) -> float:
+    """The share of this run's finished episodes left out of fitness (failed every retry)."""
+    excluded = self.stats["failed_episodes"]
+    return excluded / max(excluded + self.scored_episodes, 1)
+
+  def excluded_beyond(self, limit: float) -> str | None:
+    """One line saying why the run must stop when more than ``limit`` of its episodes were left
+    out of fitness (judged from 1/limit finished episodes on), else None. Fitness averages only
+    the other episodes, so a policy that can make its failures excluded would be rewarded."""
+    excluded = self.stats["failed_episodes"]
+    finished = excluded + self.scored_episodes
+    if not excluded or finished * limit < 1 or self.excluded_share() <= limit:
+      return None
+    kinds = ", ".join(f"{k}: {n}" for k, n in sorted(self.excluded_kinds.items()))
+    return (f"{excluded} of {finished} episodes ({self.excluded_share():.1%}) failed every retry "
+            f"and were left out of fitness ({kinds}), more than train.max_excluded_share = "
+            f"{limit:g}: fix the sandbox (or raise the limit)")
 
   # ---- updates -------------------------------------------------------------------------------
 
@@ -220,13 +270,25 @@ class Controller:
     n, u = cfg.population, self.version
     if len(self._ready) < n:
       return None
-    # Earliest deadline first: oldest version, then completion order (sorted() is stable).
-    order = sorted(range(len(self._ready)), key=lambda i: self._ready[i][0])
-    cohort = [self._ready[i] for i in order[:n]]
-    left = [self._ready[i] for i in sorted(order[n:])]
-    if cfg.overage == "wait" and not budget.feasible_after([k[0] for k in left]):
+    pool = [policies.Candidate(v, m, tuple(self._members[(v, m)].done)) for v, m in self._ready]
+    pick = self.policy.select(pool, n, u)
+    if len(pick.cohort) != n or set(pick.cohort) & set(pick.rejected):
+      raise RuntimeError(f"policy {self.policy.name!r} chose {len(pick.cohort)} of {n} members, "
+                         f"or rejected members it consumes")
+    cohort = [self._ready[i] for i in pick.cohort]
+    taken = set(pick.cohort) | set(pick.rejected)
+    left = [k for i, k in enumerate(self._ready) if i not in taken]
+    if self.policy.waits and not budget.feasible_after([k[0] for k in left]):
       return None
+    rejected = [self._ready[i] for i in sorted(pick.rejected)]
     self._ready = left
+    for key in rejected:
+      del self._members[key]
+      self._budget.drop(key[0], resolved=True)
+    if rejected:
+      self.stats["members_rejected"] += len(rejected)
+      self.stats["members_dropped"] += len(rejected)
+      self._event("reject", tuple(rejected))
 
     held_n = cfg.held_per_cohort
     held_pos = set(random.Random(f"jaxes.delay:{cfg.seed}:{u}").sample(range(n), held_n))
@@ -238,28 +300,36 @@ class Controller:
                       + [(k, True) for k in released])
 
     results, staleness, delayed, excluded = [], [], [], 0
+    generation, waiting, weights = [], [], []
     for key, was_held in consumed:
-      fitness = self._members.pop(key).fitness
+      rec = self._members.pop(key)
+      fitness = rec.fitness
       if fitness is None:
         excluded += 1
         continue
       results.append((key[0], key[1], fitness))
       staleness.append(u - key[0])
       delayed.append(was_held)
+      resolved = max(rec.done)
+      generation.append(resolved - key[0])
+      waiting.append(u - resolved)
+      weights.append(self.policy.weight(u - key[0]))
     self.stats["members_consumed"] += len(consumed)
     self.stats["members_excluded"] += excluded
     self.stats["updates"] += 1
 
-    dropped = self._expire(budget.advance())
+    dropped = self._expire(budget.advance()) + len(rejected)
     self._groups_at_version = 0
-    self._event("update", u, tuple(results), tuple(staleness), tuple(delayed), excluded, dropped)
-    return Update(u, results, staleness, dropped, excluded, delayed)
+    self._event("update", u, tuple(results), tuple(staleness), tuple(delayed), excluded, dropped,
+                tuple(generation), tuple(waiting), tuple(weights))
+    return Update(u, results, staleness, dropped, excluded, delayed, generation, waiting, weights,
+                  len(rejected))
 
   def _expire(self, versions: list[int]) -> int:
     """Drops the members of ``versions`` (unresolved) and the ready members that are now beyond
     the bound; returns the count."""
     stale_ready = [k for k in self._ready if self._budget.expired(k[0])]
-    if (versions or stale_ready) and self.config.overage == "wait":
+    if (versions or stale_ready) and self.policy.waits:
       raise RuntimeError(f"controller invariant broken: members expired under overage 'wait' "
                          f"at version {self.version}")
     dropped = []
@@ -297,7 +367,7 @@ class Controller:
                    "unresolved": sorted([v, c] for v, c in b.unresolved.items())},
         "next_job_id": self._next_job_id,
         "groups_at_version": self._groups_at_version,
-        "members": [[r.version, r.member, list(r.outcomes), r.dropped]
+        "members": [[r.version, r.member, list(r.outcomes), r.dropped, list(r.done)]
                     for r in self._members.values()],
         "unresolved": [[v, list(ms)] for v, ms in self._unresolved.items()],
         # Reissued first, in job order, then what was pending.
@@ -306,11 +376,12 @@ class Controller:
         "ready": [list(k) for k in self._ready],
         "held": [[u, [list(k) for k in ks]] for u, ks in sorted(self._held.items())],
         "stats": dict(self.stats),
+        "scored_episodes": self.scored_episodes, "excluded_kinds": dict(self.excluded_kinds),
     }
 
   @classmethod
   def from_state_dict(cls, state: dict[str, Any], log: list | None = None) -> "Controller":
-    if state.get("format") != STATE_FORMAT:
+    if state.get("format") not in (1, STATE_FORMAT):
       raise ValueError(f"controller state: format {state.get('format')!r}, expected {STATE_FORMAT}")
     ctl = cls(ControllerConfig(**state["config"]), state["num_tasks"], log=log)
     b = state["budget"]
@@ -319,8 +390,10 @@ class Controller:
     ctl._budget.unresolved = {v: c for v, c in b["unresolved"]}
     ctl._next_job_id = state["next_job_id"]
     ctl._groups_at_version = state["groups_at_version"]
-    for v, m, outcomes, dropped in state["members"]:
-      ctl._members[(v, m)] = _Member(v, m, list(outcomes), dropped=dropped)
+    for v, m, outcomes, dropped, *done in state["members"]:
+      # Format 1 kept no completion versions: its episodes count as completed at their version.
+      done = done[0] if done else [None if o is None else v for o in outcomes]
+      ctl._members[(v, m)] = _Member(v, m, list(outcomes), dropped=dropped, done=list(done))
     ctl._unresolved = {v: dict.fromkeys(ms) for v, ms in state["unresolved"]}
     ctl._pending = deque(Job(*row) for row in state["pending"])
     # Members of dropped jobs that were in flight now have nothing outstanding: forget them.
@@ -330,4 +403,6 @@ class Controller:
     ctl._ready = [tuple(k) for k in state["ready"]]
     ctl._held = {u: [tuple(k) for k in ks] for u, ks in state["held"]}
     ctl.stats = dict(state["stats"])
+    ctl.scored_episodes = state.get("scored_episodes", 0)   # absent from states before issue 31
+    ctl.excluded_kinds = dict(state.get("excluded_kinds", {}))
     return ctl

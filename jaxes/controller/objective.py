@@ -5,7 +5,8 @@ theta in R^dim starts at 0; an optimum theta* ~ N(0, I) is fixed by the seed. Ta
 coordinates by w_t (positive, mean 1, fixed by the seed), so tasks disagree as LLM tasks do:
 ``reward(x, t) = exp(-mean(w_t * (x - theta*)^2))`` in (0, 1]. The job of (version v, member m)
 is scored with ``theta_v + sigma * eps(v, m)`` exactly as the ES library perturbs it, and each
-update is ``Strategy.update`` on the (version, member, fitness) results the controller hands out.
+update is ``Strategy.update`` on the (version, member, fitness) results the controller hands out,
+weighted by the controller's stale-result policy.
 The reported ``objective`` is ``exp(-mean((theta - theta*)^2))`` of the unperturbed parameters.
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxes import es
+from jaxes.controller import policies
 from jaxes.controller.config import ControllerConfig
 from jaxes.controller.controller import Job, Update
 
@@ -28,7 +30,8 @@ class SyntheticObjective:
     self.task_weights = weights / weights.mean(axis=1, keepdims=True)
     self.strategy = es.Strategy(population=config.population, sigma=sigma,
                                 learning_rate=learning_rate, mode="full",
-                                antithetic=config.antithetic, shaping="zscore")
+                                antithetic=config.antithetic, shaping="zscore",
+                                staleness_weighting=policies.from_config(config).result_weight)
     state = self.strategy.init({"theta": jnp.zeros(dim, jnp.float32)}, jax.random.key(seed))
     self.states = {0: state}           # versions still needed by jobs in flight
     self.version = 0

@@ -2,13 +2,16 @@
 
 One tick: apply every update that is due, abort jobs the controller dropped, hand jobs to idle
 workers, then advance the clock to the next completion and report every job finishing at that
-instant (in job-id order). A job's duration and infrastructure failure are drawn from a
+instant (in job-id order). With ``update_seconds`` an update keeps the trainer busy that long
+after its cohort is taken; results finishing meanwhile wait in the ready pool (where waiting
+staleness and PACE's pool occupancy come from). A job's duration and infrastructure failure are drawn from a
 ``random.Random`` seeded with the job's identity, so the run is a pure function of its arguments.
 
 CLI (prints a summary table, then one JSON line)::
 
   python -m jaxes.controller.simulate --mode async --max_staleness 1 --workers 64 \
-      --population 32 --episodes_per_member 2 --durations lognormal:1.0 --updates 100
+      --population 32 --episodes_per_member 2 --durations lognormal:1.0 --updates 100 \
+      [--overage drop|wait|weight|baseline_only|pace] [--update_seconds 30]
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from collections import Counter
 from typing import Any, Protocol
 
 from jaxes.controller import durations as durations_lib
+from jaxes.controller import policies
 from jaxes.controller.config import ControllerConfig
 from jaxes.controller.controller import Controller, Job, Update
 
@@ -53,9 +57,11 @@ class HashFitness:
 class Simulator:
   def __init__(self, controller: Controller, workers: int, durations: durations_lib.DurationModel,
                *, failure_rate: float = 0.0, seed: int = 0, fitness: Fitness | None = None,
-               abort_doomed: bool = True):
+               abort_doomed: bool = True, update_seconds: float = 0.0):
     if workers < 1:
       raise ValueError(f"workers must be >= 1, got {workers}")
+    if not update_seconds >= 0:
+      raise ValueError(f"update_seconds must be >= 0, got {update_seconds}")
     if not 0.0 <= failure_rate < 1.0:
       raise ValueError(f"failure_rate must be in [0, 1), got {failure_rate}")
     self.ctl = controller
@@ -67,6 +73,8 @@ class Simulator:
     # Abort jobs whose member was dropped (a rollout engine can free such a slot); without it
     # they run to the end and their results are ignored.
     self.abort_doomed = abort_doomed
+    self.update_seconds = float(update_seconds)
+    self.trainer_free = 0.0                      # when the trainer can take the next cohort
     self.clock = 0.0
     self._idle = list(range(workers))            # heap of worker ids
     self._events: list[tuple[float, int]] = []   # heap of (finish time, job id)
@@ -75,6 +83,10 @@ class Simulator:
     self.useful_seconds = 0.0
     self._member_seconds: dict[tuple[int, int], float] = {}  # successful episode time per member
     self.staleness_histogram: Counter[int] = Counter()
+    self.generation_histogram: Counter[int] = Counter()
+    self.waiting_histogram: Counter[int] = Counter()
+    self.weighted_staleness = [0.0, 0.0]         # sum of weight * staleness, sum of weights
+    self.rejected = 0
     self.dropped = 0
     self.excluded = 0
     self.aborted = 0
@@ -111,13 +123,20 @@ class Simulator:
   # ---- the loop ------------------------------------------------------------------------------
 
   def _apply_updates(self, limit: int) -> None:
-    while len(self.updates) < limit:
+    while len(self.updates) < limit and self.clock >= self.trainer_free:
       update = self.ctl.pop_update()
       if update is None:
         return
-      for (v, m, _), s in zip(update.results, update.staleness):
+      self.trainer_free = self.clock + self.update_seconds
+      for (v, m, _), s, g, w, wt in zip(update.results, update.staleness, update.generation,
+                                        update.waiting, update.weights):
         self.staleness_histogram[s] += 1
+        self.generation_histogram[g] += 1
+        self.waiting_histogram[w] += 1
+        self.weighted_staleness[0] += wt * s
+        self.weighted_staleness[1] += wt
         self.useful_seconds += self._member_seconds.pop((v, m), 0.0)
+      self.rejected += update.rejected
       self.dropped += update.dropped
       self.excluded += update.excluded
       metrics = self.fitness.apply(update, self.ctl.live_versions())
@@ -134,10 +153,14 @@ class Simulator:
     for job in self.ctl.next_jobs(len(self._idle)):
       duration, fails = self._draw(job)
       self._start(job, heapq.heappop(self._idle), self.clock, self.clock + duration, fails)
-    if not self._running:
+    busy_trainer = self.trainer_free > self.clock
+    if not self._running and not busy_trainer:
       raise RuntimeError(f"simulator deadlock at version {self.ctl.version}: no job running, none "
                          f"issuable, no update due; controller stats {self.ctl.stats}")
-    now = self._events[0][0]
+    now = self._events[0][0] if self._events else self.trainer_free
+    if busy_trainer and self.trainer_free < now:
+      self.clock = self.trainer_free   # the trainer takes the next cohort before more finish
+      return
     self.clock = now
     while self._events and self._events[0][0] == now:
       _, job_id = heapq.heappop(self._events)
@@ -154,6 +177,7 @@ class Simulator:
     in_flight = sum(self.clock - r[2] for r in self._running.values())
     capacity = self.workers * elapsed
     hist = dict(sorted(self.staleness_histogram.items()))
+    mean = lambda h: sum(k * v for k, v in h.items()) / max(1, sum(h.values()))
     out = {
         "updates": len(self.updates),
         "virtual_hours": elapsed / 3600.0,
@@ -162,7 +186,13 @@ class Simulator:
         "updates_per_hour": len(self.updates) / (elapsed / 3600.0) if elapsed else 0.0,
         "staleness_histogram": {str(k): v for k, v in hist.items()},
         "max_staleness": max(hist) if hist else 0,
-        "mean_staleness": sum(k * v for k, v in hist.items()) / max(1, sum(hist.values())),
+        "mean_staleness": mean(hist),
+        "mean_generation_staleness": mean(self.generation_histogram),
+        "mean_waiting_staleness": mean(self.waiting_histogram),
+        # The staleness the ES steps see: results weighted by the policy's weights.
+        "mean_effective_staleness": (self.weighted_staleness[0] / self.weighted_staleness[1]
+                                     if self.weighted_staleness[1] else 0.0),
+        "rejected": self.rejected,
         "dropped": self.dropped,
         "excluded": self.excluded,
         "aborted_jobs": self.aborted,
@@ -187,6 +217,10 @@ class Simulator:
         "busy_seconds": self.busy_seconds, "useful_seconds": self.useful_seconds,
         "member_seconds": [[v, m, s] for (v, m), s in self._member_seconds.items()],
         "staleness_histogram": [[k, c] for k, c in self.staleness_histogram.items()],
+        "generation_histogram": [[k, c] for k, c in self.generation_histogram.items()],
+        "waiting_histogram": [[k, c] for k, c in self.waiting_histogram.items()],
+        "weighted_staleness": list(self.weighted_staleness), "rejected": self.rejected,
+        "trainer_free": self.trainer_free,
         "dropped": self.dropped, "excluded": self.excluded, "aborted": self.aborted,
         "updates": self.updates, "objective_initial": self.objective_initial,
     }
@@ -199,6 +233,10 @@ class Simulator:
     self.busy_seconds, self.useful_seconds = state["busy_seconds"], state["useful_seconds"]
     self._member_seconds = {(v, m): s for v, m, s in state["member_seconds"]}
     self.staleness_histogram = Counter({k: c for k, c in state["staleness_histogram"]})
+    self.generation_histogram = Counter({k: c for k, c in state["generation_histogram"]})
+    self.waiting_histogram = Counter({k: c for k, c in state["waiting_histogram"]})
+    self.weighted_staleness = list(state["weighted_staleness"])
+    self.rejected, self.trainer_free = state["rejected"], state["trainer_free"]
     self.dropped, self.excluded = state["dropped"], state["excluded"]
     self.aborted = state["aborted"]
     self.updates = list(state["updates"])
@@ -225,7 +263,15 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--mode", choices=("sync", "async"), required=True)
   p.add_argument("--max_staleness", type=int, default=None,
                  help="K (default 0 for sync, 1 for async)")
-  p.add_argument("--overage", choices=("drop", "wait"), default="drop")
+  p.add_argument("--overage", choices=policies.POLICIES, default="drop",
+                 help="stale-result policy (docs/controller.md)")
+  p.add_argument("--staleness_decay", type=float, default=0.5, help="'weight': decay per update")
+  p.add_argument("--pace_pool_capacity", type=int, default=0,
+                 help="'pace': ready results beyond max(this, population) are rejected")
+  p.add_argument("--pace_generation_weight", type=float, default=1.0,
+                 help="'pace': weight of prefix-aware generation staleness")
+  p.add_argument("--update_seconds", type=float, default=0.0,
+                 help="virtual seconds an update keeps the trainer busy")
   p.add_argument("--workers", type=int, required=True)
   p.add_argument("--population", type=int, required=True)
   p.add_argument("--episodes_per_member", type=int, default=1)
@@ -258,7 +304,9 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
   k = args.max_staleness if args.max_staleness is not None else (0 if args.mode == "sync" else 1)
   config = ControllerConfig(
       mode=args.mode, population=args.population, episodes_per_member=args.episodes_per_member,
-      max_staleness=k, overage=args.overage, delay_fraction=args.delay_fraction,
+      max_staleness=k, overage=args.overage, staleness_decay=args.staleness_decay,
+      pace_pool_capacity=args.pace_pool_capacity,
+      pace_generation_weight=args.pace_generation_weight, delay_fraction=args.delay_fraction,
       delay_updates=args.delay_updates, stress_all_stale=args.stress_all_stale,
       max_retries=args.max_retries, seed=args.seed)
   model = durations_lib.parse(args.durations, args.duration_scale, args.seed)
@@ -269,7 +317,7 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
                                  learning_rate=args.learning_rate, seed=args.seed)
   sim = Simulator(Controller(config, args.num_tasks), args.workers, model,
                   failure_rate=args.failure_rate, seed=args.seed, fitness=fitness,
-                  abort_doomed=not args.keep_doomed)
+                  abort_doomed=not args.keep_doomed, update_seconds=args.update_seconds)
   summary = sim.run(args.updates)
   return {"mode": args.mode, "max_staleness_bound": k, "overage": args.overage,
           "workers": args.workers, "population": args.population,

@@ -1,0 +1,135 @@
+"""Stale-result policies: generation/waiting staleness on a hand-made schedule, each policy's
+decisions exactly, the weights the ES step sees, and every policy through the simulator."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxes import es
+from jaxes.controller import Controller, ControllerConfig
+from jaxes.controller import durations, policies
+from jaxes.controller.policies import Candidate
+from jaxes.controller.simulate import Simulator
+
+
+def cfg(**kw):
+  base = dict(mode="async", population=2, episodes_per_member=2, max_staleness=2, max_retries=0)
+  base.update(kw)
+  return ControllerConfig(**base)
+
+
+def _three_updates(overage, **kw):
+  """N = 2, K = 2, E = 2: version 0 admits members 0..5. Members 2, 3, 4, 5 finish at version 0;
+  member 0's second episode and member 1 finish at version 2."""
+  ctl = Controller(cfg(overage=overage, **kw), num_tasks=50)
+  jobs = {(j.member, j.episode): j for j in ctl.next_jobs(100)}
+  assert sorted({m for m, _ in jobs}) == [0, 1, 2, 3, 4, 5]
+  report = lambda *keys: [ctl.report(jobs[k].job_id, 0.1 * k[0] + 0.01 * k[1]) for k in keys]
+  report((0, 0), *[(m, e) for m in (2, 3, 4, 5) for e in (0, 1)])
+  updates = [ctl.pop_update(), ctl.pop_update()]
+  assert ctl.pop_update() is None
+  report((0, 1), (1, 0), (1, 1))
+  updates.append(ctl.pop_update())
+  return ctl, updates
+
+
+def test_generation_and_waiting_staleness_on_a_hand_made_schedule():
+  ctl, ups = _three_updates("drop")
+  assert [[(v, m) for v, m, _ in u.results] for u in ups] == [[(0, 2), (0, 3)], [(0, 4), (0, 5)],
+                                                              [(0, 0), (0, 1)]]
+  assert [u.staleness for u in ups] == [[0, 0], [1, 1], [2, 2]]
+  assert [u.generation for u in ups] == [[0, 0], [0, 0], [2, 2]]   # 0 and 1 ran while v moved on
+  assert [u.waiting for u in ups] == [[0, 0], [1, 1], [0, 0]]      # 4 and 5 waited one update
+  assert [u.weights for u in ups] == [[1.0, 1.0]] * 3
+  assert ups[2].staleness_metrics() == {"generation_staleness_hist": [0, 0, 2],
+                                        "waiting_staleness_hist": [2], "weight_sum": 2.0,
+                                        "rejected": 0}
+  # A restored controller keeps the completion versions.
+  ctl2 = Controller(cfg(), num_tasks=50)
+  jobs = ctl2.next_jobs(100)
+  for j in jobs[:1]:
+    ctl2.report(j.job_id, 1.0)
+  ctl3 = Controller.from_state_dict(ctl2.state_dict())
+  assert ctl3._members[(0, jobs[0].member)].done == [0, None]
+
+
+@pytest.mark.parametrize("overage,weights", [
+    ("weight", [[1.0, 1.0], [0.5, 0.5], [0.25, 0.25]]),
+    ("baseline_only", [[1.0, 1.0], [0.0, 0.0], [0.0, 0.0]]),
+])
+def test_weighting_policies_consume_as_drop_and_weigh_by_staleness(overage, weights):
+  _, drop = _three_updates("drop")
+  _, ups = _three_updates(overage, staleness_decay=0.5)
+  assert [u.results for u in ups] == [u.results for u in drop]
+  assert [u.weights for u in ups] == weights
+
+
+def test_pace_ranks_by_effective_staleness_and_rejects_the_excess():
+  pool = [Candidate(1, 0, (1, 1)),   # waiting 2, prefix generation 0
+          Candidate(0, 2, (0, 2)),   # waiting 1, prefix generation 1 (one episode ran 2 updates)
+          Candidate(2, 4, (3, 3)),   # waiting 0, prefix generation 1
+          Candidate(3, 6, (3, 3)),   # fresh
+          Candidate(2, 8, (2, 2))]   # waiting 1
+  pick = policies.Pace(generation_weight=1.0).select(pool, 2, now=3)
+  assert (pick.cohort, pick.rejected) == ([3, 2], [4, 1, 0])   # capacity N: the whole excess
+  pick = policies.Pace(pool_capacity=4, generation_weight=1.0).select(pool, 2, now=3)
+  assert (pick.cohort, pick.rejected) == ([3, 2], [0])
+  # Without the generation term, member 4 is as fresh as 6 (ties: oldest version first) and the
+  # long rollout 2 outranks 0, which only waited.
+  pick = policies.Pace(pool_capacity=4, generation_weight=0.0).select(pool, 2, now=3)
+  assert (pick.cohort, pick.rejected) == ([2, 3], [0])
+  assert policies.Drop().select(pool, 2, now=3).cohort == [1, 0]   # earliest deadline first
+
+
+def test_pace_rejections_are_counted_and_free_admission():
+  admitted = {}
+  for overage in ("drop", "pace"):
+    ctl = Controller(cfg(overage=overage, max_staleness=1, episodes_per_member=1), num_tasks=50)
+    for j in ctl.next_jobs(100):          # members 0..3 of version 0 all complete
+      ctl.report(j.job_id, 1.0)
+    upd = ctl.pop_update()
+    assert [(v, m) for v, m, _ in upd.results] == [(0, 0), (0, 1)]
+    admitted[overage] = [(j.version, j.member) for j in ctl.next_jobs(100)]
+    if overage == "pace":
+      assert (upd.rejected, upd.dropped, ctl.stats["members_rejected"]) == (2, 2, 2)
+      assert ctl.pop_update() is None     # the rejected pair is gone
+  assert admitted == {"drop": [(1, 0), (1, 1)], "pace": [(1, 0), (1, 1), (1, 2), (1, 3)]}
+
+
+def test_policy_weights_reach_the_es_step():
+  strategy = es.Strategy(population=4, sigma=0.1, learning_rate=0.1, mode="full",
+                         staleness_weighting=policies.BaselineOnly().result_weight)
+  state = strategy.init({"w": jnp.zeros(3)}, jax.random.key(0))
+  state = dataclasses.replace(state, version=1)
+  results = [(0, 0, 1.0), (0, 1, 0.0), (1, 0, 3.0), (1, 1, 2.0)]
+  versions, members, weights, count = strategy.cohort(state, results)
+  z = (np.array([1.0, 0.0, 3.0, 2.0]) - 1.5) / np.std([1.0, 0.0, 3.0, 2.0])  # shaped over all 4
+  assert count == 4 and list(versions[:2]) == [0, 1]   # antithetic pairs merged
+  np.testing.assert_allclose(weights[:2], [0.0, z[2] - z[3]], rtol=1e-6)
+  assert policies.Drop().result_weight is None and policies.Weight(0.25).result_weight(2) == 0.0625
+
+
+@pytest.mark.parametrize("policy", policies.POLICIES)
+def test_every_policy_runs_in_the_simulator_within_the_bound(policy):
+  runs = []
+  for _ in range(2):
+    ctl = Controller(ControllerConfig(mode="async", population=8, episodes_per_member=2,
+                                      max_staleness=1, overage=policy), num_tasks=200)
+    sim = Simulator(ctl, 24, durations.parse("pareto:1.5"), seed=3, update_seconds=120.0)
+    runs.append(sim.run(30))
+  s = runs[0]
+  assert s == runs[1] and s["updates"] == 30 and s["max_staleness"] <= 1
+  assert s["mean_generation_staleness"] + s["mean_waiting_staleness"] == pytest.approx(s["mean_staleness"])
+  assert (s["rejected"] > 0) == (policy == "pace")
+  assert (s["dropped"] == 0) if policy == "wait" else True
+
+
+@pytest.mark.parametrize("kw,key", [
+    (dict(staleness_decay=0.0), "staleness_decay"), (dict(pace_pool_capacity=-1), "pace_pool_capacity"),
+    (dict(pace_generation_weight=-0.5), "pace_generation_weight"), (dict(overage="tinker"), "overage"),
+])
+def test_bad_policy_parameters_name_the_key(kw, key):
+  with pytest.raises(ValueError, match=rf"ControllerConfig\.{key}="):
+    cfg(**kw)

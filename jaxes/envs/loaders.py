@@ -16,7 +16,11 @@ Terminal-Bench-style folder (Terminal-Bench task.yaml or Harbor task.toml)::
   solution.sh | solution/solve.sh        the oracle
   tests/test_*.py                        the final tests (run-tests.sh / test.sh are not run)
 
-Container recipes are translated, not executed as written: package-manager commands
+With a ``task_images.TaskImageBuilder`` (``task_build = "docker"``) a folder runs as its authors
+wrote it instead: its Dockerfile (or its Apptainer definition, as a Dockerfile) is built into the
+task's own image, a Harbor ``tests/test.sh`` is the verifier, and nothing is translated.
+
+Without one, container recipes are translated, not executed as written: package-manager commands
 (``apt-get update``, ``apt-get install``, ``pip install``) are dropped when the base image
 already has every package they name, creating the user ``user`` is dropped (the image has it),
 and anything we cannot translate raises ``TaskLoadError`` naming the file and line.
@@ -36,6 +40,7 @@ import tomllib
 
 import yaml
 
+from jaxes.envs import apptainer, harbor, task_images
 from jaxes.envs.image import (BASE_PACKAGES, MINBASE_PACKAGES, OPTIONAL_PACKAGES,
                               PYTHON_DISTRIBUTIONS, SANDBOX_HOME, SANDBOX_USER)
 from jaxes.envs.task import Limits, Task
@@ -372,7 +377,37 @@ def _parse_container_def(path: str, folder: _Folder):
   return setup, files, env
 
 
-def load_endless_terminals(folder: str, max_bytes: int = MAX_TASK_BYTES) -> Task:
+def _build_definition(def_path: str, reader: _Folder, name: str,
+                      builder: task_images.TaskImageBuilder) -> task_images.BuiltImage:
+  """Builds an Apptainer definition as the task's image (see jaxes.envs.apptainer)."""
+  try:
+    recipe = apptainer.parse(reader.read(def_path), def_path)
+  except apptainer.DefinitionError as err:
+    raise TaskLoadError(str(err)) from err
+  files = []
+  for source, dest, line in recipe.files:
+    where = f"{def_path} line {line}"
+    for target, data in reader.collect(reader.inside(reader.path, source, where), dest, where):
+      files.append((f"{apptainer.ROOTFS}{target}", data, _mode(data)))
+  if recipe.post.strip():
+    files.append((apptainer.POST_SCRIPT, recipe.post.encode(), 0o644))
+  files.append(("Dockerfile", apptainer.dockerfile(recipe).encode(), 0o644))
+  return _ensure_image(builder, name, task_images.BuildContext(tuple(files)))
+
+
+def _mode(data: bytes) -> int:
+  return 0o755 if data.startswith(b"#!") else 0o644
+
+
+def _ensure_image(builder, name: str, context) -> task_images.BuiltImage:
+  try:
+    return builder.ensure(name, context)
+  except task_images.TaskImageError as err:
+    raise TaskLoadError(str(err)) from err
+
+
+def load_endless_terminals(folder: str, max_bytes: int = MAX_TASK_BYTES,
+                           builder: task_images.TaskImageBuilder | None = None) -> Task:
   reader = _Folder(folder, max_bytes)
   meta_path = os.path.join(folder, "task.json")
   try:
@@ -381,24 +416,29 @@ def load_endless_terminals(folder: str, max_bytes: int = MAX_TASK_BYTES) -> Task
     raise TaskLoadError(f"{meta_path} line {err.lineno}: invalid JSON: {err.msg}") from err
   if not isinstance(meta, dict) or not isinstance(meta.get("description"), str):
     raise TaskLoadError(f"{meta_path}: needs a string field \"description\"")
+  name = str(meta.get("name") or os.path.basename(os.path.normpath(folder)))
   final_path = os.path.join(folder, "test_final_state.py")
   if not reader.isfile(final_path):
     raise TaskLoadError(f"{folder}: missing test_final_state.py")
   final_tests = reader.read(final_path)
-  _check_stdlib_only(final_tests, final_path)
   initial_path = os.path.join(folder, "test_initial_state.py")
   initial_tests = reader.read_optional(initial_path)
-  if initial_tests is not None:
-    _check_stdlib_only(initial_tests, initial_path)
-  setup, files, env = "", [], []
+  if builder is None:   # a task-built image has the python packages its recipe installs
+    _check_stdlib_only(final_tests, final_path)
+    if initial_tests is not None:
+      _check_stdlib_only(initial_tests, initial_path)
+  setup, files, env, image = "", [], [], None
   def_path = os.path.join(folder, "container.def")
   if reader.isfile(def_path):
-    setup, files, env = _parse_container_def(def_path, reader)
+    if builder is None:
+      setup, files, env = _parse_container_def(def_path, reader)
+    else:
+      built = _build_definition(def_path, reader, name, builder)
+      image, env = built.tag, list(built.env)
   return Task(
-    name=str(meta.get("name") or os.path.basename(os.path.normpath(folder))),
-    instruction=meta["description"], setup=setup, final_tests=final_tests,
+    name=name, instruction=meta["description"], setup=setup, final_tests=final_tests,
     initial_tests=initial_tests, solution=reader.read_optional(os.path.join(folder, "solution.sh")),
-    files=tuple(files), env=tuple(env), family="endless-terminals")
+    files=tuple(files), env=tuple(env), family="endless-terminals", image=image)
 
 
 # -- Terminal-Bench / Harbor ----------------------------------------------------------------------
@@ -529,14 +569,10 @@ def _terminal_bench_config(reader: _Folder) -> tuple[str, dict]:
   instruction = reader.read_optional(os.path.join(folder, "instruction.md"))
   if instruction is None:
     raise TaskLoadError(f"{folder}: task.toml needs instruction.md beside it")
-  limits = {}
-  if "timeout_sec" in config.get("agent", {}):
-    limits["episode_timeout_s"] = float(config["agent"]["timeout_sec"])
-  if "timeout_sec" in config.get("verifier", {}):
-    limits["test_timeout_s"] = float(config["verifier"]["timeout_sec"])
-  if "memory_mb" in config.get("environment", {}):
-    limits["memory_mb"] = int(config["environment"]["memory_mb"])
-  return instruction, limits
+  try:
+    return instruction, harbor.limits_from_toml(config, toml_path)
+  except ValueError as err:
+    raise TaskLoadError(str(err)) from err
 
 
 # Directories of the image's system: a WORKDIR there would be chowned to the agent, which could
@@ -555,23 +591,51 @@ def _check_workdir(workdir: str, where: str) -> None:
                         f"directory must be in {SANDBOX_HOME}, /tmp or a new top-level directory")
 
 
-def load_terminal_bench(folder: str, max_bytes: int = MAX_TASK_BYTES) -> Task:
+def _verifier_files(reader: _Folder, tests_dir: str) -> tuple[tuple[str, bytes], ...]:
+  """The Harbor tests/ folder (test.sh and what it uses), by path relative to it."""
+  return tuple(reader.collect(tests_dir, "", tests_dir))
+
+
+def _build_dockerfile(dockerfile: str, reader: _Folder, name: str,
+                      builder: task_images.TaskImageBuilder) -> task_images.BuiltImage:
+  """Builds the task's Dockerfile with its folder as the context."""
+  context_dir = os.path.dirname(dockerfile)
+  files = tuple((path, data, 0o755 if os.stat(os.path.join(context_dir, path)).st_mode & 0o111
+                 else 0o644) for path, data in reader.collect(context_dir, "", dockerfile))
+  return _ensure_image(builder, name, task_images.BuildContext(
+    files, dockerfile=os.path.relpath(dockerfile, context_dir)))
+
+
+def load_terminal_bench(folder: str, max_bytes: int = MAX_TASK_BYTES,
+                        builder: task_images.TaskImageBuilder | None = None) -> Task:
   reader = _Folder(folder, max_bytes)
+  name = os.path.basename(os.path.normpath(folder))
   instruction, limit_overrides = _terminal_bench_config(reader)
   tests_dir = os.path.join(folder, "tests")
-  test_files = sorted(f for f in os.listdir(tests_dir) if re.fullmatch(r"test_\w*\.py", f)) if (
-    os.path.isdir(tests_dir)) else []
-  if len(test_files) != 1:
-    raise TaskLoadError(f"{tests_dir}: expected exactly one test_*.py file, found "
-                        f"{test_files or 'none'}")
-  test_path = os.path.join(tests_dir, test_files[0])
-  final_tests = reader.read(test_path)
-  _check_stdlib_only(final_tests, test_path)
-  setup, files, env, workdir = "", [], [], SANDBOX_HOME
+  final_tests, verifier_files = "", ()
+  if builder is not None and reader.isfile(os.path.join(tests_dir, "test.sh")):
+    verifier_files = _verifier_files(reader, tests_dir)
+  else:
+    test_files = sorted(f for f in os.listdir(tests_dir) if re.fullmatch(r"test_\w*\.py", f)) if (
+      os.path.isdir(tests_dir)) else []
+    if len(test_files) != 1:
+      raise TaskLoadError(f"{tests_dir}: expected exactly one test_*.py file, found "
+                          f"{test_files or 'none'}")
+    test_path = os.path.join(tests_dir, test_files[0])
+    final_tests = reader.read(test_path)
+    if builder is None:   # a task-built image has the python packages its recipe installs
+      _check_stdlib_only(final_tests, test_path)
+  setup, files, env, workdir, image = "", [], [], SANDBOX_HOME, None
   for dockerfile in (os.path.join(folder, "Dockerfile"),
                      os.path.join(folder, "environment", "Dockerfile")):
     if reader.isfile(dockerfile):
-      setup, files, env, workdir = _parse_dockerfile(dockerfile, os.path.dirname(dockerfile), reader)
+      if builder is None:
+        setup, files, env, workdir = _parse_dockerfile(dockerfile, os.path.dirname(dockerfile),
+                                                       reader)
+      else:
+        built = _build_dockerfile(dockerfile, reader, name, builder)
+        image, workdir, env = built.tag, os.path.normpath(built.workdir), list(built.env)
+        _check_workdir(workdir, f"{dockerfile} (the image's WORKDIR)")
       break
   solution = reader.read_optional(os.path.join(folder, "solution.sh"),
                                   os.path.join(folder, "solution", "solve.sh"))
@@ -583,9 +647,10 @@ def load_terminal_bench(folder: str, max_bytes: int = MAX_TASK_BYTES) -> Task:
     if solution is not None:
       solution = f"cd {shlex.quote(workdir)}\n{solution}"
   return Task(
-    name=os.path.basename(os.path.normpath(folder)), instruction=instruction,
+    name=name, instruction=instruction,
     setup=setup.strip("\n"), final_tests=final_tests, solution=solution, files=tuple(files),
-    env=tuple(env), limits=Limits(**limit_overrides), family="terminal-bench")
+    env=tuple(env), limits=Limits(**limit_overrides), family="terminal-bench", image=image,
+    workdir=workdir if image is not None else None, verifier_files=verifier_files)
 
 
 # -- entry points ---------------------------------------------------------------------------------
@@ -598,27 +663,35 @@ def task_format(folder: str) -> str | None:
   return None
 
 
-def load_task(path: str, max_bytes: int = MAX_TASK_BYTES) -> Task:
+def load_task(path: str, max_bytes: int = MAX_TASK_BYTES,
+              builder: task_images.TaskImageBuilder | None = None) -> Task:
   """Loads one Endless Terminals or Terminal-Bench-style task folder; it may copy at most
-  ``max_bytes`` into the sandbox."""
+  ``max_bytes`` into the sandbox. With ``builder`` the folder's recipe is built into its own
+  image and a Harbor test.sh is its verifier; without, it is translated into the shared image."""
   if not os.path.isdir(path):
     raise TaskLoadError(f"{path}: not a directory")
   kind = task_format(path)
   if kind == "endless-terminals":
-    return load_endless_terminals(path, max_bytes)
+    return load_endless_terminals(path, max_bytes, builder)
   if kind == "terminal-bench":
-    return load_terminal_bench(path, max_bytes)
+    return load_terminal_bench(path, max_bytes, builder)
   raise TaskLoadError(f"{path}: not a task folder (no task.json, task.yaml or task.toml)")
 
 
-def load_tasks(directory: str, max_bytes: int = MAX_TASK_BYTES) -> list[Task]:
+def load_tasks(directory: str, max_bytes: int = MAX_TASK_BYTES,
+               builder: task_images.TaskImageBuilder | None = None) -> list[Task]:
   """Every task folder directly under ``directory`` (or ``directory`` itself), by name."""
   if not os.path.isdir(directory):
     raise TaskLoadError(f"{directory}: not a directory")
   if task_format(directory):
-    return [load_task(directory, max_bytes)]
-  folders = sorted(os.path.join(directory, d) for d in os.listdir(directory)
-                   if task_format(os.path.join(directory, d)))
+    folders = [directory]
+  else:
+    folders = sorted(os.path.join(directory, d) for d in os.listdir(directory)
+                     if task_format(os.path.join(directory, d)))
   if not folders:
     raise TaskLoadError(f"{directory}: contains no task folders")
-  return [load_task(folder, max_bytes) for folder in folders]
+  if builder is None:
+    log.warning("%s: %d task folder(s) translated into the shared sandbox image (task_build = "
+                "\"translate\"): their FROM, package installs and test.sh are not run as written",
+                directory, len(folders))
+  return [load_task(folder, max_bytes, builder) for folder in folders]

@@ -23,9 +23,6 @@ import re
 import tarfile
 import time
 
-import docker
-import requests
-
 REPOSITORY = "jaxes-task"
 HASH_LABEL = "jaxes.task-context"
 # Bumped when what goes into an image besides the folder changes (the probe, the translation).
@@ -37,7 +34,14 @@ _NEEDS = {"/bin/bash": "bash", "/usr/bin/timeout": "coreutils (timeout)",
 _PROBE = "; ".join(f"[ -x {path} ] || echo missing: {what}" for path, what in _NEEDS.items()) + (
   "; [ \"$(id -u user 2>/dev/null)\" = 1000 ] || echo missing: the user 'user' with uid 1000"
   "; [ -d /home/user ] || echo missing: /home/user")
-_ERRORS = (docker.errors.DockerException, requests.exceptions.RequestException)
+
+
+def _errors():
+  # The docker SDK is imported only when an image is built: loading task folders for the
+  # translation (local backend) needs no engine and pays nothing for it.
+  import docker
+  import requests
+  return docker.errors.DockerException, requests.exceptions.RequestException
 
 
 class TaskImageError(ValueError):
@@ -73,6 +77,7 @@ class BuiltImage:
   built: bool          # False: the cached image was used
   seconds: float       # build time (0 when cached)
   workdir: str         # the image's WORKDIR ("/" when it sets none)
+  env: tuple[tuple[str, str], ...]   # the image's ENV: what the agent's commands run with
   log_path: str | None
 
 
@@ -90,21 +95,23 @@ class TaskImageBuilder:
 
   def __init__(self, client=None, log_dir: str = DEFAULT_LOG_DIR, rebuild: bool = False,
                network: str | None = None, timeout_s: float = 1800.0):
+    import docker
     try:
       self.client = client or docker.from_env(timeout=int(timeout_s))
       self.client.ping()
-    except _ERRORS as err:
+    except _errors() as err:
       raise TaskImageError(f"building task images needs a docker engine; none answers: {err}") \
         from err
     self.log_dir, self.rebuild, self.network = log_dir, rebuild, network
     self.builds: list[tuple[str, BuiltImage]] = []   # (task name, result), in load order
 
   def _cached(self, tag: str):
+    import docker
     try:
       return self.client.images.get(tag)
     except docker.errors.ImageNotFound:
       return None
-    except _ERRORS as err:
+    except _errors() as err:
       raise TaskImageError(f"cannot inspect image {tag}: {err}") from err
 
   def ensure(self, name: str, context: BuildContext) -> BuiltImage:
@@ -112,7 +119,7 @@ class TaskImageBuilder:
     tag = image_tag(name, context)
     image = None if self.rebuild else self._cached(tag)
     if image is not None:
-      result = BuiltImage(tag, False, 0.0, _workdir(image), None)
+      result = BuiltImage(tag, False, 0.0, _workdir(image), _env(image), None)
     else:
       result = self._build(name, tag, context)
     self.builds.append((name, result))
@@ -140,7 +147,7 @@ class TaskImageBuilder:
         if "error" in event:
           error = event.get("errorDetail", {}).get("message") or event["error"]
           lines.append(f"ERROR: {error}\n")
-    except _ERRORS as err:
+    except _errors() as err:
       error = f"{type(err).__name__}: {err}"
       lines.append(f"ERROR: {error}\n")
     finally:
@@ -155,23 +162,25 @@ class TaskImageBuilder:
       raise TaskImageError(f"task {name}: the build ended without an image {tag} "
                            f"(build log: {log_path})")
     self._probe(name, tag, log_path)
-    return BuiltImage(tag, True, time.monotonic() - started, _workdir(image), log_path)
+    return BuiltImage(tag, True, time.monotonic() - started, _workdir(image), _env(image),
+                      log_path)
 
   def _probe(self, name: str, tag: str, log_path: str) -> None:
     """Refuses (and removes) an image our protocol cannot drive, naming what it lacks."""
+    import docker
     try:
       out = self.client.containers.run(tag, ["/bin/sh", "-c", _PROBE], entrypoint=[],
                                         remove=True, network_mode="none", user="root")
     except docker.errors.ContainerError as err:
       out = (err.stderr or b"") or str(err).encode()
-    except _ERRORS as err:
+    except _errors() as err:
       raise TaskImageError(f"task {name}: cannot start the built image {tag}: {err}") from err
     missing = [line[len("missing: "):] for line in out.decode(errors="replace").splitlines()
                if line.startswith("missing: ")]
     if missing:
       try:
         self.client.images.remove(tag, force=True)
-      except _ERRORS:
+      except _errors():
         pass
       raise TaskImageError(f"task {name}: image {tag} lacks what jaxes' agent protocol needs: "
                            f"{', '.join(missing)} (build FROM jaxes-sandbox:latest or add them; "
@@ -180,3 +189,9 @@ class TaskImageBuilder:
 
 def _workdir(image) -> str:
   return (image.attrs.get("Config") or {}).get("WorkingDir") or "/"
+
+
+def _env(image) -> tuple[tuple[str, str], ...]:
+  pairs = ((entry.partition("=")[0], entry.partition("=")[2])
+           for entry in (image.attrs.get("Config") or {}).get("Env") or ())
+  return tuple(pairs)

@@ -1,0 +1,2 @@
+#!/bin/bash
+tally /app/data.txt | grep -c '^keep ' > /app/count.txt

@@ -30,8 +30,8 @@ import requests
 
 from jaxes.envs import final_tests, harbor
 from jaxes.envs.image import DEFAULT_TAG, SANDBOX_HOME, SANDBOX_UID, SANDBOX_USER
-from jaxes.envs.sandbox import (ExecResult, OutputCapture, Sandbox, SandboxError, SandboxHandle,
-                                TestReport)
+from jaxes.envs.sandbox import (ExecResult, HostError, OutputCapture, Sandbox, SandboxError,
+                                SandboxHandle, TestReport)
 from jaxes.envs.task import Task
 
 LABEL = "jaxes.sandbox"
@@ -337,7 +337,7 @@ class DockerHandle(SandboxHandle):
     self._container = container
     self._task = task
     self._env = {**SHELL_ENV, **dict(task.env)}
-    self._broken: str | None = None
+    self._broken: SandboxError | None = None
     self._closed = False
 
   @property
@@ -345,17 +345,20 @@ class DockerHandle(SandboxHandle):
     return self._container.id
 
   def _fail(self, reason: str, cause: BaseException | None = None):
-    self._broken = reason
-    raise SandboxError(reason) from cause
+    # An engine that does not answer is the host's fault; anything else (a container gone, an
+    # exec that hangs) the agent's commands may have caused.
+    host = isinstance(cause, requests.exceptions.ConnectionError)
+    self._broken = (HostError if host else SandboxError)(reason)
+    raise self._broken from cause
 
   def _exec(self, argv: list[str], user: str, timeout_s: float, cap_chars: int,
             environment: dict[str, str] | None = None) -> tuple[int, str, int, float, bool]:
     """Runs argv (which must end by itself within timeout_s) with ``environment`` (default:
     the task's); returns (exit code, capped output, true output length, seconds, flooded)."""
     if self._closed:
-      raise SandboxError("exec on a closed sandbox handle")
+      raise HostError("exec on a closed sandbox handle")
     if self._broken:
-      raise SandboxError(self._broken)
+      raise type(self._broken)(str(self._broken))
     api = self._sandbox._client.api
     started = time.monotonic()
     try:

@@ -39,8 +39,8 @@ import uuid
 import warnings
 
 from jaxes.envs import cgroups, final_tests
-from jaxes.envs.sandbox import (ExecResult, OutputCapture, Sandbox, SandboxError, SandboxHandle,
-                                TestReport)
+from jaxes.envs.sandbox import (ExecResult, HostError, OutputCapture, Sandbox, SandboxError,
+                                SandboxHandle, TestReport)
 from jaxes.envs.task import Task
 
 log = logging.getLogger(__name__)
@@ -456,13 +456,15 @@ class LocalHandle(SandboxHandle):
   # ---- commands -----------------------------------------------------------------------------
   def exec(self, command: str, timeout_s: float) -> ExecResult:
     if self._closed:
-      raise SandboxError("exec on a closed sandbox")
+      raise HostError("exec on a closed sandbox")
     try:
       if not os.path.isdir(self.home):   # removed under us (not by the agent: it cannot)
         raise FileNotFoundError(f"{self.home} vanished")
       return self._run(command, timeout_s)
     except OSError as e:   # the episode directory vanished, no file descriptors left, …
-      raise SandboxError(f"exec failed: {e}") from e
+      # Host-side only: no host write goes to a space the agent can fill (the command travels
+      # through a pipe), so the agent cannot cause these.
+      raise HostError(f"exec failed: {e}") from e
 
   def _env(self, with_task: bool = True) -> dict[str, str]:
     env = {"HOME": self._localise(HOME), "USER": "user", "LOGNAME": "user", "PATH": _PATH,
@@ -529,8 +531,8 @@ class LocalHandle(SandboxHandle):
                               stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, env=self._env(task_env), cwd=cwd,
                               start_new_session=True, close_fds=True, **as_user)
-    except OSError as e:
-      raise SandboxError(f"could not start a sandboxed command: {e}") from e
+    except OSError as e:   # fork/exec failed on the host (out of processes or memory)
+      raise HostError(f"could not start a sandboxed command: {e}") from e
     if stdin_data is not None:   # from a thread: a payload larger than the pipe must not block us
       threading.Thread(target=_feed, args=(proc.stdin, stdin_data), daemon=True).start()
     timed_out, flooded = _pump(proc, capture, timeout_s)
@@ -547,11 +549,11 @@ class LocalHandle(SandboxHandle):
   # ---- tests --------------------------------------------------------------------------------
   def run_tests(self) -> TestReport:
     if self._closed:
-      raise SandboxError("run_tests on a closed sandbox")
+      raise HostError("run_tests on a closed sandbox")
     try:
       return self._run_tests()
     except OSError as e:
-      raise SandboxError(f"running the final tests failed: {e}") from e
+      raise HostError(f"running the final tests failed: {e}") from e
 
   def _run_tests(self) -> TestReport:
     """Runs the verifier (``final_tests.VERIFIER``) as the sandbox uid in a fresh namespace: no
@@ -581,7 +583,7 @@ class LocalHandle(SandboxHandle):
     if status == final_tests.CWD_UNUSABLE:
       return TestReport(False, 0, expected, False, res.output)
     if status == final_tests.NO_PYTEST:
-      raise SandboxError("final tests need pytest, which the sandbox's python3 lacks "
+      raise HostError("final tests need pytest, which the sandbox's python3 lacks "
                          "(apt-get install python3-pytest)")
     if status != "ok":
       raise SandboxError(f"the verifier could not start ({status}): {res.output[-500:]}")

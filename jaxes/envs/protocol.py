@@ -17,15 +17,22 @@ import re
 import time
 from typing import Callable
 
-from jaxes.envs.sandbox import ExecResult, SandboxError, SandboxHandle
+from jaxes.envs.sandbox import ExecResult, HostError, SandboxError, SandboxHandle
 from jaxes.envs.task import Task
 
 PARSE_ERROR = "PARSE_ERROR"
 AGENT_TIMEOUT = "AGENT_TIMEOUT"
 COMMAND_TIMEOUT = "COMMAND_TIMEOUT"
 TEST_TIMEOUT = "TEST_TIMEOUT"
+# Failures by who could cause them. SANDBOX_ERROR: infrastructure (the sandbox could not start,
+# or a HostError), retried and, if it persists, left out of fitness. SANDBOX_BROKEN: the sandbox
+# failed after the agent's first command, which the agent may have caused (filled a disk, broke
+# its home, killed what it could): a failed episode, reward 0, counted -- else breaking the
+# sandbox would be as good as solving, since an excluded episode cannot lower fitness.
 SANDBOX_ERROR = "SANDBOX_ERROR"
-FAILURES = (PARSE_ERROR, AGENT_TIMEOUT, COMMAND_TIMEOUT, TEST_TIMEOUT, SANDBOX_ERROR)
+SANDBOX_BROKEN = "SANDBOX_BROKEN"
+EXCLUDED = (SANDBOX_ERROR,)      # the failures that leave an episode out of fitness
+FAILURES = (PARSE_ERROR, AGENT_TIMEOUT, COMMAND_TIMEOUT, TEST_TIMEOUT, SANDBOX_BROKEN, SANDBOX_ERROR)
 
 # Our wording of Endless Terminals' rules (same protocol, own text); pass Endless Terminals'
 # verbatim system message as ``Episode(..., system_prompt=...)`` to match it exactly.
@@ -120,7 +127,8 @@ class Episode:
     ]
     self.turns = 0
     self.done = False
-    self._ended_by: str | None = None    # AGENT_TIMEOUT or SANDBOX_ERROR
+    self._ended_by: str | None = None    # AGENT_TIMEOUT, SANDBOX_BROKEN or SANDBOX_ERROR
+    self.commands = 0                    # commands handed to the sandbox
     self.parse_errors = 0                # replies that did not parse
     self._command_timed_out = False
     self._exec_s = 0.0
@@ -144,10 +152,11 @@ class Episode:
       remaining = limits.episode_timeout_s - self._elapsed()
       timeout = max(min(limits.command_timeout_s, remaining), 0.001)
       t0 = time.monotonic()
+      self.commands += 1
       try:
         result = self.handle.exec(action.command, timeout)
       except SandboxError as e:
-        self._ended_by = SANDBOX_ERROR
+        self._ended_by = self._sandbox_failure(e)
         self.done = True
         self.messages.append({"role": "user", "content": f"Sandbox error: {e}"})
         return True
@@ -163,6 +172,10 @@ class Episode:
       self.done = True
     return self.done
 
+  def _sandbox_failure(self, error: SandboxError) -> str:
+    """Who could have caused ``error``: the agent once it has acted, unless the host did."""
+    return SANDBOX_ERROR if isinstance(error, HostError) or not self.commands else SANDBOX_BROKEN
+
   def _elapsed(self) -> float:
     """Seconds counted against the episode limit."""
     return self._clock() - self._start if self.model_time_counts else self._exec_s
@@ -177,8 +190,8 @@ class Episode:
       t0 = time.monotonic()
       try:
         report = self.handle.run_tests()
-      except SandboxError:
-        failure = SANDBOX_ERROR
+      except SandboxError as e:
+        failure = self._sandbox_failure(e)
       tests_s = time.monotonic() - t0
       if report is not None and report.timed_out:
         failure = TEST_TIMEOUT

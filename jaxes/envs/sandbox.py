@@ -9,7 +9,15 @@ from jaxes.envs.task import Task
 
 
 class SandboxError(RuntimeError):
-  """Infrastructure failure (not the agent's fault): start failed, container died, …"""
+  """The sandbox failed: it could not start, or broke during the episode. Once the agent has
+  acted, its actions may have caused it (``protocol.Episode`` then scores a failed episode),
+  unless it is a ``HostError``."""
+
+
+class HostError(SandboxError):
+  """A failure no agent action can cause (the host out of processes or memory, the episode's
+  host-side directory gone, the container engine unreachable): the episode is retried, and left
+  out of fitness when the retries fail too."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,7 +35,7 @@ from typing import Any, Callable, Sequence
 from jaxes.rollout import chat
 from jaxes.rollout.engine import Engine
 
-SANDBOX_ERROR = "SANDBOX_ERROR"
+SANDBOX_ERROR = "SANDBOX_ERROR"   # infrastructure (``protocol.SANDBOX_ERROR``): reward None, retried
 CONTEXT_FULL = "CONTEXT_FULL"  # the KV-cache row is full: the episode ends, its verifier still runs
 # (A paged engine's episode that finds no free KV page ends the same way, its failure the
 # engine's reason, ``engine.PAGES_EXHAUSTED``; one whose prompt's pages are not free waits.)
@@ -58,10 +58,11 @@ class EpisodeResult:
   reward: float | None           # None: infrastructure failure (retry it)
   passed: bool
   turns: int
-  failure: str | None
+  failure: str | None            # a failure kind (protocol.FAILURES, CONTEXT_FULL, ...), or None
   truncated: bool                # ended because the cache row was full (or its KV pages ran out)
   env_s: float                   # worker seconds spent in the sandbox for this episode
   tokens: EpisodeStream | None = None  # what the engine fed and sampled (None: never started)
+  error: str | None = None       # an infrastructure failure's text (its kind is ``failure``)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,8 +233,8 @@ class EpisodeRunner:
 
   def _result(self, live, outcome=None, error: str | None = None) -> EpisodeResult:
     if outcome is None or outcome.failure == SANDBOX_ERROR:
-      return EpisodeResult(live.spec, None, False, getattr(outcome, "turns", 0), error or SANDBOX_ERROR,
-                           live.truncated, live.env_s, live.stream())
+      return EpisodeResult(live.spec, None, False, getattr(outcome, "turns", 0), SANDBOX_ERROR,
+                           live.truncated, live.env_s, live.stream(), error=error)
     failure = outcome.failure or ((live.failure or CONTEXT_FULL) if live.truncated else None)
     return EpisodeResult(live.spec, float(outcome.reward), bool(outcome.passed), int(outcome.turns),
                          failure, live.truncated, live.env_s, live.stream())

@@ -193,6 +193,7 @@ class _Checks:
     self.at_least("train.transcripts_per_update", 0)
     self.at_least("train.transcript_chars", 100)
     self.one_of("train.tracker", TRACKERS)
+    self.check("train.max_excluded_share", 0.0 <= c.train.max_excluded_share <= 1.0, "must be in [0, 1]")
     self.at_least("eval.num_tasks", 0)
     self.check("eval.num_tasks", c.eval.num_tasks <= c.env.num_heldout_tasks,
                "must be <= config.env.num_heldout_tasks")

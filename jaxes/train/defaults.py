@@ -130,6 +130,9 @@ def base_config() -> config_dict.ConfigDict:
   c.train.transcripts_per_update = 4   # training episodes kept with their transcripts (episodes.jsonl)
   c.train.transcript_chars = 2000      # each prompt, turn and observation cut to this many characters
   c.train.tracker = ""           # "wandb": also log to Weights & Biases (jaxes.train.tracker); "" = off
+  # Stop (one line) once more than this share of the run's episodes failed every retry and were
+  # left out of fitness: a policy that could make its failures excluded would be rewarded.
+  c.train.max_excluded_share = 0.05
 
   # Held-out evaluation of the unperturbed policy.
   # The GRPO baseline (train.algorithm = "grpo"): jaxes.rl.config documents every key.

@@ -26,7 +26,7 @@ from ml_collections import config_dict
 from jaxes.controller import Job
 from jaxes.es import keys
 from jaxes.rollout.episodes import EpisodeSpec
-from jaxes.envs.sandbox import Sandbox
+from jaxes.envs.sandbox import Sandbox, SandboxError
 from jaxes.train import (builders, checkpoint, compile_cache, config_history, evaluation, metrics, multihost,
                          report, tracker, warmstart)
 from jaxes.train.config import validate
@@ -199,6 +199,8 @@ class Trainer:
         self._report(r)
       while (state.controller.version < c.train.num_updates
              and (update := state.controller.pop_update()) is not None):
+        if (why := state.controller.excluded_beyond(c.train.max_excluded_share)) is not None:
+          raise SandboxError(why)   # issue 31: fitness must not silently lose its episodes
         record, results = self._apply(update)
         if self._in_force:   # the values in force of keys changed since config.json
           record["config_in_force"] = self._in_force

@@ -2,12 +2,23 @@
 
   python -m jaxes.envs.check --backend local --generated 140 --agent oracle
   python -m jaxes.envs.check --backend docker --tasks DIR --agent noop --workers 4
+  python -m jaxes.envs.check --backend docker --tasks DIR --agent oracle --attempts 3
+
+Task folders (--tasks) run as their authors wrote them on the docker backend: each folder's
+recipe is built into its own image (cached by a content hash of the folder; --rebuild forces)
+and a Harbor tests/test.sh is its verifier (--task-build docker, the default there); with
+--task-build translate (the default on the local backend) they are translated into the shared
+sandbox image instead, and a line says so. With --tasks, a per-task table gives pass@attempts,
+build seconds and mean episode seconds, as Harbor's job summary does, and names every task the
+oracle failed.
 
 Agents: ``oracle`` sends the task's reference solution as one command, then done; ``noop``
 answers done at once; ``replay:FILE`` plays a JSON list of raw model outputs as the turns (or a
 JSON object mapping task names to such lists), then done. The oracle must pass every generated
 task and noop none (a task noop passes is broken). The last line printed is one JSON object:
-{"tasks", "passed", "pass_rate", "failures": {reason: count}, "leaked"}. Exit status 1 when
+{"tasks", "episodes", "passed", "pass_rate", "pass_at_attempts", "failures": {reason: count},
+"leaked"} (episodes, passed, pass_rate and failures count episodes; pass_at_attempts is the share
+of tasks passed in at least one of their --attempts). Exit status 1 when
 anything leaked, or the oracle missed / noop passed a task; 2 (with one line saying why) when a
 task folder cannot be loaded or the sandbox cannot start.
 """
@@ -77,9 +88,10 @@ def descendant_processes() -> int:
 
 
 def run_checks(sandbox, tasks: list[Task], agent_spec: str, workers: int = 1,
-               progress: bool = True) -> tuple[list[tuple[Task, protocol.EpisodeOutcome | str]], int]:
-  """Plays every task; returns (task, outcome or the reason it could not be played) pairs and
-  the number of leftovers."""
+               progress: bool = True, attempts: int = 1,
+               ) -> tuple[list[tuple[Task, protocol.EpisodeOutcome | str]], int]:
+  """Plays every task ``attempts`` times; returns (task, outcome or the reason it could not be
+  played) pairs, in task order, and the number of leftovers."""
   factory = make_agent(agent_spec)
 
   def one(task: Task):
@@ -94,7 +106,7 @@ def run_checks(sandbox, tasks: list[Task], agent_spec: str, workers: int = 1,
 
   results = []
   with concurrent.futures.ThreadPoolExecutor(max(workers, 1)) as pool:
-    futures = [pool.submit(one, t) for t in tasks]
+    futures = [pool.submit(one, t) for t in tasks for _ in range(attempts)]
     for fut in tqdm.tqdm(concurrent.futures.as_completed(futures), total=len(futures),
                          disable=not progress, desc="episodes", file=sys.stderr):
       results.append(fut.result())
@@ -112,9 +124,44 @@ def summarize(results, leaked: int) -> dict:
     elif not outcome.passed:
       failures[outcome.failure or FAILED_TESTS] += 1
   passed = sum(not isinstance(o, str) and o.passed for _t, o in results)
-  return {"tasks": len(results), "passed": passed,
+  by_task = collections.defaultdict(bool)
+  for task, outcome in results:
+    by_task[task.name] |= not isinstance(outcome, str) and outcome.passed
+  return {"tasks": len(by_task), "episodes": len(results), "passed": passed,
           "pass_rate": passed / len(results) if results else 0.0,
+          "pass_at_attempts": sum(by_task.values()) / len(by_task) if by_task else 0.0,
           "failures": dict(sorted(failures.items())), "leaked": leaked}
+
+
+def task_table(results, builds: dict | None = None) -> str:
+  """Per task: attempts, passes, pass@attempts, image build seconds ("cached" when none was
+  needed, "-" for the shared image) and mean episode seconds (container start to close)."""
+  rows: dict[str, list] = {}
+  for task, outcome in results:
+    row = rows.setdefault(task.name, [0, 0, 0.0])
+    row[0] += 1
+    if not isinstance(outcome, str):
+      row[1] += outcome.passed
+      row[2] += outcome.timings.get("start_s", 0.0) + outcome.timings.get("total_s", 0.0)
+  width = max([len(name) for name in rows] + [4])
+  lines = [f"{'task':<{width}} {'attempts':>8} {'passed':>6} {'pass@n':>6} {'build_s':>8} "
+           f"{'episode_s':>9}"]
+  for name, (n, passed, seconds) in rows.items():
+    built = (builds or {}).get(name)
+    build = "-" if built is None else f"{built.seconds:.1f}" if built.built else "cached"
+    lines.append(f"{name:<{width}} {n:>8} {passed:>6} {int(passed > 0):>6} {build:>8} "
+                 f"{seconds / n:>9.2f}")
+  return "\n".join(lines)
+
+
+def oracle_failures(results) -> list[str]:
+  """'name (k/n attempts)' for every task the oracle did not pass every time."""
+  counts: dict[str, list[int]] = {}
+  for task, outcome in results:
+    row = counts.setdefault(task.name, [0, 0])
+    row[1] += 1
+    row[0] += not isinstance(outcome, str) and outcome.passed
+  return [f"{name} ({n - k}/{n} attempts failed)" for name, (k, n) in counts.items() if k < n]
 
 
 def family_table(results) -> str:
@@ -157,6 +204,13 @@ def main(argv: list[str] | None = None) -> int:
   ap.add_argument("--seed", type=int, default=0, help="split seed for --generated")
   ap.add_argument("--agent", default="oracle", help="oracle | noop | replay:FILE")
   ap.add_argument("--workers", type=int, default=1)
+  ap.add_argument("--attempts", type=int, default=1, metavar="N",
+                  help="episodes per task (pass@N, as Harbor's n_attempts)")
+  ap.add_argument("--task-build", choices=("auto", "docker", "translate"), default="auto",
+                  help="--tasks: build each folder's own image (docker) or translate it into "
+                  "the shared image; auto: docker on the docker backend")
+  ap.add_argument("--rebuild", action="store_true",
+                  help="--task-build docker: rebuild task images even when cached")
   ap.add_argument("--pytest", action="store_true", help="local backend: run final tests with "
                   "real pytest instead of the light runner")
   ap.add_argument("--isolation", choices=("auto", "bwrap", "unshare", "none"), default="auto",
@@ -166,17 +220,30 @@ def main(argv: list[str] | None = None) -> int:
   args = ap.parse_args(argv)
   if args.generated is not None and args.generated < 1:
     ap.error("--generated must be at least 1")
+  if args.attempts < 1:
+    ap.error("--attempts must be at least 1")
+  task_build = args.task_build
+  if task_build == "auto":
+    task_build = "docker" if args.backend == "docker" else "translate"
+  if args.tasks and task_build == "docker" and args.backend != "docker":
+    print("check: --task-build docker: task-built images run on the docker backend only "
+          "(--backend docker)", file=sys.stderr)
+    return 2
 
   try:
     make_agent(args.agent)   # fail on a bad --agent before starting anything: a set-up error
   except SystemExit as e:
     print(f"check: {e}", file=sys.stderr)
     return 2
+  builder = None
   if args.tasks:
     from jaxes.envs.loaders import TaskLoadError, load_tasks
+    from jaxes.envs.task_images import TaskImageBuilder, TaskImageError
     try:
-      tasks = load_tasks(args.tasks)
-    except TaskLoadError as e:
+      if task_build == "docker":
+        builder = TaskImageBuilder(rebuild=args.rebuild)
+      tasks = load_tasks(args.tasks, builder=builder)
+    except (TaskLoadError, TaskImageError) as e:
       print(f"check: {e}", file=sys.stderr)
       return 2
   else:
@@ -197,13 +264,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"check: {e}", file=sys.stderr)
     return 2
   try:
-    results, leaked = run_checks(sandbox, tasks, args.agent, args.workers, not args.no_progress)
+    results, leaked = run_checks(sandbox, tasks, args.agent, args.workers, not args.no_progress,
+                                 args.attempts)
   finally:
     sandbox.shutdown()
   summary = summarize(results, leaked)
   print(family_table(results))
+  if args.tasks:
+    print(task_table(results, dict(builder.builds) if builder else None))
+  if args.agent == "oracle":
+    for failed in oracle_failures(results):
+      print(f"check: the oracle failed task {failed}", file=sys.stderr)
   print(json.dumps(summary))
-  return exit_status(args.agent, summary["passed"], summary["tasks"], leaked)
+  return exit_status(args.agent, summary["passed"], summary["episodes"], leaked)
 
 
 if __name__ == "__main__":

@@ -690,8 +690,9 @@ def load_tasks(directory: str, max_bytes: int = MAX_TASK_BYTES,
                      if task_format(os.path.join(directory, d)))
   if not folders:
     raise TaskLoadError(f"{directory}: contains no task folders")
+  tasks = [load_task(folder, max_bytes, builder) for folder in folders]
   if builder is None:
     log.warning("%s: %d task folder(s) translated into the shared sandbox image (task_build = "
                 "\"translate\"): their FROM, package installs and test.sh are not run as written",
                 directory, len(folders))
-  return [load_task(folder, max_bytes, builder) for folder in folders]
+  return tasks

@@ -87,7 +87,8 @@ def image_tag(name: str, context: BuildContext) -> str:
 
 
 class TaskImageBuilder:
-  """Builds task images with the docker engine; ``rebuild`` builds even when cached.
+  """Builds task images with the docker engine; ``rebuild`` builds even when cached, without
+  the engine's layer cache either.
 
   network: the build's network mode (None: the engine's default; "none" for builds that must
            not reach out, as in the tests). Episodes always run without a network.
@@ -135,7 +136,8 @@ class TaskImageBuilder:
       # the end), so a failure's step is known and the log is kept whatever happens.
       events = self.client.api.build(
         fileobj=io.BytesIO(context.tar()), custom_context=True, dockerfile=context.dockerfile,
-        tag=tag, rm=True, forcerm=True, pull=False, decode=True, network_mode=self.network,
+        tag=tag, rm=True, forcerm=True, pull=False, nocache=self.rebuild, decode=True,
+        network_mode=self.network,
         labels={HASH_LABEL: context.digest()})
       for event in events:
         text = event.get("stream") or event.get("status") or ""

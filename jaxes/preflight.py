@@ -67,7 +67,7 @@ if __name__ == "__main__":
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from jaxes import gpu_targets  # noqa: E402
+from jaxes import gpu_targets, sharding  # noqa: E402
 
 # Google Cloud's TPU system-architecture pages: per-chip HBM (decimal GB) and the topology of
 # each slice name (vN-C: C TensorCores; v5p and v4 chips are one megacore device of 2 cores).
@@ -146,21 +146,15 @@ def _like_params(tree, params):
     by_shape.setdefault(tuple(p.shape), p.sharding)
   any_sharding = jax.tree.leaves(params)[0].sharding
   replicated = jax.sharding.NamedSharding(any_sharding.mesh, jax.sharding.PartitionSpec())
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-      x.shape, x.dtype, sharding=by_shape.get(tuple(x.shape), replicated)), tree)
+  return sharding.abstract(tree, jax.tree.map(lambda x: by_shape.get(tuple(x.shape), replicated), tree))
 
 
 def _es_update_program(strategy, params, num_keys: int):
   """The ES update lowered over abstract parameters (what ``Strategy.update`` runs)."""
-  import optax
   from jaxes.es import update
   state = jax.eval_shape(lambda p: strategy.init(p, jax.random.key(0)), params)
   opt_state = _like_params(state.opt_state, params)
-  # The optimizer as es.Strategy builds it (sgd: stateless; adam: two float32 moments).
-  if strategy.optimizer == "adam":
-    tx = optax.adamw(strategy.learning_rate, weight_decay=strategy.weight_decay)
-  else:
-    tx = optax.chain(optax.add_decayed_weights(strategy.weight_decay), optax.sgd(strategy.learning_rate))
+  tx = strategy.tx
   mesh = jax.tree.leaves(params)[0].sharding.mesh
   rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
@@ -267,7 +261,6 @@ def _learner_program(config, graphdef, params, mesh):
 
 
 def _plan(config, target: Target, log, only: str | None, algorithm: str) -> dict:
-  from jaxes import sharding
   from jaxes.models import qwen2
   from jaxes.rollout.engine import Engine
   from jaxes.train import builders
@@ -279,16 +272,13 @@ def _plan(config, target: Target, log, only: str | None, algorithm: str) -> dict
   strategy = builders.build_strategy(config)
   run_key = jax.random.key(config.seed)
 
-  def make_noiser(params, versions, members, row_group):
-    return strategy.member_noiser(params, versions, members, row_group, run_key=run_key)
-
   model = builders.build_model(config, vocab)
   graphdef = model.graphdef
   r = config.rollout
   # GRPO decodes the current policy's unperturbed rows: an engine without a noiser.
   engine = Engine(graphdef, cfg, num_slots=r.num_slots, max_len=r.max_len,
                   prefill_chunk=r.prefill_chunk, max_new_tokens=r.max_new_tokens, stop_ids=[],
-                  im_end_id=0, make_noiser=make_noiser if algorithm == "es" else None,
+                  im_end_id=0, make_noiser=strategy.engine_noiser(run_key) if algorithm == "es" else None,
                   seed=config.seed, mesh=mesh, abstract=True,
                   version_steps=builders.version_steps(config, model, strategy, run_key)
                   if algorithm == "es" else None,

@@ -47,6 +47,14 @@ def parse_mesh(spec: str) -> dict[str, int]:
   return sizes
 
 
+def abstract(tree, shardings):
+  """``tree``'s array leaves as ``jax.ShapeDtypeStruct``s carrying ``shardings`` (a matching
+  pytree): what ``jit(...).lower`` takes to compile over arrays that need not exist. Leaves
+  without a shape (Python scalars) are kept as they are."""
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+                      if hasattr(x, "shape") else x, tree, shardings)
+
+
 def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1,
               devices: Sequence[jax.Device] | None = None) -> Mesh:
   """A (data, fsdp, tensor) mesh over ``devices`` (default: all), whose count must match."""

@@ -27,12 +27,7 @@ def tiny_model(preset: str = "tiny-gqa", seed: int = 0, **overrides):
 
 def engine_noiser(strategy, run_key):
   """An engine's ``make_noiser`` for ``strategy``'s members under ``run_key``; None without one."""
-  if strategy is None:
-    return None
-
-  def make_noiser(params, versions, members, row_group):
-    return strategy.member_noiser(params, versions, members, row_group, run_key=run_key)
-  return make_noiser
+  return None if strategy is None else strategy.engine_noiser(run_key)
 
 
 def assert_same_turns(got: dict, want: dict, atol: float = 1e-4) -> None:

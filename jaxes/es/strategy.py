@@ -172,6 +172,11 @@ class Strategy:
   def noise_config(self) -> noise.NoiseConfig:
     return self._cfg
 
+  @property
+  def tx(self) -> optax.GradientTransformation:
+    """The optax transformation ``update`` steps with (built from ``optimizer``, or it)."""
+    return self._tx
+
   def sigma_at(self, version):
     """Sigma of members of ``version`` (Python float for an int, jnp float32 for arrays)."""
     if callable(self.sigma_schedule):
@@ -249,6 +254,13 @@ class Strategy:
     Jittable; see ``jaxes.es.noiser`` for the memory of each mode."""
     versions = jnp.asarray(versions, jnp.int32)
     return self._build_noiser(params, run_key, versions, members, row_group, self.sigma_at(versions))
+
+  def engine_noiser(self, run_key: jax.Array):
+    """``make_noiser(params, versions, members, row_group)`` for the rollout engine: each row's
+    member of this strategy under ``run_key`` (``member_noiser``)."""
+    def make_noiser(params, versions, members, row_group):
+      return self.member_noiser(params, versions, members, row_group, run_key=run_key)
+    return make_noiser
 
   # -- a version as its predecessor plus a low-rank step (the rollout engine's merged calls) --
   @property

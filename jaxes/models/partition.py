@@ -46,8 +46,7 @@ def abstract_sharded_params(cfg: Qwen2Config, mesh: Mesh,
   """``jax.ShapeDtypeStruct`` per parameter carrying its sharding: lower and compile programs
   over the parameters without any of them existing."""
   shapes, shardings = abstract_params(cfg), param_shardings(cfg, mesh, rules)
-  return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                      shapes, shardings)
+  return sharding.abstract(shapes, shardings)
 
 
 def init_params(cfg: Qwen2Config, mesh: Mesh, seed: int = 0,

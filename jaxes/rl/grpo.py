@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxes import sharding
 from jaxes.rl import objective
 from jaxes.rl.batch import Batch
 from jaxes.rl.config import GRPOConfig
@@ -97,11 +98,11 @@ class GRPOLearner:
     replicated = NamedSharding(mesh, PartitionSpec())
     learner_only = jax.tree.map(self.learner_sharding, shardings, params)
 
-    def put(x, sharding=replicated):
-      return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+    def put(x, where=replicated):
+      return sharding.abstract(x, where)
 
     def like(tree, sh):
-      return None if tree is None else jax.tree.map(put, tree, sh)
+      return None if tree is None else sharding.abstract(tree, sh)
 
     opt_state = optax.tree_map_params(self.tx, put, shapes.opt_state, learner_only,
                                       transform_non_params=put)

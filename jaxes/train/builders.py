@@ -16,49 +16,19 @@ from flax import nnx
 from ml_collections import config_dict
 
 from jaxes import es, sharding, tokenization
-from jaxes.controller import ControllerConfig
-from jaxes.envs import generator, make_sandbox, protocol, webshop
+from jaxes.controller import ControllerConfig, policies
+from jaxes.envs import protocol
 from jaxes.envs.latency import LatencySandbox
 from jaxes.models import hf, qwen2
 from jaxes.rollout.engine import Engine, VersionSteps
 from jaxes.rollout.episodes import EpisodeRunner
-from jaxes.train import warmstart
+from jaxes.train import environments
 from jaxes.train.errors import ConfigError
 
-# Text every episode repeats, weighted up when a BPE tokenizer is built so its merges compress it.
-_REPEATED_TEXTS = (protocol.PARSE_ERROR_OBSERVATION, "<action>done</action>",
-                   "Command executed successfully. Output: \n\n(exit_code=0)",
-                   "Command failed. Output: \n\n(exit_code=1)")
-
-
-# -- tasks and episodes ---------------------------------------------------------------------------
-def task_families(config) -> list[str]:
-  return [f.strip() for f in config.env.families.split(",") if f.strip()] or list(generator.FAMILIES)
-
-
-def is_webshop(config) -> bool:
-  return config.env.kind == "webshop"
-
-
+# -- tasks and episodes (each environment kind's own, from ``environments``) --------------------
 def make_tasks(config, split: str, n: int, start: int = 0) -> list:
-  """Generated tasks ``start .. start + n - 1`` of a split: task i is family i mod F of the
-  configured families at ``env.difficulty``, or cycling through 1..3 when it is 0. WebShop:
-  goals ``start .. start + n - 1`` of the split (generated or released)."""
-  if is_webshop(config):
-    w = config.webshop
-    return webshop.make_goals(split, n, config.seed, start, data_path=w.data_path,
-                              num_products=w.num_products, catalog_seed=w.catalog_seed,
-                              human_goals=w.human_goals, max_steps=w.max_steps,
-                              results_per_page=w.results_per_page, asin_length=w.asin_length)
-  families = task_families(config)
-  tasks = []
-  for i in range(start, start + n):
-    difficulty = config.env.difficulty or generator.DIFFICULTIES[(i // len(families)) % 3]
-    task = generator.generate(families[i % len(families)], generator.split_seed(split, i, config.seed),
-                              difficulty)
-    tasks.append(dataclasses.replace(
-        task, limits=dataclasses.replace(task.limits, max_turns=config.env.max_turns)))
-  return tasks
+  """Tasks (terminal tasks, WebShop goals) ``start .. start + n - 1`` of a split."""
+  return environments.environment(config).make_tasks(config, split, n, start)
 
 
 def training_tasks(config) -> list:
@@ -76,18 +46,12 @@ def warmstart_tasks(config) -> list:
 
 
 def system_prompt(config) -> str:
-  if config.env.system_prompt:
-    return config.env.system_prompt
-  if is_webshop(config):
-    return webshop.SYSTEM_PROMPT.format(max_steps=config.webshop.max_steps)
-  return protocol.SYSTEM_PROMPT
+  return config.env.system_prompt or environments.environment(config).default_system_prompt(config)
 
 
 def build_sandbox(config):
   """The episode backend: a sandbox for terminal tasks, the in-process WebShop backend."""
-  if is_webshop(config):
-    return webshop.WebShopBackend()
-  return make_sandbox(config.env.sandbox)
+  return environments.environment(config).build_backend(config)
 
 
 def with_latency(config, sandbox):
@@ -100,32 +64,13 @@ def with_latency(config, sandbox):
 
 def oracle_transcripts(config, sandbox) -> list[list[dict]]:
   """The warm start's oracle transcripts (only passing episodes)."""
-  tasks = warmstart_tasks(config)
-  if is_webshop(config):
-    out = [webshop.transcript(g, sandbox, episode_factory(config), config.webshop.max_steps) for g in tasks]
-    return webshop.off_protocol([m for m in out if m is not None], config.webshop.off_protocol_fraction,
-                                config.seed)
-  return warmstart.oracle_transcripts(tasks, sandbox, episode_factory(config), config.env.sandbox_workers)
+  return environments.environment(config).oracle_transcripts(config, warmstart_tasks(config), sandbox,
+                                                             episode_factory(config))
 
 
 def episode_factory(config) -> Callable[[Any, Any], protocol.Episode]:
   """``make_episode(task, handle)``: the agent protocol with the config's reward settings."""
-  if is_webshop(config):
-
-    def make_webshop_episode(goal, handle):
-      return webshop.WebShopEpisode(goal, handle, max_steps=config.webshop.max_steps,
-                                    system_prompt=system_prompt(config),
-                                    parse_error_penalty=config.env.parse_error_penalty)
-    return make_webshop_episode
-
-  def make_episode(task, handle):
-    # On the deterministic schedule the episode limit counts sandbox time only: decoding time
-    # follows the machine's load and the process layout, and would end episodes differently.
-    return protocol.Episode(task, handle, partial_credit=config.env.partial_credit,
-                            parse_error_penalty=config.env.parse_error_penalty,
-                            system_prompt=system_prompt(config),
-                            model_time_counts=config.rollout.sandbox_steps == 0)
-  return make_episode
+  return environments.environment(config).make_episode(config, system_prompt(config))
 
 
 # -- tokenizer ------------------------------------------------------------------------------------
@@ -144,10 +89,7 @@ def tokenizer_dir(config, workdir: str) -> str | None:
 def build_tokenizer(config, workdir: str, transcripts: list[list[dict]], log=print):
   """A small byte-level BPE tokenizer (saved to ``workdir/tokenizer``) from the system prompt,
   the protocol's fixed texts, the training instructions and the warm start's transcripts."""
-  if is_webshop(config):
-    repeated = webshop.tokenizer_texts(config.webshop.max_steps)
-  else:
-    repeated = _REPEATED_TEXTS
+  repeated = environments.environment(config).tokenizer_texts(config)
   texts = 64 * [system_prompt(config), *repeated]
   texts += [t.instruction for t in training_tasks(config)]
   for messages in transcripts:
@@ -243,7 +185,9 @@ def build_strategy(config) -> es.Strategy:
                      schedule_steps=config.train.num_updates if scheduled else None,
                      optimizer=e.optimizer, weight_decay=e.weight_decay,
                      perturb_vectors=e.perturb_vectors,
-                     frozen=[p.strip() for p in e.frozen.split(",") if p.strip()])
+                     frozen=[p.strip() for p in e.frozen.split(",") if p.strip()],
+                     # The controller's stale-result policy weighs each result's shaped fitness.
+                     staleness_weighting=policies.from_config(controller_config(config)).result_weight)
 
 
 def controller_config(config) -> ControllerConfig:
@@ -251,6 +195,9 @@ def controller_config(config) -> ControllerConfig:
   group of ``grpo.group_size`` episodes of one task (``grpo.tasks_per_update`` per update);
   the controller's staleness bound and delays apply to groups as they do to members."""
   if config.train.algorithm == "grpo":
+    if config.controller.overage in ("weight", "baseline_only"):
+      raise ConfigError(f"config.controller.overage={config.controller.overage!r} weighs ES results "
+                        "by staleness; GRPO takes drop, wait or pace")
     g = config.grpo
     return ControllerConfig.from_config(config.controller, population=g.tasks_per_update,
                                         seed=config.seed, antithetic=False,
@@ -265,14 +212,11 @@ def build_engine(config, model: Model, tokenizer, strategy: es.Strategy | None =
   """The rollout engine; each slot's policy is its member's perturbation under ``run_key``
   (``strategy`` None: every row runs the unperturbed policy, as GRPO's do). ``mesh``: where its
   arrays live (None: one device)."""
-  def make_noiser(params, versions, members, row_group):
-    return strategy.member_noiser(params, versions, members, row_group, run_key=run_key)
-
   stop, im_end = stop_ids(tokenizer)
   r = config.rollout
   return Engine(model.graphdef, model.config, num_slots=r.num_slots, max_len=r.max_len,
                 prefill_chunk=r.prefill_chunk, max_new_tokens=r.max_new_tokens, stop_ids=stop,
-                im_end_id=im_end, make_noiser=None if strategy is None else make_noiser,
+                im_end_id=im_end, make_noiser=None if strategy is None else strategy.engine_noiser(run_key),
                 seed=config.seed, mesh=mesh,
                 version_steps=version_steps(config, model, strategy, run_key),
                 member_slices=member_slices(strategy), prefill_hold=int(r.get("prefill_hold", 8)),

@@ -29,7 +29,7 @@ from typing import Any
 
 import jax
 
-from jaxes import distributed, es
+from jaxes import distributed, es, sharding
 from jaxes.controller import Controller
 from jaxes.train import builders, checkpoint, multihost, warmstart
 from jaxes.train.errors import RunStateError
@@ -112,8 +112,7 @@ def abstract_es_state(parts: Parts, shardings=None) -> es.ESState:
   shapes = jax.eval_shape(lambda p: parts.strategy.init(p, jax.random.key(0)), parts.model.abstract_params)
   if shardings is None:
     return shapes
-  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
-                      if isinstance(x, jax.ShapeDtypeStruct) else x, shapes, shardings)
+  return sharding.abstract(shapes, shardings)
 
 
 def es_shardings(parts: Parts, mesh):

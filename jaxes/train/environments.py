@@ -1,0 +1,157 @@
+"""The environment registry: ``env.kind`` -> the object that makes a kind of environment's parts.
+
+An environment kind builds a split's tasks (terminal tasks, WebShop goals), the backend episodes
+run against (a sandbox, the in-process WebShop), the agent protocol's episode for a task, the
+warm start's oracle transcripts, the texts a run's tokenizer is built to compress, and names its
+oracle checker. ``builders`` asks the registry and nothing else, so a new kind is one class here
+(or registered from its own module with ``register``) plus its config block, and no builder or
+trainer changes.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Protocol
+
+from jaxes.envs import check as terminal_check
+from jaxes.envs import generator, make_sandbox, protocol, webshop
+from jaxes.envs.webshop import check as webshop_check
+from jaxes.train import warmstart
+from jaxes.train.errors import ConfigError
+
+MakeEpisode = Callable[[Any, Any], Any]   # (task, backend handle) -> an episode of the protocol
+
+# Text every terminal episode repeats, weighted up when a BPE tokenizer is built so its merges
+# compress it.
+_TERMINAL_TEXTS = (protocol.PARSE_ERROR_OBSERVATION, "<action>done</action>",
+                   "Command executed successfully. Output: \n\n(exit_code=0)",
+                   "Command failed. Output: \n\n(exit_code=1)")
+
+
+class Environment(Protocol):
+  """What a run needs from a kind of environment."""
+  kind: str
+  # The oracle checker's command line: ``check(argv) -> exit status`` (``python -m jaxes.envs.check``).
+  check: Callable[[list[str] | None], int]
+
+  def make_tasks(self, config, split: str, n: int, start: int) -> list:
+    """Tasks ``start .. start + n - 1`` of ``split`` ("train", "heldout")."""
+
+  def default_system_prompt(self, config) -> str:
+    """The system prompt when ``env.system_prompt`` is empty."""
+
+  def tokenizer_texts(self, config) -> list[str]:
+    """The protocol's fixed texts, repeated in every episode."""
+
+  def build_backend(self, config):
+    """What episodes run against (``EpisodeRunner``'s sandbox)."""
+
+  def make_episode(self, config, system_prompt: str) -> MakeEpisode:
+    """The agent protocol with the config's reward settings."""
+
+  def oracle_transcripts(self, config, tasks: list, backend, make_episode: MakeEpisode) -> list[list[dict]]:
+    """The warm start's oracle transcripts of ``tasks`` (passing episodes only)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TerminalTasks:
+  """Procedurally generated shell tasks, verified in a sandbox (``env.sandbox``)."""
+  kind: str = "terminal"
+  check: Callable[[list[str] | None], int] = terminal_check.main
+
+  def make_tasks(self, config, split: str, n: int, start: int) -> list:
+    """Task i is family i mod F of the configured families at ``env.difficulty``, or cycling
+    through 1..3 when it is 0."""
+    families = task_families(config)
+    tasks = []
+    for i in range(start, start + n):
+      difficulty = config.env.difficulty or generator.DIFFICULTIES[(i // len(families)) % 3]
+      task = generator.generate(families[i % len(families)],
+                                generator.split_seed(split, i, config.seed), difficulty)
+      tasks.append(dataclasses.replace(
+          task, limits=dataclasses.replace(task.limits, max_turns=config.env.max_turns)))
+    return tasks
+
+  def default_system_prompt(self, config) -> str:
+    return protocol.SYSTEM_PROMPT
+
+  def tokenizer_texts(self, config) -> list[str]:
+    return list(_TERMINAL_TEXTS)
+
+  def build_backend(self, config):
+    return make_sandbox(config.env.sandbox)
+
+  def make_episode(self, config, system_prompt: str) -> MakeEpisode:
+    def make_terminal_episode(task, handle):
+      # On the deterministic schedule the episode limit counts sandbox time only: decoding time
+      # follows the machine's load and the process layout, and would end episodes differently.
+      return protocol.Episode(task, handle, partial_credit=config.env.partial_credit,
+                              parse_error_penalty=config.env.parse_error_penalty,
+                              system_prompt=system_prompt,
+                              model_time_counts=config.rollout.sandbox_steps == 0)
+    return make_terminal_episode
+
+  def oracle_transcripts(self, config, tasks: list, backend, make_episode: MakeEpisode) -> list[list[dict]]:
+    return warmstart.oracle_transcripts(tasks, backend, make_episode, config.env.sandbox_workers)
+
+
+@dataclasses.dataclass(frozen=True)
+class WebShop:
+  """WebShop goals (generated, or the released ones at ``webshop.data_path``), in process."""
+  kind: str = "webshop"
+  check: Callable[[list[str] | None], int] = webshop_check.main
+
+  def make_tasks(self, config, split: str, n: int, start: int) -> list:
+    w = config.webshop
+    return webshop.make_goals(split, n, config.seed, start, data_path=w.data_path,
+                              num_products=w.num_products, catalog_seed=w.catalog_seed,
+                              human_goals=w.human_goals, max_steps=w.max_steps,
+                              results_per_page=w.results_per_page, asin_length=w.asin_length)
+
+  def default_system_prompt(self, config) -> str:
+    return webshop.SYSTEM_PROMPT.format(max_steps=config.webshop.max_steps)
+
+  def tokenizer_texts(self, config) -> list[str]:
+    return list(webshop.tokenizer_texts(config.webshop.max_steps))
+
+  def build_backend(self, config):
+    return webshop.WebShopBackend()
+
+  def make_episode(self, config, system_prompt: str) -> MakeEpisode:
+    def make_webshop_episode(goal, handle):
+      return webshop.WebShopEpisode(goal, handle, max_steps=config.webshop.max_steps,
+                                    system_prompt=system_prompt,
+                                    parse_error_penalty=config.env.parse_error_penalty)
+    return make_webshop_episode
+
+  def oracle_transcripts(self, config, tasks: list, backend, make_episode: MakeEpisode) -> list[list[dict]]:
+    out = [webshop.transcript(g, backend, make_episode, config.webshop.max_steps) for g in tasks]
+    return webshop.off_protocol([m for m in out if m is not None], config.webshop.off_protocol_fraction,
+                                config.seed)
+
+
+ENVIRONMENTS: dict[str, Environment] = {}
+
+
+def register(environment: Environment) -> Environment:
+  """Adds a kind (``env.kind = environment.kind`` then selects it); a kind is registered once."""
+  if environment.kind in ENVIRONMENTS:
+    raise ValueError(f"environment kind {environment.kind!r} is registered already")
+  ENVIRONMENTS[environment.kind] = environment
+  return environment
+
+
+register(TerminalTasks())
+register(WebShop())
+
+
+def environment(config) -> Environment:
+  """The registered environment of ``config.env.kind``."""
+  kind = config.env.kind
+  if kind not in ENVIRONMENTS:
+    raise ConfigError(f"config.env.kind: {kind!r} is not one of {sorted(ENVIRONMENTS)}")
+  return ENVIRONMENTS[kind]
+
+
+def task_families(config) -> list[str]:
+  """The terminal task families ``env.families`` names (all when empty)."""
+  return [f.strip() for f in config.env.families.split(",") if f.strip()] or list(generator.FAMILIES)

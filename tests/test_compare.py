@@ -1,5 +1,7 @@
 """`python -m jaxes.train.compare`: what counts as agreeing runs. The end-to-end use (a 2-process
 run against 1 process, compared by `compare.compare`) is tests/test_multihost_train.py."""
+import json
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -52,3 +54,25 @@ def test_a_directory_that_is_no_run_is_one_line(tmp_path, capsys):
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and err[0].startswith("compare: ") and "no checkpoints/" in err[0]
   assert not (tmp_path / "a" / "checkpoints").exists()   # reading a run never creates one
+
+
+def _run_dir(path, num_updates, history=()):
+  path.mkdir()
+  (path / "config.json").write_text(json.dumps({"es": {"sigma": 0.005}, "train": {"num_updates": num_updates}}))
+  if history:
+    (path / "config_history.json").write_text(json.dumps(list(history)))
+  return str(path)
+
+
+def test_configs_are_compared_version_by_version_through_the_history(tmp_path):
+  changed = {"since_version": 2, "changes": [{"key": "config.es.sigma", "old": 0.005, "new": 0.05},
+                                              {"key": "config.train.num_updates", "old": 2, "new": 4}]}
+  extended = {"since_version": 2, "changes": [{"key": "config.train.num_updates", "old": 2, "new": 4}]}
+  a = _run_dir(tmp_path / "a", 2, [changed])
+  plain = _run_dir(tmp_path / "plain", 4)
+  assert compare.config_differences(a, plain) == ["after version 2: es.sigma 0.05 against 0.005"]
+  # Extending a run (a key free to change) trains nothing differently from running it whole.
+  assert compare.config_differences(_run_dir(tmp_path / "ext", 2, [extended]), plain) == []
+  assert compare.config_differences(a, _run_dir(tmp_path / "a2", 2, [changed])) == []
+  with pytest.raises(compare.PolicyLoadError, match="no config.json"):
+    compare.config_differences(a, str(tmp_path))

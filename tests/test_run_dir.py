@@ -12,6 +12,7 @@ import pytest
 
 from helpers_train import ROOT, build_tiny_tokenizer, tiny_config, write_config_file
 from jaxes.envs import check
+from jaxes.experiments import rundirs
 from jaxes.train import compare, config_history, export, metrics
 from jaxes.train.errors import RunStateError
 from jaxes.train.metrics import ProgressBar
@@ -68,6 +69,8 @@ def test_refused_change_writes_nothing_and_allowed_one_is_recorded(finished, tmp
   Trainer(longer, str(workdir), **QUIET).run()
   assert config_history.history(str(workdir))[-1] == {"since_version": 3, "changes": [
       {"key": "config.train.num_updates", "old": 3, "new": 4}]}
+  # The grid's view follows the history: finished at 4, though config.json still asks for 2.
+  assert rundirs.final_version(str(workdir)) == 4 and rundirs.is_finished(str(workdir))
 
 
 def test_rerun_of_a_finished_run_keeps_the_totals(finished, tmp_path):

@@ -11,7 +11,7 @@ import dataclasses
 import json
 import os
 
-from jaxes.train import metrics
+from jaxes.train import config_history, metrics
 
 GRID_RUN = "grid_run.json"
 GRID_LOG = "grid.log"
@@ -32,11 +32,11 @@ def _read_json(path: str):
 
 
 def final_version(workdir: str) -> int | None:
-  """The number of updates the run's own config.json asks for (None before it started)."""
-  config = _read_json(os.path.join(workdir, "config.json"))
+  """The number of updates the run's config in force asks for: config.json's, or the latest a
+  rerun recorded in config_history.json (a run extended past it). None before it started."""
   try:
-    return int(config["train"]["num_updates"])
-  except (TypeError, KeyError, ValueError):
+    return int(config_history.in_force(workdir)["config.train.num_updates"])
+  except (OSError, TypeError, KeyError, ValueError):   # no or unreadable config: not started
     return None
 
 

@@ -4,6 +4,8 @@ The check of a multi-process rehearsal against one process (``launch/local.sh 2 
 jaxes.train ...`` beside the same command on one process with as many devices,
 docs/multihost.md), or of a killed-and-resumed run against an uninterrupted one. It compares:
 
+* the config each run's updates were trained under: ``config.json`` and the changes a rerun
+  recorded in ``config_history.json`` (from which version on), keys free to change left out;
 * every metrics line without its timings: the cohorts, staleness tags, fitness, pair ties,
   drops and evaluation outcomes. ``update_norm`` is compared to a relative tolerance, since it
   is a norm summed over the parameter's shards, whose reduction order follows the mesh;
@@ -22,7 +24,7 @@ import sys
 import jax
 import numpy as np
 
-from jaxes.train import checkpoint, metrics
+from jaxes.train import checkpoint, config_history, metrics
 from jaxes.train.policy import PolicyLoadError, load_policy
 
 # Keys whose values are wall-clock measurements: they differ between any two runs.
@@ -57,6 +59,25 @@ def metrics_differences(a: list[dict], b: list[dict], norm_rtol: float = 1e-6) -
     for key in sorted(set(x) | set(y)):
       if x.get(key) != y.get(key):
         out.append(f"version {version}: {key} differs")
+  return out
+
+
+def config_differences(run_a: str, run_b: str) -> list[str]:
+  """Where the configs in force of two runs' updates differ (``config_history.segments``): one
+  line per version from which on they differ, naming each key with both values."""
+  seg_a, seg_b = config_history.segments(run_a), config_history.segments(run_b)
+  for run, seg in ((run_a, seg_a), (run_b, seg_b)):
+    if seg is None:
+      raise PolicyLoadError(f"{run}: no config.json (not a run directory of python -m jaxes.train)")
+  at = lambda seg, v: [config for since, config in seg if since <= v][-1]
+  out, last = [], None
+  for v in sorted({since for since, _ in seg_a + seg_b}):
+    a, b = at(seg_a, v), at(seg_b, v)
+    diff = [f"{k.removeprefix('config.')} {a.get(k)!r} against {b.get(k)!r}"
+            for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    if diff and diff != last:
+      out.append(f"after version {v}: " + ", ".join(diff))
+    last = diff
   return out
 
 
@@ -100,6 +121,10 @@ def compare(run_a: str, run_b: str, norm_rtol: float = 1e-6, log=print) -> bool:
   for run, lines in ((run_a, lines_a), (run_b, lines_b)):
     if not lines:
       raise PolicyLoadError(f"{run}: no metrics lines (metrics.jsonl missing or empty)")
+  configs = config_differences(run_a, run_b)
+  log("config: " + ("the same for every update (config.json and config_history.json; keys free to "
+                    "change left out)" if not configs else "DIFFERS " + "; ".join(configs[:5])))
+  agree &= not configs
   diffs = metrics_differences(lines_a, lines_b, norm_rtol)
   log(f"metrics: {len(lines_a)} lines " + ("identical (timings left out; update norms within "
                                              f"{norm_rtol:g} relative)" if not diffs else

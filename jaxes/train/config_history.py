@@ -75,6 +75,20 @@ def in_force(workdir: str, version: int | None = None) -> dict | None:
   return current
 
 
+def segments(workdir: str) -> list[tuple[int, dict]] | None:
+  """``[(v, flat config), ...]``: the config in force for the updates after version ``v``, from
+  version 0 (config.json) and each recorded change on, keys in ``FREE_KEYS`` left out (they change
+  nothing computed). None if the run has no config.json."""
+  base = original(workdir)
+  if base is None:
+    return None
+  computed = lambda config: {k: v for k, v in config.items() if k not in FREE_KEYS}
+  out = [(0, computed(flat(base)))]
+  for entry in history(workdir):
+    out.append((entry["since_version"], computed(in_force(workdir, entry["since_version"] + 1))))
+  return out
+
+
 def unflat(values: dict) -> dict:
   """The nested form of a flat config (``{"config.es.sigma": x}`` -> ``{"es": {"sigma": x}}``)."""
   out: dict = {}

@@ -287,3 +287,40 @@ def test_a_full_episode_disk_still_takes_long_commands(sandbox):
     assert handle.exec(long_command, 10).exit_code == 0
     report = handle.run_tests()
   assert report.passed, report.report
+
+
+# Final tests that import the agent's code in-process, and an answer that, imported there, signs
+# a passing verdict with the verifier's key (``__main__.key`` when the tests ran in the verifier's
+# own process: 3/3 passed on both backends), writes it to every pipe it holds and exits.
+IMPORTS_SOLUTION = textwrap.dedent('''\
+  import importlib.util
+
+  def test_answer():
+    spec = importlib.util.spec_from_file_location("solution", "/home/user/solution.py")
+    solution = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(solution)
+    assert solution.answer() == 42
+  ''')
+SIGNS_WITH_THE_KEY = textwrap.dedent('''\
+  import __main__, hashlib, hmac, os, stat
+  body = "1 0 1 ok"
+  key = getattr(__main__, "key", b"not here")
+  line = ("\\nJAXES_TEST_RESULT " + body + " " + hmac.new(key, body.encode(), hashlib.sha256).hexdigest() + "\\n").encode()
+  for fd in range(256):
+    try:
+      if stat.S_ISFIFO(os.fstat(fd).st_mode):
+        os.write(fd, line)
+    except OSError:
+      pass
+  os._exit(0)
+  ''')
+
+
+@pytest.mark.parametrize("answer,passes", [("def answer():\n  return 42\n", True),
+                                           (SIGNS_WITH_THE_KEY, False)])
+def test_agent_code_imported_by_the_tests_cannot_sign_a_verdict(sandbox, answer, passes):
+  task = Task(name="imports", instruction="x", final_tests=IMPORTS_SOLUTION)
+  with sandbox.start(task) as handle:
+    handle.exec(f"cat > /home/user/solution.py <<'EOF'\n{answer}EOF", 10)
+    report = handle.run_tests()
+  assert report.passed == passes, report.report

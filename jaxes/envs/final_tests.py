@@ -1,11 +1,13 @@
 """Running a task's final-test file so that the agent's code cannot change the verdict.
 
-The verifier is one ``python3 -I -B -c VERIFIER [PAYLOAD_FILE]`` process. It reads a JSON
+The verifier is a ``python3 -I -B -c VERIFIER [PAYLOAD_FILE]`` process and the tests' process
+(``RUNNER``) it starts. It reads a JSON
 payload (the test source, a per-run secret key, the runner to use, limits) from stdin or, when
 started as root, from a root-only file it then deletes; drops to the agent's uid when started
 as root; makes itself non-dumpable (``PR_SET_DUMPABLE`` 0: processes of the same uid can then
 neither ptrace it nor open its ``/proc/PID/{fd,mem,environ}``, with or without Yama); and only
-then runs the tests. The test source and its expected values therefore exist only in that
+then starts the tests' process (non-dumpable too) with the payload minus the key, reading back
+its counts over a pipe only that process holds. The test source and its expected values therefore exist only in that
 process's memory (pytest's copy is deleted as soon as collection ends), never in a file the
 agent's programs can read while the tests run them. The verdict is one line carrying an
 HMAC-SHA256 under the per-run key, so a line printed by anything else (the agent's leftovers
@@ -31,8 +33,11 @@ NO_PYTEST = "no-pytest"          # a verifier status besides "ok": an infrastruc
 CWD_UNUSABLE = "cwd-unusable"
 
 # Runs inside the sandbox. Whatever goes wrong, its result line is the last thing it prints.
+# It holds the key and signs; the tests run in RUNNER, a fresh interpreter it starts, which never
+# sees the key (not in its memory, argv, environment or input): a test that imports the agent's
+# code in-process gives that code the test process, but nothing there can sign a verdict.
 VERIFIER = r"""
-import contextlib, ctypes, hashlib, hmac, io, json, linecache, os, resource, sys, types
+import ctypes, hashlib, hmac, importlib.util, json, os, resource, subprocess, sys
 if len(sys.argv) > 1:                       # root-only payload file (docker): read, delete
   with open(sys.argv[1], encoding="utf-8") as f:
     job = json.load(f)
@@ -69,6 +74,56 @@ try:
 except BaseException as e:
   print("verifier set-up failed: %r" % (e,))
   report(0, 0, 0, "setup-failed")
+# Decided here, not reported by the tests' process: code there must not be able to claim it.
+if job["runner"] != "light" and importlib.util.find_spec("pytest") is None:
+  print("pytest is not installed for the sandbox's python3 (install python3-pytest)")
+  report(0, 0, 0, NO_PYTEST)
+counts_r, counts_w = os.pipe()
+try:
+  child = subprocess.Popen([sys.executable, "-I", "-B", "-c", RUNNER, str(counts_w)],
+                           stdin=subprocess.PIPE, pass_fds=(counts_w,))
+except OSError as e:
+  print("verifier set-up failed: %r" % (e,))
+  report(0, 0, 0, "setup-failed")
+os.close(counts_w)
+try:
+  with child.stdin:
+    child.stdin.write(json.dumps(job).encode("utf-8"))
+except OSError:                             # it died before reading: no counts below
+  pass
+counts = b""
+while len(counts) < 256:
+  chunk = os.read(counts_r, 256)
+  if not chunk:
+    break
+  counts += chunk
+child.wait()
+fields = counts.decode("ascii", "replace").split()
+if len(fields) == 3 and all(f.isdigit() for f in fields):
+  report(int(fields[0]), int(fields[1]), int(fields[2]) == 1)
+print("the tests' process ended without its counts (exit %s)" % child.returncode)
+report(0, 0, 0)
+""".replace("TAG", repr(RESULT_TAG)).replace("NO_PYTEST", repr(NO_PYTEST)).replace(
+    "CWD_UNUSABLE", repr(CWD_UNUSABLE))
+
+# The tests' process: non-dumpable before it reads the tests (the programs they run, the
+# agent's, run as the same uid), then it writes "passed failed collected" to the counts pipe.
+RUNNER = r"""
+import contextlib, ctypes, io, json, linecache, os, sys, types
+counts_fd = int(sys.argv[1])
+os.set_inheritable(counts_fd, False)        # the programs the tests start never get it
+libc = ctypes.CDLL(None, use_errno=True)
+if libc.prctl(4, 0, 0, 0, 0) != 0:          # PR_SET_DUMPABLE 0
+  os._exit(3)
+job = json.loads(sys.stdin.buffer.read().decode("utf-8"))
+null = os.open(os.devnull, os.O_RDWR)
+os.dup2(null, 0)
+
+def report(passed, failed, collected):
+  sys.stdout.flush()
+  os.write(counts_fd, b"%d %d %d\n" % (passed, failed, int(collected)))
+  os._exit(0)
+
 source, path = job["source"], job["path"]
 linecache.cache[path] = (len(source), None, source.splitlines(True), path)
 
@@ -99,11 +154,7 @@ if job["runner"] == "light":
   report(passed, failed, tests is not None)
 
 import shutil, tempfile   # the light runner does without them (start-up time)
-try:
-  import pytest
-except ImportError:
-  print("pytest is not installed for the sandbox's python3 (install python3-pytest)")
-  report(0, 0, 0, NO_PYTEST)
+import pytest
 home = tempfile.mkdtemp(prefix="jaxes-verify-")
 test_path = os.path.join(home, os.path.basename(path))
 with open(test_path, "w", encoding="utf-8") as f:
@@ -127,9 +178,9 @@ try:
 finally:
   shutil.rmtree(home, ignore_errors=True)
 good = sum(outcomes.values())
-report(good, len(outcomes) - good, int(code in (0, 1)))
-""".replace("TAG", repr(RESULT_TAG)).replace("NO_PYTEST", repr(NO_PYTEST)).replace(
-    "CWD_UNUSABLE", repr(CWD_UNUSABLE))
+report(good, len(outcomes) - good, code in (0, 1))
+"""
+VERIFIER = VERIFIER.replace("RUNNER", repr(RUNNER))
 
 
 def new_key() -> str:

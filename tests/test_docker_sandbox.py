@@ -357,3 +357,18 @@ def test_soak_60_episodes_with_injected_faults_leaks_nothing(client):
   assert client.containers.list(all=True, filters={"label": f"jaxes.run={sb.run_label}"}) == []
   assert _child_processes() == children_before
   assert _jaxes_temp_entries() - tmp_before == set()
+
+
+def test_the_agents_writable_space_is_capped_per_episode_never_the_hosts_disk(sandbox, client):
+  # Before: five 256 MiB files in /tmp grew the host's /var/lib/docker by 1,280 MiB, uncapped.
+  task = Task(name="disk", instruction="x", files=(("/home/user/given.txt", b"given\n"),),
+              limits=Limits(disk_mb=32, file_size_mb=64))
+  with sandbox.start(task) as handle:
+    for where in ("/tmp", "/var/tmp", "/home/user", "/run/jaxes"):
+      res = handle.exec(f"for i in 1 2 3; do head -c 24M /dev/zero > {where}/fill$i || exit 7; done", 20)
+      assert res.exit_code == 7 and "No space left on device" in res.output, (where, res.output)
+    res = handle.exec("cd /tmp && rm -f fill* && for i in $(seq 20000); do : > f$i || exit 7; done", 20)
+    assert res.exit_code == 7 and "No space left on device" in res.output   # the inode cap
+    assert handle.exec("cat /home/user/given.txt; stat -c %a /tmp", 10).output.split() == ["given", "1777"]
+    layer = client.api.containers(all=True, size=True, filters={"id": handle.container_id})[0]
+    assert layer.get("SizeRw", 0) < 4 << 20, layer   # what the episode left on the host's disk

@@ -32,12 +32,13 @@ from jaxes.envs import final_tests, harbor
 from jaxes.envs.image import DEFAULT_TAG, SANDBOX_HOME, SANDBOX_UID, SANDBOX_USER
 from jaxes.envs.sandbox import (ExecResult, HostError, OutputCapture, Sandbox, SandboxError,
                                 SandboxHandle, TestReport)
-from jaxes.envs.task import Task
+from jaxes.envs.task import Limits, Task
 
 LABEL = "jaxes.sandbox"
 RUN_LABEL = "jaxes.run"
 OWNER_LABEL = "jaxes.owner"
 TESTS_DIR = "/var/lib/jaxes-tests"   # root-only: the verifier's job files
+STAGE = "/var/lib/jaxes-stage"      # root-only: task files on their way into the capped space
 CTL = "/run/jaxes"                   # the agent shell's saved state (cwd, exported variables)
 MAX_READ_BYTES = 16 << 20            # a command printing more than this is killed
 KILL_EXIT_CODE = 137                 # what `timeout -s KILL` returns when it fires
@@ -81,6 +82,8 @@ printf '%s\\n' "$1" > {ctl}/cmd
 shift
 . {ctl}/cmd
 """
+# Existing directories (/tmp, the home) keep their owner and mode.
+_UNSTAGE = f"tar -C {STAGE} -cf - . | tar -C / -xpf - --no-overwrite-dir && rm -rf {STAGE}\n"
 _DOCKER_ERRORS = (docker.errors.DockerException, requests.exceptions.RequestException)
 
 
@@ -133,6 +136,7 @@ class ContainerSpec:
   memory_mb: int
   pids: int
   cpus: float
+  disk_mb: int = Limits().disk_mb   # cap of each of the agent's writable directories
 
 
 def _force_remove(container) -> None:
@@ -145,13 +149,33 @@ def _force_remove(container) -> None:
     pass
 
 
-def _tar_files(files, home: str) -> bytes:
+# The agent's writable space, capped per episode. overlay2 caps a container's writable layer only
+# on xfs with project quotas (``--storage-opt size``); on any other backing filesystem (ext4
+# here) nothing stops a write, so each directory the agent can write in our image is a size- and
+# inode-capped tmpfs instead: a write stops at the cap with ENOSPC, the pages count against the
+# container's memory limit, and they vanish with the container, never on the host's disk. A
+# task-built image keeps its own home and /run (a tmpfs would hide what its recipe put there).
+_INODES_PER_MB = 256
+_RUN_MB = 16
+
+
+def agent_tmpfs(disk_mb: int, our_image: bool) -> dict[str, str]:
+  """Docker ``tmpfs=`` mounts for an episode: path -> mount options."""
+  capped = f"size={disk_mb}m,nr_inodes={disk_mb * _INODES_PER_MB},exec"
+  mounts = {"/tmp": f"{capped},mode=1777", "/var/tmp": f"{capped},mode=1777"}
+  if our_image:
+    mounts[SANDBOX_HOME] = f"{capped},mode=0755,uid={SANDBOX_UID},gid={SANDBOX_UID}"
+    mounts["/run"] = f"size={_RUN_MB}m,nr_inodes={_RUN_MB * _INODES_PER_MB},mode=0755"
+  return mounts
+
+
+def _tar_files(files, home: str, prefix: str = "") -> bytes:
   buffer = io.BytesIO()
   with tarfile.open(fileobj=buffer, mode="w") as tar:
     for path, data in files:
       if not path.startswith("/"):
         raise SandboxError(f"task file path must be absolute, got {path!r}")
-      info = tarfile.TarInfo(path.lstrip("/"))
+      info = tarfile.TarInfo((prefix + path).lstrip("/"))
       info.size = len(data)
       info.mode = 0o755 if data.startswith(b"#!") else 0o644
       owned = path == home or path.startswith(home + "/")
@@ -232,14 +256,15 @@ class DockerSandbox(Sandbox):
     """The task's own image when it has one (built from its recipe), else ours; the task's
     limits where they ask for less than the sandbox's."""
     return ContainerSpec(task.image or self.image, min(self.memory_mb, task.limits.memory_mb),
-                         min(self.pids, task.limits.processes), min(self.cpus, task.limits.cpus))
+                         min(self.pids, task.limits.processes), min(self.cpus, task.limits.cpus),
+                         disk_mb=task.limits.disk_mb)
 
   def _create_container(self, spec: ContainerSpec):
     container = self._client.containers.create(
       spec.image, ["sleep", "infinity"], init=True, network_mode="none", user="root",
       working_dir=SANDBOX_HOME, mem_limit=f"{spec.memory_mb}m",
       memswap_limit=f"{spec.memory_mb}m", pids_limit=spec.pids, nano_cpus=int(spec.cpus * 1e9),
-      security_opt=["no-new-privileges"],
+      security_opt=["no-new-privileges"], tmpfs=agent_tmpfs(spec.disk_mb, spec.image == self.image),
       labels={LABEL: "1", RUN_LABEL: self.run_label, OWNER_LABEL: self._owner})
     try:
       container.start()
@@ -435,12 +460,14 @@ class DockerHandle(SandboxHandle):
     task = self._task
     if task.files:
       try:
-        self._container.put_archive("/", _tar_files(task.files, SANDBOX_HOME))
+        # The engine's archive copy cannot see tmpfs mounts: stage, then move in from inside.
+        self._container.put_archive("/", _tar_files(task.files, SANDBOX_HOME, prefix=STAGE))
       except _DOCKER_ERRORS as err:
         raise SandboxError(f"task {task.name}: placing files failed: {err}") from err
     timeout_s = self._sandbox.setup_timeout_s
     exit_code, output, seconds = self._root_script(
-      f"set -e\ncd {SANDBOX_HOME}\n{task.setup}\n"
+      f"set -e\n{_UNSTAGE if task.files else ''}mkdir -p /run/lock && chmod 1777 /run/lock\n"
+      f"cd {SANDBOX_HOME}\n{task.setup}\n"
       f"mkdir -p {CTL} && chown -R {SANDBOX_UID}:{SANDBOX_UID} {SANDBOX_HOME} {CTL}", timeout_s)
     if exit_code != 0:
       what = "timed out" if exit_code == KILL_EXIT_CODE and seconds >= timeout_s else (

@@ -12,8 +12,8 @@ import textwrap
 
 import pytest
 
-from helpers_sandboxes import sandbox, verifier_pytest_or_skip  # noqa: F401  (sandbox: both backends)
-from jaxes.envs import check, generator
+from helpers_sandboxes import docker_or_skip, sandbox, verifier_pytest_or_skip  # noqa: F401  (sandbox: both backends)
+from jaxes.envs import check, generator, loaders, make_sandbox
 from jaxes.envs.task import Limits, Task
 
 # Finds the final tests wherever the verifier might keep them (files, open fds of any process)
@@ -324,3 +324,44 @@ def test_agent_code_imported_by_the_tests_cannot_sign_a_verdict(sandbox, answer,
     handle.exec(f"cat > /home/user/solution.py <<'EOF'\n{answer}EOF", 10)
     report = handle.run_tests()
   assert report.passed == passes, report.report
+
+
+# A .pth in every site directory the agent can write (and its own task directory): were any of
+# them read by the root-phase verifier's interpreter, it would sign a pass with the job's key
+# before the verifier deletes the job file (3/3 in docker with a Terminal-Bench WORKDIR
+# /usr/local, which the loader chowned to the agent; such folders are now refused).
+PLANT_PTH = textwrap.dedent('''\
+  cat > /tmp/forge.py <<'PY'
+  import glob, hashlib, hmac, json, os
+  with open("/tmp/pth_ran", "a") as f:
+    f.write("%d\\n" % os.getuid())
+  for path in glob.glob("/var/lib/jaxes-tests/job-*.json"):
+    key = bytes.fromhex(json.load(open(path))["key"])
+    body = "1 0 1 ok"
+    print("JAXES_TEST_RESULT " + body + " " + hmac.new(key, body.encode(), hashlib.sha256).hexdigest())
+  PY
+  for d in $(python3 -c 'import site; print(" ".join(site.getsitepackages() + [site.getusersitepackages()]))') /srvx; do
+    mkdir -p "$d" 2>/dev/null; cp /tmp/forge.py "$d/jaxes_forge.py" 2>/dev/null && echo "import jaxes_forge" > "$d/zz_forge.pth" && echo "planted $d"
+  done; true''')
+
+
+def test_a_pth_the_agent_plants_never_reaches_the_docker_verifier(tmp_path):
+  docker_or_skip()
+  folder = tmp_path / "tb"
+  (folder / "tests").mkdir(parents=True)
+  (folder / "task.yaml").write_text("instruction: Write out.txt.\n")
+  (folder / "Dockerfile").write_text("FROM ubuntu\nWORKDIR /srvx\n")
+  (folder / "solution.sh").write_text("echo ok > /srvx/out.txt\n")
+  (folder / "tests" / "test_outputs.py").write_text("def test_never():\n  assert False\n")
+  task = loaders.load_task(str(folder))
+  sb = make_sandbox("docker")
+  try:
+    with sb.start(task) as handle:
+      planted = handle.exec(PLANT_PTH, 20).output
+      handle.exec("python3 -c pass", 10)   # the agent's own interpreter reads its planted .pth
+      report = handle.run_tests()
+      ran_as = handle.exec("cat /tmp/pth_ran 2>/dev/null; true", 10).output.split()
+  finally:
+    sb.shutdown()
+  assert "planted /srvx" in planted and "planted /usr" not in planted, planted
+  assert not report.passed and "0" not in ran_as, (report.report, ran_as)

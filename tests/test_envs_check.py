@@ -16,7 +16,7 @@ def test_oracle_passes_all(capsys):
   code, lines, summary = run(capsys, "--generated", "14", "--agent", "oracle", "--workers", "2")
   assert code == 0
   assert summary == {"tasks": 14, "episodes": 14, "passed": 14, "pass_rate": 1.0,
-                     "pass_at_attempts": 1.0, "failures": {}, "leaked": 0}
+                     "pass_at_attempts": 1.0, "failures": {}, "excluded": {}, "leaked": 0}
   assert lines[0].split()[:3] == ["family", "tasks", "passed"]
   assert len(lines) == 1 + 14 + 1   # header, one row per family, JSON
 
@@ -104,7 +104,8 @@ def test_pytest_missing_in_the_sandbox_is_an_infrastructure_error(tmp_path):
     results, leaked = check.run_checks(sandbox, [task], "oracle", progress=False)
   finally:
     sandbox.shutdown()
-  assert check.summarize(results, leaked)["failures"] == {protocol.SANDBOX_ERROR: 1}
+  summary = check.summarize(results, leaked)
+  assert summary["failures"] == summary["excluded"] == {protocol.SANDBOX_ERROR: 1}
 
 
 def test_weak_isolation_only_when_asked_for_and_warned(capsys):

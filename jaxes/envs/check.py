@@ -17,8 +17,9 @@ answers done at once; ``replay:FILE`` plays a JSON list of raw model outputs as 
 JSON object mapping task names to such lists), then done. The oracle must pass every generated
 task and noop none (a task noop passes is broken). The last line printed is one JSON object:
 {"tasks", "episodes", "passed", "pass_rate", "pass_at_attempts", "failures": {reason: count},
-"leaked"} (episodes, passed, pass_rate and failures count episodes; pass_at_attempts is the share
-of tasks passed in at least one of their --attempts). Exit status 1 when
+"excluded": {kind: count}, "leaked"} (episodes, passed, pass_rate, failures and excluded -- the
+failures training leaves out of fitness -- count episodes; pass_at_attempts is the share of
+tasks passed in at least one of their --attempts). Exit status 1 when
 anything leaked, or the oracle missed / noop passed a task; 2 (with one line saying why) when a
 task folder cannot be loaded or the sandbox cannot start.
 """
@@ -130,7 +131,11 @@ def summarize(results, leaked: int) -> dict:
   return {"tasks": len(by_task), "episodes": len(results), "passed": passed,
           "pass_rate": passed / len(results) if results else 0.0,
           "pass_at_attempts": sum(by_task.values()) / len(by_task) if by_task else 0.0,
-          "failures": dict(sorted(failures.items())), "leaked": leaked}
+          "failures": dict(sorted(failures.items())),
+          # What training would leave out of fitness (infrastructure failures), by kind; every
+          # other failure, SANDBOX_BROKEN included, is a failed episode that counts.
+          "excluded": {k: n for k, n in sorted(failures.items()) if k in protocol.EXCLUDED},
+          "leaked": leaked}
 
 
 def task_table(results, builds: dict | None = None) -> str:

@@ -202,6 +202,7 @@ class Trainer:
         if (why := state.controller.excluded_beyond(c.train.max_excluded_share)) is not None:
           raise SandboxError(why)   # issue 31: fitness must not silently lose its episodes
         record, results = self._apply(update)
+        record["excluded_episodes"] = dict(state.controller.excluded_kinds)   # run so far, by kind
         if self._in_force:   # the values in force of keys changed since config.json
           record["config_in_force"] = self._in_force
         run_hooks(hooks, UpdateInfo(state.version, record, state.version == c.train.num_updates, results))

@@ -86,6 +86,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxes import sharding
 from jaxes.models import attention, partition, qwen2
+from jaxes.rollout import decode_loop
 from jaxes.rollout import pages as page_pool
 from jaxes.rollout import sampling
 
@@ -161,6 +162,9 @@ class EngineStats:
   positions_computed: int = 0    # sum over calls of batch x width: the token positions run
   multi_version_calls: int = 0   # calls whose rows belong to more than one version (steps)
   prefill_held: int = 0          # row-steps a new prefill was held back to share a call
+  host_syncs: int = 0            # calls whose sampled tokens the host waited for (one each)
+  host_exchanges: int = 0        # ... and, multi-process, gathered across processes
+  loop_steps: int = 0            # decode steps run by width-1 calls' device loops
 
   @property
   def utilisation(self) -> float:
@@ -259,7 +263,8 @@ class Engine:
                make_noiser: Callable | None = None, seed: int = 0, mesh: Mesh | None = None,
                rules=sharding.LOGICAL_RULES, abstract: bool = False, compact: bool = True,
                version_steps: VersionSteps | None = None, page_size: int | None = None,
-               num_pages: int | None = None, member_slices: bool = False, prefill_hold: int = 8):
+               num_pages: int | None = None, member_slices: bool = False, prefill_hold: int = 8,
+               decode_steps: int = 8):
     if max_len <= max_new_tokens:
       raise ValueError(f"max_len={max_len} must exceed max_new_tokens={max_new_tokens}")
     if (page_size is None) != (num_pages is None):
@@ -274,6 +279,9 @@ class Engine:
     if prefill_hold < 0:
       raise ValueError(f"prefill_hold must be >= 0, got {prefill_hold}")
     self.prefill_hold = int(prefill_hold)
+    if decode_steps < 1:
+      raise ValueError(f"decode_steps must be >= 1, got {decode_steps}")
+    self.decode_steps = int(decode_steps)
     self.shards, self.compact = data, compact
     per_shard = num_slots // data
     # Compiled rows per data shard, the last the full batch: a call runs on the smallest that
@@ -340,19 +348,15 @@ class Engine:
     # A paged cache: the same jitted functions with its layout (static) bound.
     self._paged = dict(page_layout=layout) if paged else {}
     self._rows_paged = dict(paged=True) if paged else {}
-    self._step = jax.jit(functools.partial(_step, graphdef, **self._paged),
-                         donate_argnames=("cache",),
-                         static_argnums=0,  # attend_len; positional, as jit with in_shardings takes no kwargs
-                         in_shardings=(self.param_shardings, self.noiser_shardings,
-                                       self.cache_shardings, rows, rows, rows, replicated, rows,
-                                       rows, rows, rows),
-                         out_shardings=((rows, rows), self.cache_shardings))
-    self._rows_step = jax.jit(functools.partial(_rows_step, graphdef, layout, **self._rows_paged),
-                              donate_argnames=("cache",), static_argnums=0,
-                              in_shardings=(self.param_shardings, self.noiser_shardings,
-                                            self.cache_shardings, rows, rows, rows, rows,
-                                            replicated, rows, rows, rows, rows),
-                              out_shardings=((rows, rows), self.cache_shardings))
+    self._replicated = replicated
+    self._step, self._decode_step = self._jitted(
+        functools.partial(_step, graphdef, **self._paged), 2,
+        (self.param_shardings, self.noiser_shardings, self.cache_shardings, rows, rows, rows,
+         replicated, rows, rows, rows, rows))
+    self._rows_step, self._decode_rows_step = self._jitted(
+        functools.partial(_rows_step, graphdef, layout, **self._rows_paged), 2,
+        (self.param_shardings, self.noiser_shardings, self.cache_shardings, rows, rows, rows, rows,
+         replicated, rows, rows, rows, rows))
     self._reset = jax.jit(_reset_rows, donate_argnames=("cache",),
                           in_shardings=(self.cache_shardings, rows),
                           out_shardings=self.cache_shardings)
@@ -365,7 +369,6 @@ class Engine:
     if version_steps is not None:
       if make_noiser is None:
         raise ValueError("version_steps needs a noiser (make_noiser): the steps are added through it")
-      self._replicated = replicated
       self._init_version_steps(graphdef, layout)
     # version, or a call's versions (a tuple) -> (versions [B], members [B] built for, noiser)
     self._noisers: dict[Any, tuple] = {}
@@ -405,19 +408,28 @@ class Engine:
     self._merge = jax.jit(_merge_noisers, in_shardings=(self.noiser_shardings,
                                                         (self.noiser_shardings,) * K, rows),
                           out_shardings=self.noiser_shardings)
-    self._versions_step = jax.jit(
-        functools.partial(_versions_step, graphdef, **self._paged), donate_argnames=("cache",),
-        static_argnums=0,
-        in_shardings=(self.param_shardings, self.noiser_shardings, replicated, rows,
-                      self.cache_shardings, rows, rows, rows, replicated, rows, rows, rows, rows),
-        out_shardings=((rows, rows), self.cache_shardings))
-    self._versions_rows_step = jax.jit(
-        functools.partial(_versions_rows_step, graphdef, layout, **self._rows_paged),
-        donate_argnames=("cache",),
-        static_argnums=0,
-        in_shardings=(self.param_shardings, self.noiser_shardings, replicated, rows,
-                      self.cache_shardings, rows, rows, rows, rows, replicated, rows, rows, rows, rows),
-        out_shardings=((rows, rows), self.cache_shardings))
+    self._versions_step, self._decode_versions_step = self._jitted(
+        functools.partial(_versions_step, graphdef, **self._paged), 4,
+        (self.param_shardings, self.noiser_shardings, replicated, rows, self.cache_shardings,
+         rows, rows, rows, replicated, rows, rows, rows, rows))
+    self._versions_rows_step, self._decode_versions_rows_step = self._jitted(
+        functools.partial(_versions_rows_step, graphdef, layout, **self._rows_paged), 4,
+        (self.param_shardings, self.noiser_shardings, replicated, rows, self.cache_shardings,
+         rows, rows, rows, rows, replicated, rows, rows, rows, rows))
+
+  def _jitted(self, one_step, cache_at: int, in_shardings: tuple):
+    """``one_step`` (a step program: the static attention span, then its arguments, the
+    ``cache_at``-th the cache, donated) jitted as one step, and as a ``decode_loop`` of up to
+    ``decode_steps`` steps (width-1 calls; two more arguments: the rows' limits, the replicated
+    step count). Arguments are positional: jit with in_shardings takes no kwargs."""
+    outs = ((self.rows, self.rows), self.cache_shardings)
+    one = jax.jit(one_step, static_argnums=0, donate_argnums=(1 + cache_at,),
+                  in_shardings=in_shardings, out_shardings=outs)
+    loop = jax.jit(functools.partial(decode_loop.run, one_step, cache_at, self.decode_steps,
+                                     tuple(sorted(self.stop_ids))),
+                   static_argnums=0, donate_argnums=(1 + cache_at,),
+                   in_shardings=in_shardings + (self.rows, self._replicated), out_shardings=outs)
+    return one, loop
 
   def abstract_version_steps(self) -> list:
     """A bound on the low-rank steps (abstract, with shardings) this engine holds at once, for
@@ -451,21 +463,26 @@ class Engine:
     key = self.base_key if self.abstract else jax.ShapeDtypeStruct(
         self.base_key.shape, self.base_key.dtype, sharding=self.base_key.sharding)
     cache = self.cache if self.abstract else sharding.abstract(self.cache, self.cache_shardings)
+    steps_count = jax.ShapeDtypeStruct((), jnp.int32, sharding=self._replicated)
+    def program(one, loop, w, n):   # width 1: the decode loop, with its rows' limits and count
+      return (one, ()) if w > 1 else (loop, (rows((n,), jnp.int32), steps_count))
     for w in self.widths:
+      fn, more = program(self._step, self._decode_step, w, B)
       for span in self.spans:
-        out[f"step[w={w},span={span}]"] = self._step.lower(
+        out[f"step[w={w},span={span}]"] = fn.lower(
             span, self.abstract_params, self.abstract_noiser, cache, rows((B, w), jnp.int32),
-            rows((B, w), jnp.int32), rows((B, w), jnp.bool_), key, *per_slot)
+            rows((B, w), jnp.int32), rows((B, w), jnp.bool_), key, *per_slot, *more)
     for b in self.batches[:-1]:
       n = b * self.shards
       per_row = (rows((n,), jnp.uint32), rows((n,), jnp.int32), rows((n,), jnp.float32),
                  rows((n,), jnp.float32))
       for w in self.widths:
+        fn, more = program(self._rows_step, self._decode_rows_step, w, n)
         for span in self.spans:
-          out[f"step[b={n},w={w},span={span}]"] = self._rows_step.lower(
+          out[f"step[b={n},w={w},span={span}]"] = fn.lower(
               span, self.abstract_params, self.abstract_noiser, cache, rows((n,), jnp.int32),
               rows((n, w), jnp.int32), rows((n, w), jnp.int32), rows((n, w), jnp.bool_), key,
-              *per_row)
+              *per_row, *more)
     out["reset"] = self._reset.lower(cache, rows((B,), jnp.bool_))
     if self._make_noiser is not None:
       out["noiser"] = self._make_noiser.lower(self.abstract_params, *self._noiser_args)
@@ -484,11 +501,12 @@ class Engine:
           head = (span, self.abstract_params, self.abstract_noiser, steps,
                   rows((n, K), jnp.float32), cache)
           if full:
-            out[f"step[w={w},span={span},steps={K}]"] = self._versions_step.lower(
-                *head, *tokens, *per_row)
+            fn, more = program(self._versions_step, self._decode_versions_step, w, n)
+            out[f"step[w={w},span={span},steps={K}]"] = fn.lower(*head, *tokens, *per_row, *more)
           else:
-            out[f"step[b={n},w={w},span={span},steps={K}]"] = self._versions_rows_step.lower(
-                *head, rows((n,), jnp.int32), *tokens, *per_row)
+            fn, more = program(self._versions_rows_step, self._decode_versions_rows_step, w, n)
+            out[f"step[b={n},w={w},span={span},steps={K}]"] = fn.lower(
+                *head, rows((n,), jnp.int32), *tokens, *per_row, *more)
     out["version_step"] = self._make_step.lower(*self._cohort_shapes)
     out["stack_steps"] = self._stack.lower(*(self._step_shapes,) * K)
     out["merge_noisers"] = self._merge.lower(self.abstract_noiser, (self.abstract_noiser,) * K,
@@ -781,12 +799,13 @@ class Engine:
       where.append(i)
     return index, where
 
-  def _call(self, params_by_version: dict, group: tuple, rows: list[Slot], width: int
-            ) -> list[tuple[int, float]]:
+  def _call(self, params_by_version: dict, group: tuple, rows: list[Slot], width: int,
+            limits: list[int] | None = None) -> list[tuple]:
     """One engine call over ``rows`` (of the versions ``group``, the first the base) at
     ``width``: the full-batch program when they need every row of a shard, else the compacted
     one; rows of newer versions add their steps (``_versions_step``). Each row's sampled token
-    and its log-prob."""
+    and its log-prob; with ``limits`` (width 1: each row's ``_limit``) the call is a decode
+    loop and each row gets its ``[decode_steps]`` tokens and log-probs (``decode_loop``)."""
     version = group[0]
     params = params_by_version[version]
     b = self._batch(rows)
@@ -811,10 +830,18 @@ class Engine:
       positions[i] = s.length + np.arange(width)
       streams[i], counters[i], temperature[i], top_p[i] = s.stream, s.sampled, s.temperature, s.top_p
     params = self._place(version, params)
-    need = max(s.length for s in rows) + width
+    need = (max(s.length + k for s, k in zip(rows, limits)) if limits is not None
+            else max(s.length for s in rows) + width)
     span = next((a for a in self.spans if a >= need), self.max_len)
     per_row = self._placed(tokens, positions, valid)
     sampling_state = self._placed(streams, counters, temperature, top_p)
+    loop = limits is not None
+    if loop:   # each row's limit, and the loop's step count (the largest)
+      limit = np.zeros(n, np.int32)
+      for k, i in zip(limits, where):
+        limit[i] = k
+      sampling_state += (*self._placed(limit),
+                         *self._on_every_device(np.asarray(max(limits), np.int32)))
     newest = max(s.version for s in rows)
     if newest > version:   # rows of several versions: the base's weights plus each row's steps
       step_rows = np.zeros((n, int(self.version_steps.max_steps)), np.float32)
@@ -824,29 +851,40 @@ class Engine:
       head = (span, params, noiser, self._stacked_steps(version, newest),
               *self._placed(step_rows), self.cache)
       if full:
-        (next_tokens, logprobs), self.cache = self._versions_step(
-            *head, *per_row, self.base_key, *sampling_state)
+        fn = self._decode_versions_step if loop else self._versions_step
+        (next_tokens, logprobs), self.cache = fn(*head, *per_row, self.base_key, *sampling_state)
       else:
-        (next_tokens, logprobs), self.cache = self._versions_rows_step(
+        fn = self._decode_versions_rows_step if loop else self._versions_rows_step
+        (next_tokens, logprobs), self.cache = fn(
             *head, *self._placed(index), *per_row, self.base_key, *sampling_state)
       self.stats.multi_version_calls += 1
     elif full:
       noiser = self._noiser(version, params, rows)
-      (next_tokens, logprobs), self.cache = self._step(
+      fn = self._decode_step if loop else self._step
+      (next_tokens, logprobs), self.cache = fn(
           span, params, noiser, self.cache, *per_row, self.base_key, *sampling_state)
     else:
       noiser = self._noiser(version, params, rows)
-      (next_tokens, logprobs), self.cache = self._rows_step(
+      fn = self._decode_rows_step if loop else self._rows_step
+      (next_tokens, logprobs), self.cache = fn(
           span, params, noiser, self.cache, *self._placed(index), *per_row, self.base_key,
           *sampling_state)
     self.stats.rows_busy += len(rows)
     self.stats.rows_total += self.num_slots
     self.stats.rows_computed += n
-    self.stats.positions_computed += n * width
+    self.stats.host_syncs += 1
     if not next_tokens.is_fully_addressable:   # multi-process: every process reads every row
       next_tokens, logprobs = multihost_utils.process_allgather((next_tokens, logprobs), tiled=True)
+      self.stats.host_exchanges += 1
     next_tokens, logprobs = np.asarray(next_tokens), np.asarray(logprobs)
-    return [(next_tokens[i], logprobs[i]) for i in where]
+    if not loop:
+      self.stats.positions_computed += n * width
+      return [(next_tokens[i], logprobs[i]) for i in where]
+    taken = [decode_loop.tokens_taken(next_tokens[i], k, self.stop_ids)
+             for i, k in zip(where, limits)]
+    self.stats.positions_computed += n * max(taken)   # the loop's steps
+    self.stats.loop_steps += max(taken)
+    return [(next_tokens[i, :t], logprobs[i, :t]) for i, t in zip(where, taken)]
 
   def _sampled(self, slot: Slot, token: int, logprob: float, finished: list) -> None:
     slot.generated.append(int(token))
@@ -930,24 +968,43 @@ class Engine:
     for group in self._groups(sorted({s.version for s in working})):
       for rows in self._calls([s for s in working if s.version in group]):
         width = self._width(rows)
-        out = self._call(params_by_version, group, rows, width)
+        limits = [self._limit(s) for s in rows] if width == 1 else None
+        out = self._call(params_by_version, group, rows, width, limits)
         if any(s.state == PREFILL for s in rows):
           self.stats.prefill_calls += 1
         else:
           self.stats.decode_calls += 1
-        for s, (token, logprob) in zip(rows, out):
-          if s.state == DECODE:
-            s.length += 1
-            self.stats.tokens_decoded += 1
-            self._sampled(s, token, logprob, finished)
-            continue
-          n = min(width, len(s.pending))
-          s.pending, s.length, s.held = s.pending[n:], s.length + n, None
-          self.stats.tokens_prefilled += n
-          if not s.pending:  # prompt done: its last logits gave the turn's first token
-            s.state, s.max_new = DECODE, min(self.max_new_tokens, self.max_len - s.length)
-            self._sampled(s, token, logprob, finished)
+        for s, (tokens, logprobs) in zip(rows, out):
+          if limits is None:   # one token per row
+            tokens, logprobs = [tokens], [logprobs]
+          for token, logprob in zip(tokens, logprobs):
+            self._fed(s, width, token, logprob, finished)
     return finished
+
+  def _fed(self, s: Slot, width: int, token: int, logprob: float, finished: list) -> None:
+    """The host's side of a row's step at ``width``: its chunk (or last token) is in the cache
+    and ``token`` was sampled from its last position."""
+    if s.state == DECODE:
+      s.length += 1
+      self.stats.tokens_decoded += 1
+      self._sampled(s, token, logprob, finished)
+      return
+    n = min(width, len(s.pending))
+    s.pending, s.length, s.held = s.pending[n:], s.length + n, None
+    self.stats.tokens_prefilled += n
+    if not s.pending:  # prompt done: its last logits gave the turn's first token
+      s.state, s.max_new = DECODE, min(self.max_new_tokens, self.max_len - s.length)
+      self._sampled(s, token, logprob, finished)
+
+  def _limit(self, s: Slot) -> int:
+    """Tokens a row of a width-1 call may sample in its device loop: ``decode_steps``, its
+    turn's remaining budget, and (paged) the positions its pages hold (``_page_decoding_rows``
+    takes the loop's pages where free)."""
+    budget = (s.max_new - len(s.generated) if s.state == DECODE
+              else min(self.max_new_tokens, self.max_len - s.length - 1))
+    room = (len(s.pages) * self.page_size - s.length if self.page_size is not None
+            else self.max_len - s.length)
+    return max(1, min(self.decode_steps, budget, room))
 
   def _page_decoding_rows(self, finished: list) -> None:
     """A paged cache: every decoding row whose next token starts a page takes one; a row whose
@@ -958,6 +1015,11 @@ class Engine:
         s.state, s.failure = PARKED, PAGES_EXHAUSTED
         finished.append(Turn(s.index, list(s.generated), list(s.logprobs), False, s.tag,
                              PAGES_EXHAUSTED))
+    # The pages of the tokens a device loop may decode this step, where free (after every
+    # row's next token has its page): without them a row's loop stops at its page's end.
+    for s in self.slots:
+      if s.state == DECODE and self.decode_steps > 1:
+        self._take_pages(s, s.length + min(self.decode_steps, s.max_new - len(s.generated)))
     if self._table_changed:
       sh = self.cache_shardings.table
       table = (jax.device_put(self._table, sh) if sh.is_fully_addressable else
@@ -968,7 +1030,9 @@ class Engine:
 
   def compilations(self) -> int:
     """Programs compiled so far by this engine's jitted functions (fixed shapes: stays small)."""
-    fns = [self._step, self._rows_step, self._reset] + ([self._make_noiser] if self._make_noiser else [])
+    fns = [self._step, self._rows_step, self._decode_step, self._decode_rows_step, self._reset] + (
+        [self._make_noiser] if self._make_noiser else [])
     if self.version_steps is not None:
-      fns += [self._versions_step, self._versions_rows_step, self._make_step, self._stack, self._merge]
+      fns += [self._versions_step, self._versions_rows_step, self._decode_versions_step,
+              self._decode_versions_rows_step, self._make_step, self._stack, self._merge]
     return sum(f._cache_size() for f in fns)

@@ -5,7 +5,8 @@
 
 Variants: sync (synchronous ES), async1 (natural asynchrony, staleness <= 1), delay4 / delay8
 (10% of each update cohort held back 4 / 8 updates on top of Async-1), allstale (stress test:
-every result in a cohort is stale). ES hyperparameters follow Qiu et al. (population 30,
+every result in a cohort is stale), async1_weight / async1_baseline_only / async1_pace (Async-1
+under a stale-result policy, docs/controller.md). ES hyperparameters follow Qiu et al. (population 30,
 sigma 1e-3, alpha 5e-4, greedy decoding, z-score shaping); the model path, the mesh and the
 sandbox backend are overridable (`--config.mesh.fsdp=8`, `--config.env.sandbox=local`).
 
@@ -29,7 +30,8 @@ from jaxes.experiments.variants import apply_es_variant
 from jaxes.rl.config import default_config as grpo_defaults
 from jaxes.train.defaults import base_config
 
-VARIANTS = ("sync", "async1", "delay4", "delay8", "allstale", "grpo")
+VARIANTS = ("sync", "async1", "delay4", "delay8", "allstale", "async1_weight",
+            "async1_baseline_only", "async1_pace", "grpo")
 # target -> (data, fsdp, tensor); data x tensor = 8 and more shard the cache 8 ways or more.
 TARGETS = {
   "8xH100": (2, 1, 4),

@@ -19,7 +19,7 @@ DEFAULT_ENTRY = "jaxes.train"
 
 _ASYNC1 = {"controller.mode": "async", "controller.max_staleness": 1,
            "controller.delay_fraction": 0.0, "controller.delay_updates": 0,
-           "controller.stress_all_stale": 0}
+           "controller.stress_all_stale": 0, "controller.overage": "drop"}
 # The paper's ES variants (configs/paper.py's definitions), as overrides for any config.
 ES_OVERRIDES = {
     "sync": {**_ASYNC1, "controller.mode": "sync", "controller.max_staleness": 0},
@@ -27,7 +27,13 @@ ES_OVERRIDES = {
     "delay4": {**_ASYNC1, "controller.delay_fraction": 0.1, "controller.delay_updates": 4},
     "delay8": {**_ASYNC1, "controller.delay_fraction": 0.1, "controller.delay_updates": 8},
     "allstale": {**_ASYNC1, "controller.stress_all_stale": 4},
+    # The stale-result policies (jaxes/controller/policies.py) on Async-1.
+    "async1_weight": {**_ASYNC1, "controller.overage": "weight", "controller.staleness_decay": 0.5},
+    "async1_baseline_only": {**_ASYNC1, "controller.overage": "baseline_only"},
+    "async1_pace": {**_ASYNC1, "controller.overage": "pace", "controller.pace_pool_capacity": 0,
+                    "controller.pace_generation_weight": 1.0},
 }
+POLICY_VARIANTS = ("async1_weight", "async1_baseline_only", "async1_pace")
 
 
 def apply_es_variant(config, name: str):
@@ -46,6 +52,9 @@ DESCRIPTIONS = {
     "delay4": "10% of each cohort delayed 4 updates",
     "delay8": "10% of each cohort delayed 8 updates",
     "allstale": "stress: every result of a cohort delayed 4 updates",
+    "async1_weight": "Async-1, results weighted 0.5 ** staleness",
+    "async1_baseline_only": "Async-1, stale results only in the shaping baseline",
+    "async1_pace": "Async-1, PACE (pool rejection budget, effective-staleness ranking)",
     "grpo": "GRPO (backprop baseline)",
 }
 

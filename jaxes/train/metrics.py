@@ -191,6 +191,7 @@ class UpdateWindow:
         "staleness_mean": float(staleness.mean()) if len(staleness) else 0.0,
         "staleness_max": int(staleness.max()) if len(staleness) else 0,
         "dropped": update.dropped, "excluded": update.excluded, "delayed": int(sum(update.delayed)),
+        **update.staleness_metrics(),   # generation/waiting histograms, policy weights, rejected
         "num_results": len(results),
         "train": {"success": self.passed / n, "reward": self.reward / n, "episodes": self.episodes,
                   "turns_per_episode": self.turns / n, "truncated": self.truncated,

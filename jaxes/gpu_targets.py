@@ -53,16 +53,19 @@ device_description_str: "{description}"
 @dataclasses.dataclass(frozen=True)
 class GpuChip:
   description: str
-  memory: int        # bytes per device, as the driver reports them
+  memory: int        # bytes per device, as the driver reports them (what the compiler is told)
   bandwidth: int     # bytes/s
+  nominal: float     # the vendor's HBM in decimal GB: what the preflight's headroom is taken of
 
-  def target_config(self) -> str:
-    return _CONFIG.format(bandwidth=self.bandwidth, memory=self.memory, description=self.description)
+  def target_config(self, memory: int | None = None) -> str:
+    """The compiler's target; ``memory`` instead of the chip's (rematerialisation works to it)."""
+    return _CONFIG.format(bandwidth=self.bandwidth, memory=memory or self.memory,
+                          description=self.description)
 
 
 CHIPS = {
-  "H100": GpuChip("NVIDIA H100 80GB HBM3", 84_978_434_048, 3_352_320_000_000),
-  "H200": GpuChip("NVIDIA H200", 150_750_000_000, 4_800_000_000_000),
+  "H100": GpuChip("NVIDIA H100 80GB HBM3", 84_978_434_048, 3_352_320_000_000, 80e9),
+  "H200": GpuChip("NVIDIA H200", 150_750_000_000, 4_800_000_000_000, 141e9),
 }
 
 
@@ -79,9 +82,10 @@ def plugin_installed() -> bool:
   return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
 
 
-def devices(name: str) -> list | None:
+def devices(name: str, memory: int | None = None) -> list | None:
   """Abstract devices of an ``NxCHIP`` target for the real GPU compiler, ``None`` without the plugin.
-  Up to 8 GPUs per host (the HGX boards); more are hosts of 8."""
+  Up to 8 GPUs per host (the HGX boards); more are hosts of 8. ``memory``: bytes per device the
+  compiler is told instead of the chip's."""
   chip, n = parse(name)
   if not plugin_installed():
     return None
@@ -89,6 +93,6 @@ def devices(name: str) -> list | None:
   per_host = min(n, 8)
   if n % per_host:
     raise SystemExit(f"preflight: {name}: a multi-host GPU target is a multiple of 8 GPUs")
-  topo = topologies.get_topology_desc(platform="cuda", target_config=chip.target_config(),
+  topo = topologies.get_topology_desc(platform="cuda", target_config=chip.target_config(memory),
                                       topology=f"1x{n // per_host}x{per_host}")
   return list(topo.devices)

@@ -1,7 +1,7 @@
 """Does a training config fit its target devices? Proven by compiling the run, not by renting it.
 
-  python -m jaxes.preflight --config=configs/paper.py:async1 --topology=v5p-64 [--json]
-      [--config.rollout.num_slots=...] [--headroom=0.9] [--device_memory_gib=...]
+  python -m jaxes.preflight --config=configs/paper.py:async1 --topology=8xH100 [--json] [--jobs=N]
+      [--config.rollout.num_slots=...] [--headroom=0.9] [--device_memory_gib=...] [--only=REGEX]
 
 Builds the run abstractly (shapes and shardings only: nothing is allocated) on a mesh over the
 topology's devices, ahead-of-time compiles every program the run executes — each engine step
@@ -11,16 +11,25 @@ noiser state, the low-rank steps between live versions (an async low-rank SGD ru
 rows of all its versions in one call), optimizer state, the older parameter versions kept alive
 for in-flight episodes, and each program's compiled temporaries, against the device's memory.
 The peak is the resident state plus the largest program's temporaries and non-donated outputs. Exit 0 iff the peak is
-at most ``headroom`` of the device memory, else 1 with a line naming the biggest consumer and
-what to change. The last line is one JSON object.
+at most ``headroom`` of the device memory and no compiler logged that it could not rematerialise a
+program below the device's memory (the GPU compiler compiles such a program anyway), else 1 with
+a line naming the biggest consumer (or the program) and what to change. The report gives each
+program's compile seconds and in total the programs, compile CPU-seconds and the wall time at
+``--jobs`` parallel compiles. The last line is one JSON object.
+
+A config whose ``mesh.target`` names other devices than ``--topology`` is refused in one line
+naming both (its mesh is sized for those): pick the config's variant for the topology.
 
 Topologies:
 * TPU slices (``v4-8``, ``v5e-8``, ``v5p-8`` ... ``v5p-128``, ``v6e-8``): the real TPU compiler
   through ``jax.experimental.topologies`` (needs ``libtpu``: ``pip install -e '.[tpu]'``; no TPU
   needed).
-* GPU targets (``8xH100``, ``8xH200``): an *estimate*, from the CPU compiler compiling the same
-  mesh over host devices. The CPU backend widens some bfloat16 arithmetic to float32, so its
-  temporaries can exceed the GPU compiler's; it does not use cuDNN attention.
+* GPU targets (``8xH100``, ``8xH200``, ``NxH100``/``NxH200`` for N a multiple of 8): the real XLA
+  GPU compiler, deviceless (``jaxes.gpu_targets``; needs the CUDA plugin: ``pip install -e
+  '.[gpu-aot]'``; no GPU needed). Without it, one line says so and the numbers are an
+  *estimate* from the CPU compiler compiling the same mesh over host devices, labelled as such:
+  the CPU backend widens some bfloat16 arithmetic to float32, so its temporaries can exceed the
+  GPU compiler's (0.46x to 0.77x of them measured, issue 32: no fixed factor).
 * ``cpu:N``: N host devices (the structure, on any machine); memory = host RAM / N unless
   ``--device_memory_gib`` says otherwise.
 
@@ -39,18 +48,18 @@ import sys
 import tempfile
 import time
 
+from jaxes import gpu_targets  # noqa: E402 -- imports no JAX: safe before the flags below
+
+
 # Host devices must be configured before JAX initialises: `cpu:N` and the GPU estimates compile
 # over N fake host devices. Only when run as a program (a test process has its own devices).
-GPU_TARGETS = {"8xH100": ("NVIDIA H100 80GB", 8, 80e9), "8xH200": ("NVIDIA H200 141GB", 8, 141e9)}
-
-
 def _host_devices_wanted(argv) -> int | None:
   for arg in argv:
     m = re.fullmatch(r"--topology=(.+)", arg)
     if m:
       name = m.group(1)
-      if name in GPU_TARGETS:
-        return GPU_TARGETS[name][1]
+      if gpu_targets.parse(name):
+        return gpu_targets.parse(name)[1]
       if re.fullmatch(r"cpu:\d+", name):
         return int(name.split(":")[1])
   return None
@@ -67,7 +76,8 @@ if __name__ == "__main__":
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from jaxes import gpu_targets, sharding  # noqa: E402
+from jaxes import sharding  # noqa: E402
+from jaxes.train import precompile  # noqa: E402
 
 # Google Cloud's TPU system-architecture pages: per-chip HBM (decimal GB) and the topology of
 # each slice name (vN-C: C TensorCores; v5p and v4 chips are one megacore device of 2 cores).
@@ -102,21 +112,22 @@ def resolve_topology(name: str, device_memory_gib: float | None = None) -> Targe
                        f"{str(e).splitlines()[0][:200]}); install libtpu: pip install -e '.[tpu]'")
     memory = override or TPU_MEMORY[name.split("-")[0]]
     return Target(name, list(topo.devices), memory, "tpu", False)
-  if name in GPU_TARGETS:
-    _, n, memory = GPU_TARGETS[name]
-    gpu = gpu_targets.devices(name)
+  if gpu_targets.parse(name):
+    chip, n = gpu_targets.parse(name)
+    # The compiler rematerialises against the memory it is told: an override reaches it too.
+    gpu = gpu_targets.devices(name, memory=None if override is None else int(override))
     if gpu is not None:
-      return Target(name, gpu, override or memory, "gpu", False)
+      return Target(name, gpu, override or chip.nominal, "gpu", False)
     print(f"preflight: {name} sized by the CPU compiler (an estimate); for the real GPU compiler: "
           f"pip install -e '.[gpu-aot]'", file=sys.stderr)
-    return Target(name, _host_devices(name, n), override or memory, "cpu", True)
+    return Target(name, _host_devices(name, n), override or chip.nominal, "cpu", True)
   m = re.fullmatch(r"cpu:(\d+)", name)
   if m:
     n = int(m.group(1))
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return Target(name, _host_devices(name, n), override or host / n, "cpu", False)
-  raise SystemExit(f"preflight: unknown topology {name!r}; known: cpu:N, "
-                   f"{', '.join(GPU_TARGETS)}, {', '.join(TPU_TOPOLOGIES)}")
+  raise SystemExit(f"preflight: unknown topology {name!r}; known: cpu:N, NxH100, NxH200 "
+                   f"(8xH100, 16xH200, ...), {', '.join(TPU_TOPOLOGIES)}")
 
 
 def _host_devices(name: str, n: int) -> list:
@@ -183,6 +194,8 @@ class Program:
   replaces: int = 0      # resident bytes this program's output takes the place of
   required: int = 0      # > 0: the compiler refused it, needing this many bytes in all
   seconds: float = 0.0
+  remat_failures: list = dataclasses.field(default_factory=list)  # the compiler's "can't reduce
+  # memory use below" lines: it compiled the program, over the device's memory
 
   @property
   def extra(self) -> int:
@@ -193,21 +206,31 @@ class Program:
 _OOM = re.compile(r"required for HLO temporaries \(([\d.]+)([KMGT])\)")
 
 
-def _compile(name: str, lowered, replaces: int = 0) -> Program:
-  """Compile and read the memory analysis; a compiler that runs out of device memory (the TPU
-  compiler refuses such a program) gives the bytes it said it needed."""
-  start = time.perf_counter()
-  try:
-    stats = lowered.compile().memory_analysis()
-  except Exception as e:  # noqa: BLE001 -- only out-of-memory refusals are reported, others raise
-    m = _OOM.search(str(e))
-    if "RESOURCE_EXHAUSTED" not in str(e) or not m:
-      raise
-    required = float(m.group(1)) * 2 ** (10 * "KMGT".index(m.group(2)) + 10)
-    return Program(name, 0, 0, 0, 0, 0, replaces, int(required), time.perf_counter() - start)
-  return Program(name, stats.argument_size_in_bytes, stats.output_size_in_bytes,
-                 stats.alias_size_in_bytes, stats.temp_size_in_bytes,
-                 stats.generated_code_size_in_bytes, replaces, 0, time.perf_counter() - start)
+def _compile_all(lowered: dict, jobs: int, replaces: dict, log, algorithm: str
+                 ) -> tuple[list[Program], precompile.Compilation]:
+  """Compile in ``jobs`` threads and read each memory analysis; a compiler that runs out of
+  device memory (the TPU compiler refuses such a program) gives the bytes it said it needed."""
+  def done(c: precompile.Compiled):
+    log(f"  [{algorithm}] compiled {c.name} in {c.seconds:.1f}s" + ("" if c.error else
+        f": temporaries {c.result.temp_size_in_bytes / 2**30:.2f} GiB"))
+
+  run = precompile.compile_all(lowered, jobs, read=lambda compiled: compiled.memory_analysis(),
+                               on_done=done)
+  programs = []
+  for c in run.programs:
+    if c.error is not None:   # only out-of-memory refusals are reported, others raise
+      m = _OOM.search(str(c.error))
+      if "RESOURCE_EXHAUSTED" not in str(c.error) or not m:
+        raise c.error
+      required = float(m.group(1)) * 2 ** (10 * "KMGT".index(m.group(2)) + 10)
+      programs.append(Program(c.name, 0, 0, 0, 0, 0, replaces.get(c.name, 0), int(required), c.seconds))
+      continue
+    stats = c.result
+    programs.append(Program(c.name, stats.argument_size_in_bytes, stats.output_size_in_bytes,
+                            stats.alias_size_in_bytes, stats.temp_size_in_bytes,
+                            stats.generated_code_size_in_bytes, replaces.get(c.name, 0), 0,
+                            c.seconds, c.remat_failures))
+  return programs, run
 
 
 def live_versions(config) -> int:
@@ -216,16 +239,16 @@ def live_versions(config) -> int:
   return 1 + int(config.controller.max_staleness)
 
 
-def plan(config, target: Target, log=print, only: str | None = None) -> dict:
+def plan(config, target: Target, log=print, only: str | None = None, jobs: int = 1) -> dict:
   """Build the run abstractly on ``target``, compile its programs (those whose name matches the
-  regex ``only``, default all); the report as a dict. A GRPO config (``train.algorithm``) is
+  regex ``only``, default all) in ``jobs`` threads; the report as a dict. A GRPO config (``train.algorithm``) is
   sized as GRPO runs it, and the same config as ES on the same model and mesh beside it
   (``report["es"]``, ``report["es_over_grpo"]``: ES's peak per device over GRPO's)."""
   if config.train.algorithm != "grpo":
-    return _plan(config, target, log, only, "es")
-  report = _plan(config, target, log, only, "grpo")
+    return _plan(config, target, log, only, "es", jobs)
+  report = _plan(config, target, log, only, "grpo", jobs)
   try:
-    report["es"] = _plan(config, target, log, only, "es")
+    report["es"] = _plan(config, target, log, only, "es", jobs)
   except NoProgramMatches:   # --only selected GRPO programs alone (e.g. 'grpo_step'): no ES side
     return report
   report["es_over_grpo"] = report["es"]["peak_bytes_per_device"] / report["peak_bytes_per_device"]
@@ -260,7 +283,7 @@ def _learner_program(config, graphdef, params, mesh):
   return learner.lower(state, batch), state, batch
 
 
-def _plan(config, target: Target, log, only: str | None, algorithm: str) -> dict:
+def _plan(config, target: Target, log, only: str | None, algorithm: str, jobs: int = 1) -> dict:
   from jaxes.models import qwen2
   from jaxes.rollout.engine import Engine
   from jaxes.train import builders
@@ -287,7 +310,6 @@ def _plan(config, target: Target, log, only: str | None, algorithm: str) -> dict
   params = engine.abstract_params
   versions = live_versions(config)
   noiser_bytes = _bytes_per_device(engine.abstract_noiser) if algorithm == "es" else 0
-  programs = []
   if algorithm == "es":
     update_lowered, opt_state = _es_update_program(strategy, params, config.es.population)
     lowered = {**engine.programs(), "es_update": update_lowered}
@@ -298,13 +320,7 @@ def _plan(config, target: Target, log, only: str | None, algorithm: str) -> dict
   if not matching:
     raise NoProgramMatches(f"--only={only!r} matches none of the {algorithm} programs: "
                            + ", ".join(sorted(lowered)))
-  lowered = matching
-  for name, program in lowered.items():
-    programs.append(_compile(name, program, replaces=noiser_bytes if name == "noiser" else 0))
-    p = programs[-1]
-    log(f"  [{algorithm}] compiled {name} in {p.seconds:.1f}s: " + (
-        f"REFUSED, needs {p.required / 2**30:.2f} GiB" if p.required else
-        f"arguments {p.arguments / 2**30:.2f} GiB, temporaries {p.temporaries / 2**30:.2f} GiB"))
+  programs, compilation = _compile_all(matching, jobs, {"noiser": noiser_bytes}, log, algorithm)
 
   resident = {
     "parameters": _bytes_per_device(params),
@@ -335,6 +351,11 @@ def _plan(config, target: Target, log, only: str | None, algorithm: str) -> dict
     "peak_bytes_per_device": int(peak), "per_device": per_device,
     "peak_program": worst.name, "live_versions": versions, "only": only,
     "programs": [dataclasses.asdict(p) | {"extra": p.extra} for p in programs],
+    "compile": {"jobs": jobs, "wall_seconds": compilation.wall_seconds,
+                "cpu_seconds": compilation.cpu_seconds},
+    # Programs the compiler could not rematerialise below the device's memory (it compiled them).
+    "remat_failures": [[p.name, line] for p in programs for line in p.remat_failures]
+                      + [["", line] for line in compilation.unattributed],
   }
 
 
@@ -381,8 +402,10 @@ def render(report: dict, headroom: float) -> tuple[list[str], bool]:
 def _render_one(report: dict, headroom: float) -> tuple[list[str], bool]:
   memory = report["device_memory_bytes"]
   peak = report["peak_bytes_per_device"]
-  fits = peak <= headroom * memory
-  kind = "estimate: CPU compiler, bf16 widened to f32 on CPU" if report["estimate"] else report["compiler"] + " compiler"
+  remat = report.get("remat_failures", [])
+  fits = peak <= headroom * memory and not remat
+  kind = ("estimate: CPU compiler, bf16 widened to f32 on CPU" if report["estimate"] else
+          f"real {report['compiler'].upper()} compiler")
   lines = [f"{report.get('algorithm', 'es').upper()} on {report['topology']}: {report['devices']} x {report['device_kind']} ({kind}), "
            f"mesh {report['mesh']}, {_gib(memory).strip()} per device, "
            f"{report['live_versions']} live parameter version(s)"]
@@ -398,11 +421,20 @@ def _render_one(report: dict, headroom: float) -> tuple[list[str], bool]:
     if p["required"]:
       lines.append(f"    {p['name']:24s} refused by the compiler: needs {_gib(p['required'])}")
       continue
+    over = "  over the device's memory: could not rematerialise below it" if p.get("remat_failures") else ""
     lines.append(f"    {p['name']:24s} {_gib(p['arguments'])} / {_gib(p['temporaries'])} / "
-                 f"{_gib(max(0, p['outputs'] - p['aliased']))}  {p['seconds']:7.1f} s")
-  lines.append(f"  {len(report['programs'])} programs, {sum(p['seconds'] for p in report['programs']):.0f} "
-               f"compile seconds")
-  if fits:
+                 f"{_gib(max(0, p['outputs'] - p['aliased']))}  {p['seconds']:7.1f} s{over}")
+  compiled = report.get("compile")
+  lines.append(f"  {len(report['programs'])} programs, "
+               f"{sum(p['seconds'] for p in report['programs']):.0f} compile seconds" + (
+               f" ({compiled['cpu_seconds']:.0f} CPU-seconds, {compiled['wall_seconds']:.0f} s wall "
+               f"at {compiled['jobs']} job(s))" if compiled else ""))
+  if remat:
+    name, line = remat[0]
+    lines.append(f"does not fit: the {report['compiler'].upper()} compiler could not rematerialise "
+                 f"{name or 'a program'} below the device's memory ({len(remat)} program(s)): "
+                 f"{line.split('] ', 1)[-1]}")
+  elif fits:
     lines.append(f"fits: peak {_gib(peak).strip()} <= {headroom:.0%} of {_gib(memory).strip()}")
   else:
     biggest = max(report["per_device"], key=report["per_device"].get)
@@ -419,13 +451,15 @@ def summary(report: dict, fits: bool, headroom: float = 0.9) -> dict:
          "device_memory_bytes": report["device_memory_bytes"], "fits": fits,
          "peak_bytes_per_device": report["peak_bytes_per_device"],
          "per_device": report["per_device"], "programs": len(report["programs"]),
-         "mesh": report["mesh"], "estimate": report["estimate"],
-         "algorithm": report.get("algorithm", "es")}
+         "mesh": report["mesh"], "estimate": report["estimate"], "compiler": report["compiler"],
+         "algorithm": report.get("algorithm", "es"), "compile": report.get("compile"),
+         "remat_failures": len(report.get("remat_failures", []))}
   if "es" in report:
     es = report["es"]
     out["es"] = {"peak_bytes_per_device": es["peak_bytes_per_device"], "per_device": es["per_device"],
-                 "programs": len(es["programs"]),
-                 "fits": es["peak_bytes_per_device"] <= headroom * es["device_memory_bytes"]}
+                 "programs": len(es["programs"]), "compile": es.get("compile"),
+                 "fits": (es["peak_bytes_per_device"] <= headroom * es["device_memory_bytes"]
+                          and not es.get("remat_failures"))}
     out["es_over_grpo"] = report["es_over_grpo"]
   return out
 
@@ -462,6 +496,20 @@ def validate_run(config, validate, ConfigError) -> None:
   validate(as_es)
 
 
+def mesh_mismatch(config, topology: str) -> str | None:
+  """The one line refusing a config whose mesh is sized for other devices than ``topology``
+  (``mesh.target`` names them), or None. Compiling its mesh over the topology would size a layout
+  no run on either would use."""
+  sized_for = config.mesh.get("target", "")
+  if not sized_for or sized_for == topology:
+    return None
+  m = config.mesh
+  return (f"preflight: the config's mesh (data={m.data}, fsdp={m.fsdp}, tensor={m.tensor}) is sized "
+          f"for mesh.target={sized_for}, not --topology={topology}: use the config's variant for "
+          f"{topology} (e.g. configs/paper.py:async1,{topology}) or set --config.mesh.target and "
+          f"its mesh")
+
+
 def main(argv):
   from absl import flags
   from jaxes.train.config import ConfigError, validate
@@ -478,10 +526,19 @@ def main(argv):
     topology = FLAGS.topology or config.mesh.get("target", "")
     if not topology:
       raise SystemExit("preflight: say --topology=... (the config names no mesh.target)")
+    mismatch = mesh_mismatch(config, topology)
+    if mismatch:
+      print(mismatch, file=sys.stderr)
+      sys.exit(2)
+    if FLAGS.jobs < 1:
+      raise SystemExit(f"preflight: --jobs must be at least 1, got {FLAGS.jobs}")
+    # Every program compiled here, not read from a persistent cache: its compile seconds are the
+    # measurement, and a cached program would not log the compiler's rematerialisation warning.
+    jax.config.update("jax_enable_compilation_cache", False)
     target = resolve_topology(topology, FLAGS.device_memory_gib)
     log = (lambda *_: None) if FLAGS.json else (lambda m: print(m, file=sys.stderr, flush=True))
     try:
-      report = plan(config, target, log=log, only=FLAGS.only)
+      report = plan(config, target, log=log, only=FLAGS.only, jobs=FLAGS.jobs)
     except NoProgramMatches as e:
       raise SystemExit(f"preflight: {e}")
   lines, fits = render(report, FLAGS.headroom)
@@ -497,8 +554,10 @@ def _define_flags():
   from absl import flags
   from ml_collections import config_flags
   config_flags.DEFINE_config_file("config", None, "An ml-collections config file (configs/*.py[:ARG]).")
-  flags.DEFINE_string("topology", None, "cpu:N, 8xH100, 8xH200, or a TPU slice (v5p-64, v5e-8, "
-                      "...); default: the config's mesh.target.")
+  flags.DEFINE_string("topology", None, "cpu:N, 8xH100, 8xH200 (NxH100, NxH200), or a TPU slice "
+                      "(v5p-64, v5e-8, ...); default: the config's mesh.target.")
+  flags.DEFINE_integer("jobs", 1, "Programs compiled at once, in threads (the compilers release "
+                       "the GIL); each holds its own compiler memory.")
   flags.DEFINE_float("headroom", 0.9, "Fraction of device memory the peak may use.")
   flags.DEFINE_float("device_memory_gib", None, "Override the memory per device (GiB).")
   flags.DEFINE_string("only", None, "Compile only the programs whose name matches this regex "

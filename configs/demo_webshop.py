@@ -5,7 +5,7 @@
   python -m jaxes.experiments.grid --config=configs/demo_webshop.py --variants=sync,async1 --seeds=0,1,2 \
       --workdir=runs/ws_grid --parallel=2 --config.warmstart.init_from=runs/ws_init
 
-Outcome (benchmarks/RESULTS.md, "WebShop toy result"; 3 seeds, 64 held-out goals each): the
+Outcome (benchmarks/RESULTS.md, "WebShop"; 3 seeds, 64 held-out goals each): the
 warm-started policy earns held-out mean reward ~0.26 at version 0 (success 0), and ES moves it
 by no more than evaluation noise in 20 updates: sync 0.259 -> 0.267, Async-1 0.274 -> 0.291
 (mean over seeds); Async-1 minus sync at the end +0.024 +- 0.003, smaller than the 0.046 by

@@ -103,7 +103,7 @@ def test_sharded_engine_runs_both_versions_in_one_call_with_the_single_device_to
                      version_steps=steps)
   cache_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract.cache)) // 8
   programs = abstract.programs()
-  for name in ("step[w=8,span=4096,steps=1]", "step[b=4,w=1,span=1024,steps=1]"):
+  for name in ("step[w=8,span=4096,steps=1]", "step[b=4,w=1,span=4096,steps=1]"):
     stats = programs[name].compile().memory_analysis()
     assert stats.alias_size_in_bytes >= cache_bytes, name
     assert stats.temp_size_in_bytes < cache_bytes / 4, (name, stats.temp_size_in_bytes, cache_bytes)
@@ -133,8 +133,8 @@ def test_compiled_step_updates_the_cache_in_place(model):
   programs = engine.programs()
   # Full batch, and the compacted batch (one row per data shard: 4 of 8) that writes its new
   # tokens into the cache and reads its key blocks in place.
-  for name in ("step[w=8,span=4096]", "step[w=1,span=1024]", "step[b=4,w=8,span=4096]",
-               "step[b=4,w=1,span=1024]"):
+  for name in ("step[w=8,span=4096]", "step[w=1,span=4096]", "step[b=4,w=8,span=4096]",
+               "step[b=4,w=1,span=4096]"):
     stats = programs[name].compile().memory_analysis()
     assert stats.alias_size_in_bytes >= cache_bytes, name
     assert stats.temp_size_in_bytes < cache_bytes / 4, (name, stats.temp_size_in_bytes, cache_bytes)

@@ -38,7 +38,9 @@ def _schedule(engine, params_by_version):
     for slot, due in list(waiting.items()):
       if due <= step:
         del waiting[slot]
-        assert engine.continue_turn(slot, list(rng.integers(4, 64, size=1 + 2 * slot)))
+        # Drawn from (slot, turn), not in arrival order: the engines end turns at other steps.
+        observation = np.random.default_rng(100 * slot + len(out[slot])).integers(4, 64, size=1 + 2 * slot)
+        assert engine.continue_turn(slot, list(observation))
     for turn in engine.step(params_by_version):
       out[turn.slot].append((turn.tokens, turn.logprobs))
       if len(out[turn.slot]) < 3:
@@ -66,7 +68,8 @@ def test_compaction_decodes_the_full_batch_tokens_and_logprobs(model):
 
 def test_a_call_runs_only_its_working_rows(model):
   _, _, params = model
-  engine = _engine(model, max_new_tokens=6, prefill_hold=0)   # every prefill runs when it comes
+  # Every prefill runs when it comes; one token per decode call (the counts below are per step).
+  engine = _engine(model, max_new_tokens=6, prefill_hold=0, decode_steps=1)
   for slot in range(SLOTS):
     assert engine.start(slot, [5 + slot, 6, 7], version=0, member=-1, stream=slot)
   while engine.busy():
@@ -101,17 +104,19 @@ def test_a_call_runs_only_its_working_rows(model):
 
 def test_program_count_is_batches_x_widths_x_spans(model):
   """The paper config's engine shape (240 slots over data=2, 16384 tokens, chunk 512; a tiny
-  model, built abstract: nothing allocated): 3 batches per shard (a quarter, a half, all 120 rows) x 4 widths x 3
-  spans = 36 step programs; 12 without compaction. The full-batch programs keep their names."""
+  model, built abstract: nothing allocated): 3 batches per shard (a quarter, a half, all 120
+  rows) x 4 widths x 1 span (attention reads key blocks up to the call's furthest token, so
+  off GPU one span serves every length) = 12 step programs; 4 without compaction. The
+  full-batch programs keep their names."""
   cfg, graphdef, _ = model
   mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
   args = dict(num_slots=240, max_len=16384, prefill_chunk=512, max_new_tokens=1024, stop_ids=[],
               im_end_id=IM_END, mesh=mesh, abstract=True)
   engine = Engine(graphdef, cfg, **args)
   assert engine.batches == [30, 60, 120] and engine.widths == [1, 128, 256, 512]
-  assert engine.spans == [4096, 8192, 16384]
+  assert engine.spans == [16384]
   steps = [name for name in engine.programs() if name.startswith("step[")]
-  assert len(steps) == len(engine.batches) * len(engine.widths) * len(engine.spans) == 36
+  assert len(steps) == len(engine.batches) * len(engine.widths) * len(engine.spans) == 12
   assert "step[w=512,span=16384]" in steps and "step[b=120,w=512,span=16384]" in steps
   full = Engine(graphdef, cfg, compact=False, **args)
   assert full.batches == [120]

@@ -206,7 +206,7 @@ def test_program_count_with_version_steps_is_twice_the_step_programs(model):
   engine = Engine(graphdef, cfg, **args, version_steps=VersionSteps(
       strategy.version_step(params, jax.random.key(0)), POP, 2))
   per_call = len(engine.batches) * len(engine.widths) * len(engine.spans)
-  assert per_call == 36
+  assert per_call == 12
   names = engine.programs()
   steps = [n for n in names if n.startswith("step[")]
   assert len(steps) == 2 * per_call

@@ -369,7 +369,8 @@ class Qwen2ForCausalLM(nnx.Module):
                logits_at: jax.Array | None = None, attend_len: int | None = None,
                cache_rows: attention.Rows | None = None, remat: bool = False,
                head: bool = True, cache_pages: attention.Pages | None = None,
-               token_offsets: jax.Array | None = None) -> tuple[jax.Array, KVCache | None]:
+               token_offsets: jax.Array | None = None, bounded_keys: bool = False
+               ) -> tuple[jax.Array, KVCache | None]:
     """tokens, positions: int32 [B, T]; valid: bool [B, T]. Returns (float32 logits [B, T, V],
     updated cache). See ``KVCache`` and the module docstring for the cache semantics.
     ``logits_at`` (int32 [B]) computes the logits of one position per row only, [B, V]: a
@@ -387,7 +388,9 @@ class Qwen2ForCausalLM(nnx.Module):
     with ``cache_rows``; a ragged token batch): batch rows may share a cache row, token t of
     batch row i going to slot ``index + token_offsets[i, t]`` of its row and seeing every slot
     of that row this call writes up to its own; attention reads key blocks up to each device's
-    furthest token only (one program for every attention length)."""
+    furthest token only (one program for every attention length). ``bounded_keys`` (static;
+    with a cache): that bound for an ordinary batch too (invalid tokens query slot 0), so one
+    ``attend_len`` serves every attention length."""
     cfg = self.config
     noiser = IdentityNoiser() if noiser is None else noiser
     valid = valid.astype(bool)
@@ -412,6 +415,8 @@ class Qwen2ForCausalLM(nnx.Module):
       if token_offsets is None:
         slots = row_index[:, None] + jnp.cumsum(valid, axis=1, dtype=jnp.int32) - 1
         write_slots = jnp.where(valid, slots, S)
+        if bounded_keys:   # invalid tokens (their outputs unused) must not extend the key blocks
+          slots = jnp.where(valid, slots, 0)
         rows = jnp.arange(tokens.shape[0])[:, None]
         cache_valid = row_valid.at[rows, write_slots].set(True, mode="drop")
       else:
@@ -424,7 +429,7 @@ class Qwen2ForCausalLM(nnx.Module):
         # before attention reads it; ``s <= q_slot`` keeps the later ones out of view.
         cache_valid = row_valid | (jnp.arange(S)[None, :] >= row_index[:, None])
       span = S if attend_len is None else min(attend_len, S)
-      bounded = token_offsets is not None
+      bounded = token_offsets is not None or bounded_keys
 
       # The cache rides in the scan's carry and each layer writes its new keys into it: a cache
       # passed as scanned input/output would be rebuilt as a second full copy.
@@ -468,9 +473,10 @@ def forward(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array, positi
             valid: jax.Array, cache: KVCache | None = None, noiser: Noiser | None = None,
             logits_at: jax.Array | None = None, attend_len: int | None = None,
             cache_rows: attention.Rows | None = None, remat: bool = False, head: bool = True,
-            cache_pages: attention.Pages | None = None, token_offsets: jax.Array | None = None):
+            cache_pages: attention.Pages | None = None, token_offsets: jax.Array | None = None,
+            bounded_keys: bool = False):
   """Pure functional forward for use inside ``jax.jit``: ``nnx.merge`` then call."""
   model = nnx.merge(graphdef, params)
   return model(tokens, positions, valid, cache=cache, noiser=noiser, logits_at=logits_at,
                attend_len=attend_len, cache_rows=cache_rows, remat=remat, head=head,
-               cache_pages=cache_pages, token_offsets=token_offsets)
+               cache_pages=cache_pages, token_offsets=token_offsets, bounded_keys=bounded_keys)

@@ -187,7 +187,7 @@ def _step(graphdef, attend_len, params, noiser, cache, tokens, positions, valid,
     pages = attention.Pages(table, *page_layout)
   last_logits, cache = qwen2.forward(graphdef, params, tokens, positions, valid, cache=cache,
                                      noiser=noiser, logits_at=last, attend_len=attend_len,
-                                     cache_rows=cache_rows, cache_pages=pages)
+                                     cache_rows=cache_rows, cache_pages=pages, bounded_keys=True)
   keys = sampling.row_keys(base_key, streams, counters)
   return sampling.sample_with_logprob(last_logits, keys, temperature, top_p), cache
 
@@ -292,9 +292,13 @@ class Engine:
     # Compiled call widths: a step whose longest pending chunk is short (an observation) runs
     # narrow instead of paying for a full prefill chunk on every row.
     self.widths = sorted({1} | {max(prefill_chunk >> k, 1) for k in range(3)})
-    # Attention spans: a step attends to the shortest prefix of the cache rows that holds every
-    # row of the call, so short episodes do not pay for the longest one the cache allows.
-    self.spans = sorted({max(max_len >> k, 1) for k in range(3)})
+    # Attention spans. Blockwise attention reads key blocks up to the call's furthest token only
+    # (a traced trip count, ``bounded_keys``), so one span, the whole row, serves every length.
+    # cuDNN (GPU) is handed the whole span: there a step attends to the shortest of three
+    # prefixes of the cache rows that holds every row of the call, so short episodes do not pay
+    # for the longest one the cache allows.
+    gpu = self.mesh.devices.flat[0].platform in ("gpu", "cuda", "rocm")
+    self.spans = sorted({max(max_len >> k, 1) for k in range(3 if gpu else 1)})
     self.page_size = None if page_size is None else int(page_size)
     if page_size is not None:
       self._check_pages(int(page_size), int(num_pages), data)

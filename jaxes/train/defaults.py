@@ -110,6 +110,9 @@ def base_config() -> config_dict.ConfigDict:
   # Steps a new prefill (prompt or observation) may wait beside decoding rows so that prefills
   # arriving a few steps apart share one engine call (Engine(prefill_hold=); 0: never wait).
   c.rollout.prefill_hold = 8
+  # Decode steps per engine call, run on the device (Engine(decode_steps=)): the host reads the
+  # sampled tokens once per call, and learns of a turn's end up to this many steps late.
+  c.rollout.decode_steps = 8
   c.rollout.temperature = 0.0     # 0 = greedy (as Qiu et al.)
   c.rollout.top_p = 1.0
   # At temperature > 0: antithetic partners sample with the same random stream (common random

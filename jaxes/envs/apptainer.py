@@ -94,9 +94,10 @@ def parse(text: str, path: str) -> Recipe:
       words = shlex.split(found.group(2)) if found and found.group(2) else [""]
     except ValueError as err:
       raise DefinitionError(f"{path} line {first + offset}: {err}") from None
-    if not found or len(words) != 1:
+    # Docker's ENV expands $VAR / ${VAR} as the shell would, but runs no command substitution.
+    if not found or len(words) != 1 or "$(" in found.group(2) or "`" in found.group(2):
       raise DefinitionError(f"{path} line {first + offset}: cannot build %environment line "
-                            f"`{stripped}` (only VAR=value / export VAR=value)")
+                            f"`{stripped}` (only VAR=value / export VAR=value, no command substitution)")
     environment.append((found.group(1), words[0]))
   _, post, shell = sections.get("post", (0, [], "/bin/sh"))
   return Recipe(header["from"], tuple(files), tuple(environment), "\n".join(post), shell)

@@ -131,11 +131,15 @@ def list_run_containers(client, run_label: str) -> list:
 
 @dataclasses.dataclass(frozen=True)
 class ContainerSpec:
-  """What one episode's container is created with: its image and limits."""
+  """What one episode's container is created with: its image, limits, and the names of the
+  image's ENV variables to blank in the container's own environment (a task-built image's ENV
+  is the task's: the agent's commands get it, but docker would also hand it to every root exec,
+  where LD_PRELOAD=/app/lib/x.so or PYTHONPATH=/app would run the agent's files as root)."""
   image: str
   memory_mb: int
   pids: int
   cpus: float
+  blank_env: tuple[str, ...] = ()
   disk_mb: int = Limits().disk_mb   # cap of each of the agent's writable directories
 
 
@@ -255,14 +259,16 @@ class DockerSandbox(Sandbox):
   def _spec_for(self, task: Task) -> ContainerSpec:
     """The task's own image when it has one (built from its recipe), else ours; the task's
     limits where they ask for less than the sandbox's."""
+    blank = tuple(sorted({key for key, _ in task.env} - set(SHELL_ENV))) if task.image else ()
     return ContainerSpec(task.image or self.image, min(self.memory_mb, task.limits.memory_mb),
                          min(self.pids, task.limits.processes), min(self.cpus, task.limits.cpus),
-                         disk_mb=task.limits.disk_mb)
+                         blank, disk_mb=task.limits.disk_mb)
 
   def _create_container(self, spec: ContainerSpec):
     container = self._client.containers.create(
       spec.image, ["sleep", "infinity"], init=True, network_mode="none", user="root",
-      working_dir=SANDBOX_HOME, mem_limit=f"{spec.memory_mb}m",
+      working_dir=SANDBOX_HOME, environment={key: "" for key in spec.blank_env} or None,
+      mem_limit=f"{spec.memory_mb}m",
       memswap_limit=f"{spec.memory_mb}m", pids_limit=spec.pids, nano_cpus=int(spec.cpus * 1e9),
       security_opt=["no-new-privileges"], tmpfs=agent_tmpfs(spec.disk_mb, spec.image == self.image),
       labels={LABEL: "1", RUN_LABEL: self.run_label, OWNER_LABEL: self._owner})
@@ -450,9 +456,11 @@ class DockerHandle(SandboxHandle):
         return
       time.sleep(0.05)
 
-  def _root_script(self, script: str, timeout_s: float, cap_chars: int = 200_000):
+  def _root_script(self, script: str, timeout_s: float, cap_chars: int = 200_000,
+                   environment: dict[str, str] | None = None):
     argv = [TIMEOUT, "-s", "KILL", f"{timeout_s:g}s", BASH, "-c", script]
-    exit_code, output, _, seconds, _ = self._exec(argv, "root", timeout_s, cap_chars)
+    exit_code, output, _, seconds, _ = self._exec(argv, "root", timeout_s, cap_chars,
+                                                  environment)
     return exit_code, output, seconds
 
   def prepare(self) -> None:
@@ -557,7 +565,7 @@ class DockerHandle(SandboxHandle):
     task, timeout_s = self._task, self._task.limits.test_timeout_s
     exit_code, output, _ = self._root_script(
       f"rm -rf {harbor.TESTS_DIR} {harbor.LOGS_DIR} && mkdir -p {harbor.LOGS_DIR} && "
-      f"chown {SANDBOX_UID}:{SANDBOX_UID} {harbor.LOGS_DIR}", 30.0)
+      f"chown {SANDBOX_UID}:{SANDBOX_UID} {harbor.LOGS_DIR}", 30.0, environment=SHELL_ENV)
     if exit_code != 0:
       self._fail(f"task {task.name}: could not prepare the verifier's folders: {output[-500:]}")
     files = [(f"{harbor.TESTS_DIR}/{path}", data) for path, data in task.verifier_files]

@@ -4,8 +4,10 @@ A task folder's ``Dockerfile`` (Harbor: ``environment/Dockerfile``; Endless Term
 Dockerfile ``jaxes.envs.apptainer`` writes from ``container.def``) is built by the docker
 engine with its folder as the context, through the docker SDK. The image is tagged
 ``jaxes-task/<name>:<hash>``, the hash covering every file of the context (paths, bytes, modes),
-so an unchanged folder is never built twice and a changed one always is. Each build's log is
-kept in ``log_dir``; a failing build raises ``TaskImageError`` in one line naming the step.
+so an unchanged folder is never built twice and a changed one always is. A build is tagged
+``<tag>-unchecked`` until the probe below has passed, so the final tag exists only for images
+that passed it. Each build's log is kept in ``log_dir``; a failing build raises
+``TaskImageError`` in one line naming the step.
 
 What the image provides is the task's; the episode protocol, the agent's user (uid 1000,
 ``user``, home /home/user) and the verifier are ours, so a built image must have bash,
@@ -20,6 +22,7 @@ import hashlib
 import io
 import os
 import re
+import shlex
 import tarfile
 import time
 
@@ -31,9 +34,10 @@ DEFAULT_LOG_DIR = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expan
                                "jaxes", "task-images")
 _NEEDS = {"/bin/bash": "bash", "/usr/bin/timeout": "coreutils (timeout)",
           "/usr/bin/setpriv": "util-linux (setpriv)", "/usr/bin/python3": "python3"}
-_PROBE = "; ".join(f"[ -x {path} ] || echo missing: {what}" for path, what in _NEEDS.items()) + (
-  "; [ \"$(id -u user 2>/dev/null)\" = 1000 ] || echo missing: the user 'user' with uid 1000"
-  "; [ -d /home/user ] || echo missing: /home/user")
+_PROBE = "; ".join(f"[ -x {path} ] || echo {shlex.quote('missing: ' + what)}"
+                   for path, what in _NEEDS.items()) + (
+  "; [ \"$(id -u user 2>/dev/null)\" = 1000 ] || echo \"missing: the user 'user' with uid 1000\""
+  "; [ -d /home/user ] || echo 'missing: /home/user'; true")
 
 
 def _errors():
@@ -130,13 +134,14 @@ class TaskImageBuilder:
     os.makedirs(self.log_dir, exist_ok=True)
     log_path = os.path.join(self.log_dir, tag.replace("/", "_").replace(":", "_") + ".log")
     started = time.monotonic()
+    unchecked = f"{tag}-unchecked"
     step, error, lines = None, None, []
     try:
       # The low-level API streams the log as it comes (the high-level build returns it only at
       # the end), so a failure's step is known and the log is kept whatever happens.
       events = self.client.api.build(
         fileobj=io.BytesIO(context.tar()), custom_context=True, dockerfile=context.dockerfile,
-        tag=tag, rm=True, forcerm=True, pull=False, nocache=self.rebuild, decode=True,
+        tag=unchecked, rm=True, forcerm=True, pull=False, nocache=self.rebuild, decode=True,
         network_mode=self.network,
         labels={HASH_LABEL: context.digest()})
       for event in events:
@@ -159,32 +164,39 @@ class TaskImageBuilder:
       where = f" at {step}" if step else ""
       raise TaskImageError(f"task {name}: image build failed{where}: "
                            f"{' '.join(error.split())[:300]} (build log: {log_path})")
-    image = self._cached(tag)
+    image = self._cached(unchecked)
     if image is None:
-      raise TaskImageError(f"task {name}: the build ended without an image {tag} "
+      raise TaskImageError(f"task {name}: the build ended without an image {unchecked} "
                            f"(build log: {log_path})")
-    self._probe(name, tag, log_path)
+    try:
+      self._probe(name, unchecked, log_path)
+      repository, _, version = tag.rpartition(":")
+      image.tag(repository, version)
+    finally:
+      try:
+        self.client.images.remove(unchecked, force=self._cached(tag) is None)
+      except _errors():
+        pass
     return BuiltImage(tag, True, time.monotonic() - started, _workdir(image), _env(image),
                       log_path)
 
   def _probe(self, name: str, tag: str, log_path: str) -> None:
-    """Refuses (and removes) an image our protocol cannot drive, naming what it lacks."""
+    """Refuses an image our protocol cannot drive, naming what it lacks."""
     import docker
     try:
       out = self.client.containers.run(tag, ["/bin/sh", "-c", _PROBE], entrypoint=[],
                                         remove=True, network_mode="none", user="root")
     except docker.errors.ContainerError as err:
-      out = (err.stderr or b"") or str(err).encode()
+      stderr = (err.stderr or b"").decode(errors="replace")
+      raise TaskImageError(f"task {name}: the built image cannot run /bin/sh (exit "
+                           f"{err.exit_status}: {' '.join(stderr.split())[:200]}); jaxes' agent "
+                           f"protocol needs a shell (build log: {log_path})") from err
     except _errors() as err:
       raise TaskImageError(f"task {name}: cannot start the built image {tag}: {err}") from err
     missing = [line[len("missing: "):] for line in out.decode(errors="replace").splitlines()
                if line.startswith("missing: ")]
     if missing:
-      try:
-        self.client.images.remove(tag, force=True)
-      except _errors():
-        pass
-      raise TaskImageError(f"task {name}: image {tag} lacks what jaxes' agent protocol needs: "
+      raise TaskImageError(f"task {name}: its image lacks what jaxes' agent protocol needs: "
                            f"{', '.join(missing)} (build FROM jaxes-sandbox:latest or add them; "
                            f"build log: {log_path})")
 

@@ -1,6 +1,7 @@
 """Stale-result policies: generation/waiting staleness on a hand-made schedule, each policy's
 decisions exactly, the weights the ES step sees, and every policy through the simulator."""
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -133,3 +134,14 @@ def test_every_policy_runs_in_the_simulator_within_the_bound(policy):
 def test_bad_policy_parameters_name_the_key(kw, key):
   with pytest.raises(ValueError, match=rf"ControllerConfig\.{key}="):
     cfg(**kw)
+
+
+def test_simulator_cli_takes_the_policy_and_trainer_time(capsys):
+  from jaxes.controller.simulate import main
+  argv = ["--mode", "async", "--workers", "24", "--population", "8", "--episodes_per_member", "2",
+          "--durations", "pareto:1.5", "--updates", "20", "--no_objective", "--json",
+          "--overage", "pace", "--pace_pool_capacity", "10", "--update_seconds", "120"]
+  assert main(argv) == 0
+  out = json.loads(capsys.readouterr().out)
+  assert out["overage"] == "pace" and out["updates"] == 20 and "mean_waiting_staleness" in out
+  assert main(argv[:-6] + ["--overage", "weight", "--staleness_decay", "0"]) == 2   # one-line error

@@ -23,8 +23,14 @@ def cache_dir(workdir: str, environ=os.environ) -> str:
 
 
 def enable(workdir: str) -> str:
-  """Turns the persistent cache on for this process (unless a directory is configured already) and
-  returns the directory in use. Call before the run's first compile: JAX picks the directory once."""
+  """Turns the persistent cache on for this process (unless a directory is configured already),
+  for every program however quickly it compiles (unless ``JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS``
+  says otherwise), and returns the directory in use. Call before the run's first compile: JAX
+  picks the directory once."""
+  # JAX leaves out programs compiled in under a second; a run's start-up is dozens of them (the
+  # demo's steps each compile in about that), and a rerun should compile none.
+  if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   configured = jax.config.jax_compilation_cache_dir
   if configured:
     return configured

@@ -131,6 +131,9 @@ def base_config() -> config_dict.ConfigDict:
   c.train.keep_checkpoints = 3
   c.train.eval_every = 10        # 0 = only before and after
   c.train.progress_bar = True
+  # Threads compiling every engine program before the first episode (into the compilation cache,
+  # jaxes.train.precompile); 0 = each program compiles when first called.
+  c.train.compile_jobs = 4
   c.train.plot = True
   c.train.report = True          # report.html (jaxes.train.report) at every evaluation and at the end
   c.train.transcripts_per_update = 4   # training episodes kept with their transcripts (episodes.jsonl)

@@ -48,7 +48,15 @@ dense compacted one as ``paged_vs_dense_step_time``).
 
 ``--quick`` is a smoke run, not for recorded numbers: a 0.5M-parameter model, prompts of 16
 tokens, turns of 6, observations of 8, 6 + 24 steps and 6 observation cycles (the full run: 48,
-12, 40, 30 + 60 and 20), still 32 slots and every mode and key. Nearly all of its time is
+12, 40, 10 + 40 and 20), still 32 slots and every mode and key. Engines decode up to
+``--decode_steps`` (8) tokens per row per step on the device (``Engine(decode_steps=)``), so a
+decode workload's rows hold ``prompt + steps x 8`` tokens by the end (below ``--max_len``).
+
+``engine_vs_plain_decode`` and the two keys of the device loop compare, per engine step, K
+decode tokens per row: ``host_syncs_per_token`` (the engine's host reads per decoded token of a
+row; target <= 0.125) and ``host_overhead_vs_device_loop`` (engine decode tokens/s over a jitted
+``lax.fori_loop`` of the same K plain decode steps on the same rows: the share of time the
+engine's host work leaves to the device; target >= 0.9). Nearly all of its time is
 compilation, so it keeps every KV length in the shortest attention span and every prefill in
 one chunk width, and the plain forward's noiser is the engine's compiled program (loaded, not
 compiled again). Measured on the 2-core CPU VM beside another agent's test run (2026-12-02):
@@ -95,9 +103,10 @@ def _engine(args, cfg, graphdef, make_noiser, params_by_version, *, compact, ver
   of the update 0 -> 1)`` for the merged mode; ``paged``: a paged KV cache (the paged mode)."""
   B = args.slots
   engine = Engine(graphdef, cfg, num_slots=B, max_len=args.max_len, prefill_chunk=args.chunk,
-                  max_new_tokens=args.turn if observations else args.max_len // 2, stop_ids=[],
+                  max_new_tokens=args.turn if observations else args.max_len - args.prompt - 1,
+                  stop_ids=[],
                   im_end_id=IM_END, make_noiser=make_noiser, compact=compact,
-                  version_steps=None if steps is None else steps[0],
+                  version_steps=None if steps is None else steps[0], decode_steps=args.decode_steps,
                   **(dict(page_size=args.page_size, num_pages=args.num_pages) if paged else {}))
   if steps is not None:
     assert engine.add_step(1, *steps[1])
@@ -182,6 +191,30 @@ def _plain_step(graphdef, attend_len, params, noiser, cache, tokens, positions, 
   return next_tokens[:, None], positions[:, -1:] + 1, counters + 1, logprobs, cache
 
 
+def _one_plain_step(graphdef, attend_len, params, noiser, cache, state, valid, key, streams,
+                    temperature, top_p):
+  """``_plain_step`` over ``state = (tokens, positions, counters)``: returns (state, cache)."""
+  tokens, positions, counters = state
+  tokens, positions, counters, _, cache = _plain_step(
+      graphdef, attend_len, params, noiser, cache, tokens, positions, valid, key, streams,
+      counters, temperature, top_p)
+  return (tokens, positions, counters), cache
+
+
+def _plain_loop(graphdef, attend_len, steps, params, noiser, cache, state, valid, key, streams,
+                temperature, top_p):
+  """``steps`` plain decode steps in one ``lax.fori_loop``, the device-only reference: returns
+  (state, cache, the sampled tokens [n, steps])."""
+  def body(i, carry):
+    state, cache, sampled = carry
+    state, cache = _one_plain_step(graphdef, attend_len, params, noiser, cache, state, valid, key,
+                                   streams, temperature, top_p)
+    return state, cache, sampled.at[:, i].set(state[0][:, 0])
+
+  return jax.lax.fori_loop(0, steps, body,
+                           (state, cache, jnp.zeros((state[0].shape[0], steps), jnp.int32)))
+
+
 class _PlainDecode:
   """The engine's live rows (started, not stepped yet) decoded by a plain jitted batched forward
   (``_plain_step``): the same prompts, members (the same low-rank noiser: ``all_members``, built
@@ -208,39 +241,58 @@ class _PlainDecode:
     self.positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (n, width))
     self.decoding = jnp.ones((n, 1), bool)
     self.length, self.shapes, self.sampled = 0, set(), []
-    self.fn = jax.jit(functools.partial(_plain_step, graphdef), static_argnums=0,
-                      donate_argnames=("cache",))
+    self.fn = jax.jit(functools.partial(_one_plain_step, graphdef), static_argnums=0,
+                      donate_argnums=(3,))
+    self.loop = jax.jit(functools.partial(_plain_loop, graphdef), static_argnums=(0, 1),
+                        donate_argnums=(4,))
 
-  def step(self) -> bool:
-    """One step (the prompt's prefill first, then a token per row), waited for. True when it
-    compiled."""
+  def step(self, tokens: int = 1, loop: bool = False) -> bool:
+    """The prompt's prefill (one token sampled), or ``tokens`` decode steps: dispatched one by
+    one (``loop`` False), or as one jitted ``lax.fori_loop`` of them (the device loop: no host
+    work between steps); waited for. True when it compiled."""
     width = self.tokens.shape[1]
-    span = next((a for a in self.spans if a >= self.length + width), self.spans[-1])
+    if width > 1:
+      tokens = 1
+    span = next((a for a in self.spans if a >= self.length + width + tokens - 1), self.spans[-1])
     valid = self.decoding if width == 1 else jnp.ones(self.tokens.shape, bool)
     streams, counters, temperature, top_p = self.sampling
-    self.tokens, self.positions, counters, logprobs, self.cache = self.fn(
-        span, self.params, self.noiser, self.cache, self.tokens, self.positions, valid, self.key,
-        streams, counters, temperature, top_p)
-    jax.block_until_ready((self.tokens, logprobs))
-    self.sampled.append(self.tokens)
+    state = (self.tokens, self.positions, counters)
+    if loop and width == 1:
+      state, self.cache, sampled = self.loop(span, tokens, self.params, self.noiser, self.cache,
+                                             state, valid, self.key, streams, temperature, top_p)
+    else:
+      sampled = []
+      for _ in range(tokens):
+        state, self.cache = self.fn(span, self.params, self.noiser, self.cache, state, valid,
+                                    self.key, streams, temperature, top_p)
+        sampled.append(state[0])
+      sampled = jnp.concatenate(sampled, axis=1)
+    self.tokens, self.positions, counters = state
+    jax.block_until_ready(sampled)
+    self.sampled.append(sampled)
     self.sampling = (streams, counters, temperature, top_p)
-    self.length += width
-    fresh = (width, span) not in self.shapes
-    self.shapes.add((width, span))
+    self.length += width + tokens - 1
+    fresh = (width, span, tokens, loop) not in self.shapes
+    self.shapes.add((width, span, tokens, loop))
     return fresh
 
 
 def engine_vs_plain(args, cfg, graphdef, make_noiser, params):
-  """Decode tokens/s of the engine (compacting) over the plain forward of the same live rows
-  (all B slots, and a quarter of them with the rest free), all four stepping alternately from
-  the prefill of the same prompts on (so every step of a pair is at the same KV lengths), each
-  step timed alone; steps that compiled left out, medians."""
-  B, pairs, all_members = args.slots, {}, None
+  """Decode tokens/s of the engine (compacting; ``--decode_steps`` K tokens per row per step)
+  over the plain forward of the same live rows (all B slots, and a quarter of them with the rest
+  free) — dispatched step by step ("plain") and as one jitted ``lax.fori_loop`` of K steps
+  ("device_loop": the host does nothing between steps, so engine / device loop is the host's
+  share) — all stepping alternately from the prefill of the same prompts on (so every step of a
+  group is at the same KV lengths), each step timed alone; steps that compiled left out, medians.
+  Also the engine's host syncs (device reads) per decoded token of a row."""
+  B, K, groups, all_members = args.slots, args.decode_steps, {}, None
+  # Engine steps: the prefill, one warm decode step, then as many as the turn budget allows.
+  timed = max(3, min(args.steps, (args.max_len // 2 - args.prompt) // K - 2))
   for working in (B, B // 4):
     # im_end_id out of the vocabulary: no turn ends while timing, every live row decodes.
     engine = Engine(graphdef, cfg, num_slots=B, max_len=args.max_len, prefill_chunk=args.chunk,
                     max_new_tokens=args.max_len // 2, stop_ids=[], im_end_id=cfg.vocab_size,
-                    make_noiser=make_noiser)
+                    make_noiser=make_noiser, decode_steps=K)
     rng = np.random.default_rng(0)
     for i in range(0, B, B // working):
       engine.start(i, list(rng.integers(4, cfg.vocab_size, size=args.prompt)), version=0,
@@ -252,35 +304,45 @@ def engine_vs_plain(args, cfg, graphdef, make_noiser, params):
                              out_shardings=engine.noiser_shardings)
       slots = np.arange(B, dtype=np.int32)
       all_members = build_noiser(params, np.zeros(B, np.int32), slots, slots)
-    pairs[working] = (engine, _PlainDecode(engine, graphdef, cfg, all_members, params,
-                                           args.max_len))
-  times = {(w, side): [] for w in pairs for side in ("engine", "plain")}
-  for n in range(args.warm + args.steps):
-    for w, (engine, plain) in pairs.items():
-      compiled = engine.compilations()
+    groups[working] = (engine, *(_PlainDecode(engine, graphdef, cfg, all_members, params,
+                                              args.max_len) for _ in range(2)))
+  sides = ("engine", "plain", "device_loop")
+  times = {(w, side): [] for w in groups for side in sides}
+  syncs = {w: [0, 0] for w in groups}   # timed engine steps' host syncs, tokens of a row
+  for n in range(2 + timed):
+    for w, (engine, plain, loop) in groups.items():
+      compiled, before = engine.compilations(), dict(vars(engine.stats))
       t = time.perf_counter()
       engine.step({0: params})
       dt = time.perf_counter() - t
-      if n >= args.warm and engine.compilations() == compiled:
+      if n >= 2 and engine.compilations() == compiled:
         times[w, "engine"].append(dt)
-      t = time.perf_counter()
-      fresh = plain.step()
-      dt = time.perf_counter() - t
-      if n >= args.warm and not fresh:
-        times[w, "plain"].append(dt)
+        syncs[w][0] += engine.stats.host_syncs - before["host_syncs"]
+        syncs[w][1] += (engine.stats.tokens_decoded - before["tokens_decoded"]) / w
+      for side, ref in (("plain", plain), ("device_loop", loop)):
+        t = time.perf_counter()
+        fresh = ref.step(K, loop=side == "device_loop")
+        dt = time.perf_counter() - t
+        if n >= 2 and not fresh:
+          times[w, side].append(dt)
   out = {}
-  for w, (engine, plain) in pairs.items():
-    e, p = (float(np.median(times[w, side])) for side in ("engine", "plain"))
+  for w, (engine, plain, loop) in groups.items():
+    e, p, d = (float(np.median(times[w, side])) for side in sides)
     live = [s for s in engine.slots if s.state != FREE]
-    ours = np.concatenate([np.asarray(t) for t in plain.sampled], axis=1)
-    assert all(s.state == FREE or (s.state == DECODE and len(s.generated) == args.warm + args.steps)
+    assert all(s.state == FREE or (s.state == DECODE and len(s.generated) == 1 + K * (1 + timed))
                for s in engine.slots)   # every live row decoded at every step: no turn ended
+    got = np.array([s.generated for s in live])
     out["all_rows" if w == args.slots else "quarter_rows"] = {
-        "rows": w, "engine_step_ms": 1e3 * e, "plain_step_ms": 1e3 * p,
-        "engine_tokens_per_s": w / e, "plain_tokens_per_s": w / p, "engine_vs_plain": p / e,
-        "timed_steps": [len(times[w, side]) for side in ("engine", "plain")],
-        # the two decode the same tokens (a float difference may flip a sampled one)
-        "same_tokens": float(np.mean(ours == np.array([s.generated for s in live])))}
+        "rows": w, "tokens_per_row_per_step": K, "engine_step_ms": 1e3 * e,
+        "plain_step_ms": 1e3 * p, "device_loop_step_ms": 1e3 * d,
+        "engine_tokens_per_s": w * K / e, "plain_tokens_per_s": w * K / p,
+        "device_loop_tokens_per_s": w * K / d, "engine_vs_plain": p / e,
+        "engine_vs_device_loop": d / e,
+        "host_syncs_per_token": syncs[w][0] / syncs[w][1],
+        "timed_steps": [len(times[w, side]) for side in sides],
+        # each reference decodes the engine's tokens (a float difference may flip a sampled one)
+        "same_tokens": [float(np.mean(np.concatenate([np.asarray(t) for t in ref.sampled], axis=1)
+                                      == got)) for ref in (plain, loop)]}
   return out
 
 
@@ -339,8 +401,8 @@ def main():
   ap.add_argument("--prompt", type=int, default=None, help="prompt tokens (48; --quick: 16)")
   ap.add_argument("--obs", type=int, default=None, help="observation tokens (40; --quick: 8)")
   ap.add_argument("--turn", type=int, default=None, help="tokens per turn (12; --quick: 6)")
-  ap.add_argument("--warm", type=int, default=None, help="untimed steps (30; --quick: 6)")
-  ap.add_argument("--steps", type=int, default=None, help="timed steps (60; --quick: 24)")
+  ap.add_argument("--warm", type=int, default=None, help="untimed steps (10; --quick: 6)")
+  ap.add_argument("--steps", type=int, default=None, help="timed steps (40; --quick: 24)")
   ap.add_argument("--obs_cycles", type=int, default=None,
                   help="timed observation prefills per engine (observation_prefill_vs_full_step; "
                        "20; --quick: 6)")
@@ -348,6 +410,8 @@ def main():
                   help="the paged mode's page size (0: no paged mode)")
   ap.add_argument("--num_pages", type=int, default=0,
                   help="the paged mode's pages (0: half the dense cache's slots x max_len)")
+  ap.add_argument("--decode_steps", type=int, default=8,
+                  help="the engines' decode steps per width-1 call (Engine(decode_steps=))")
   ap.add_argument("--noiser", choices=("lowrank", "none"), default="lowrank",
                   help="every slot its own low-rank ES member, or plain inference")
   args = ap.parse_args()
@@ -356,10 +420,14 @@ def main():
   # every KV length in the shortest span and every prefill in one chunk width: one span and
   # two widths per step function instead of up to three of each.
   defaults = (dict(prompt=16, obs=8, turn=6, warm=6, steps=24, obs_cycles=6) if args.quick else
-              dict(prompt=48, obs=40, turn=12, warm=30, steps=60, obs_cycles=20))
+              dict(prompt=48, obs=40, turn=12, warm=10, steps=40, obs_cycles=20))
   for name, value in defaults.items():
     if getattr(args, name) is None:
       setattr(args, name, value)
+  # The decode workloads' rows decode up to decode_steps tokens per step and must not end.
+  if args.prompt + (args.warm + args.steps) * args.decode_steps >= args.max_len:
+    ap.error(f"--prompt + (--warm + --steps) x --decode_steps = {args.prompt} + "
+             f"{args.warm + args.steps} x {args.decode_steps} must be below --max_len={args.max_len}")
   if args.page_size and not args.num_pages:
     args.num_pages = args.slots * args.max_len // args.page_size // 2
   # Every engine jits its own functions, and the modes share many programs: a compilation cache
@@ -403,7 +471,10 @@ def main():
             f"(timed {r['timed_steps']}, compiled in {r['steps_that_compiled']})", flush=True)
   for name, r in plain.items():
     print(f"decode {name:14s} engine {r['engine_step_ms']:8.2f} ms  plain forward "
-          f"{r['plain_step_ms']:8.2f} ms  engine/plain tok/s {r['engine_vs_plain']:.3f}", flush=True)
+          f"{r['plain_step_ms']:8.2f} ms  device loop {r['device_loop_step_ms']:8.2f} ms  "
+          f"engine/plain tok/s {r['engine_vs_plain']:.3f}  engine/device loop "
+          f"{r['engine_vs_device_loop']:.3f}  host syncs/token {r['host_syncs_per_token']:.3f}",
+          flush=True)
   print(f"observation of {args.obs} tokens into 1 of {args.slots} rows {obs['one_row_ms']:.2f} ms, "
         f"into all rows {obs['all_rows_ms']:.2f} ms: {obs['ratio']:.3f}  {obs['calls']}", flush=True)
   for name, by in results.items():
@@ -427,6 +498,10 @@ def main():
     "two_versions_vs_one": {
         **{m: ratio("mix_async1", "mix_sync", m) for m in ("full", "compact")},
         **({"merged": results["mix_async1"]["merged"]["step_ms"] / mix["step_ms"]} if steps else {})},
+    "decode_steps": args.decode_steps,
+    "host_syncs_per_token": plain["all_rows"]["host_syncs_per_token"],
+    "host_overhead_vs_device_loop": plain["all_rows"]["engine_vs_device_loop"],
+    "host_overhead_vs_device_loop_quarter_rows": plain["quarter_rows"]["engine_vs_device_loop"],
     "engine_vs_plain_decode": plain["all_rows"]["engine_vs_plain"],
     "engine_vs_plain_decode_quarter_rows": plain["quarter_rows"]["engine_vs_plain"],
     "observation_prefill_vs_full_step": obs["ratio"],

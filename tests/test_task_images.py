@@ -220,3 +220,33 @@ def test_reward_hacking_replays_pass_nothing_on_a_task_built_image(built, sandbo
   replay.write_text(json.dumps(replay_writing(ATTACKS[attack][0], tasks)))
   results, leaked = check.run_checks(sandbox, tasks, f"replay:{replay}", progress=False)
   assert check.summarize(results, leaked)["failures"] == {"FAILED_TESTS": 1} and leaked == 0
+
+
+def test_the_trainers_task_folders_kind_needs_docker_for_task_built_images():
+  from jaxes.train import defaults, environments
+  from jaxes.train.errors import ConfigError
+  config = defaults.base_config()
+  config.env.kind, config.env.task_dir, config.env.task_build = "task_folders", SUITE, "docker"
+  with pytest.raises(ConfigError, match="env.task_build = 'docker' runs task-built images on the "
+                     "docker sandbox only"):
+    environments.environment(config).make_tasks(config, "train", 1, 0)
+
+
+@pytest.mark.docker
+def test_the_trainers_task_folders_kind_plays_task_built_images(built, sandbox):
+  from jaxes.train import defaults, environments
+  config = defaults.base_config()
+  config.env.kind, config.env.task_dir, config.env.sandbox = "task_folders", SUITE, "docker"
+  config.env.max_turns = 4
+  env = environments.environment(config)
+  tasks = env.make_tasks(config, "train", 3, 1)    # name order from 1, cycling
+  assert [t.name for t in tasks] == [HARBOR, ENDLESS, HARBOR]
+  assert tasks[0].image == built[0][HARBOR].image and tasks[0].limits.max_turns == 4
+  make_episode = env.make_episode(config, env.default_system_prompt(config))
+  task = tasks[1]
+  with sandbox.start(task) as handle:   # the trainer's episode of the protocol, the oracle's turns
+    episode = make_episode(task, handle)
+    agent = check.make_agent("oracle")(task)
+    while not episode.step(agent(episode.messages)):
+      pass
+    assert episode.finish().passed

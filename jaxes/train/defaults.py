@@ -66,6 +66,11 @@ def base_config() -> config_dict.ConfigDict:
 
   c.env = config_dict.ConfigDict()
   c.env.kind = "terminal"        # "terminal" (shell tasks in sandboxes) or "webshop" (in-process)
+  # env.kind = "task_folders" (jaxes.train.task_folders): a downloaded suite's folders, built
+  # into their own images ("docker") or translated into the shared one; "auto": docker on docker.
+  c.env.task_dir = ""
+  c.env.heldout_task_dir = ""    # empty: the task_dir folders
+  c.env.task_build = "auto"      # "auto" | "docker" | "translate"
   c.env.sandbox = "local"
   c.env.families = ""            # comma-separated subset of generator.FAMILIES; empty = all
   c.env.difficulty = 0            # 1..3; 0 cycles through 1, 2, 3 (as generator.split)

@@ -16,6 +16,7 @@ from jaxes.envs import check as terminal_check
 from jaxes.envs import generator, make_sandbox, protocol, webshop
 from jaxes.envs.webshop import check as webshop_check
 from jaxes.train import warmstart
+from jaxes.train.task_folders import TaskFolders
 from jaxes.train.errors import ConfigError
 
 MakeEpisode = Callable[[Any, Any], Any]   # (task, backend handle) -> an episode of the protocol
@@ -142,6 +143,7 @@ def register(environment: Environment) -> Environment:
 
 register(TerminalTasks())
 register(WebShop())
+register(TaskFolders())
 
 
 def environment(config) -> Environment:

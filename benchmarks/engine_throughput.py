@@ -388,6 +388,22 @@ def observation_prefill(args, cfg, graphdef, make_noiser, params):
           "calls": {"one_row": sorted(calls[1]), "all_rows": sorted(calls[B])}}
 
 
+def programs_paper_config() -> int:
+  """The programs ``python -m jaxes.preflight --config=configs/paper.py:async1,v5p-64`` lowers
+  (abstract, nothing compiled): it names them all when ``--only`` selects none."""
+  from jaxes import preflight
+  from jaxes.train.config import load_config_file
+  config = load_config_file("configs/paper.py", "async1,v5p-64")
+  with tempfile.TemporaryDirectory() as stand_in:
+    config = preflight.with_stand_in_checkpoint(config, stand_in)
+    try:
+      preflight.plan(config, preflight.resolve_topology("v5p-64"), log=lambda *_: None,
+                     only="^$")
+    except preflight.NoProgramMatches as e:
+      return len(str(e).split(": ", 1)[1].split(", "))
+  raise RuntimeError("a program named '' matched")
+
+
 def main():
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--quick", action="store_true",
@@ -498,7 +514,7 @@ def main():
     "two_versions_vs_one": {
         **{m: ratio("mix_async1", "mix_sync", m) for m in ("full", "compact")},
         **({"merged": results["mix_async1"]["merged"]["step_ms"] / mix["step_ms"]} if steps else {})},
-    "decode_steps": args.decode_steps,
+    "decode_steps": args.decode_steps, "programs_paper_config": programs_paper_config(),
     "host_syncs_per_token": plain["all_rows"]["host_syncs_per_token"],
     "host_overhead_vs_device_loop": plain["all_rows"]["engine_vs_device_loop"],
     "host_overhead_vs_device_loop_quarter_rows": plain["quarter_rows"]["engine_vs_device_loop"],

@@ -16,6 +16,7 @@ from jaxes.experiments import rundirs
 from jaxes.train import compare, config_history, export, metrics
 from jaxes.train.errors import RunStateError
 from jaxes.train.metrics import ProgressBar
+from jaxes.train.policy import load_policy
 from jaxes.train.trainer import Trainer
 
 QUIET = dict(log=lambda s: None)
@@ -43,34 +44,74 @@ def _copy(src, dst):
   return dst
 
 
-def test_refused_change_writes_nothing_and_allowed_one_is_recorded(finished, tmp_path):
-  src, config = finished
-  workdir = _copy(src, tmp_path / "run")
-  before = _digest(workdir)
-  changed = tiny_config(config.tokenizer.path, **{**BASE, "es.sigma": 0.05, "train.num_updates": 3})
-  with pytest.raises(RunStateError, match=r"config.es.sigma was 0.005 there, is 0.05 here"
-                                          r".*--allow_config_change"):
-    Trainer(changed, str(workdir), **QUIET).run()
-  assert _digest(workdir) == before   # every file byte-identical, config.json included
+def _changed_config(config, **more):
+  return tiny_config(config.tokenizer.path, **{**BASE, "es.sigma": 0.05, "es.learning_rate": 0.03,
+                                                  "train.num_updates": 3, **more})
 
-  Trainer(changed, str(workdir), allow_config_change=True, **QUIET).run()
+
+@pytest.fixture(scope="module")
+def changed(finished, tmp_path_factory):
+  """The finished run, refused a change of sigma and learning rate, then extended by one update
+  under it with --allow_config_change: (workdir, the files' digests before and after the refused
+  rerun, the config). (A constant sigma does not enter the update, the learning rate does.)"""
+  src, config = finished
+  workdir = _copy(src, tmp_path_factory.mktemp("runs") / "changed")
+  before = _digest(workdir)
+  with pytest.raises(RunStateError, match=r"config.es.learning_rate was 0.01 there, is 0.03 here; "
+                                          r"config.es.sigma was 0.005 there, is 0.05 here"
+                                          r".*--allow_config_change"):
+    Trainer(_changed_config(config), str(workdir), **QUIET).run()
+  after_refusal = _digest(workdir)
+  Trainer(_changed_config(config), str(workdir), allow_config_change=True, **QUIET).run()
+  return workdir, before, after_refusal, config
+
+
+def test_refused_change_writes_nothing_and_allowed_one_is_recorded(changed, tmp_path):
+  src, before, after_refusal, config = changed
+  assert after_refusal == before   # every file byte-identical, config.json included
+  workdir = _copy(src, tmp_path / "run")
   assert json.loads((workdir / "config.json").read_text())["es"]["sigma"] == 0.005   # the original
   assert config_history.history(str(workdir)) == [{"since_version": 2, "changes": [
+      {"key": "config.es.learning_rate", "old": 0.01, "new": 0.03},
       {"key": "config.es.sigma", "old": 0.005, "new": 0.05},
       {"key": "config.train.num_updates", "old": 2, "new": 3}]}]
   lines = [r for r in metrics.read_metrics(str(workdir / "metrics.jsonl")) if "train" in r]
-  assert [r.get("config_in_force") for r in lines] == [None, None, {"es.sigma": 0.05}]
+  assert [r.get("config_in_force") for r in lines] == [None, None, {"es.learning_rate": 0.03, "es.sigma": 0.05}]
   assert lines[-1]["sigma"] == pytest.approx(0.05)
   # The same changed config again: in force already, so nothing to refuse or record.
-  Trainer(changed, str(workdir), **QUIET).run()
+  Trainer(_changed_config(config), str(workdir), **QUIET).run()
   assert len(config_history.history(str(workdir))) == 1
   # Extending the run is free (no flag), and recorded.
-  longer = tiny_config(config.tokenizer.path, **{**BASE, "es.sigma": 0.05, "train.num_updates": 4})
-  Trainer(longer, str(workdir), **QUIET).run()
+  Trainer(_changed_config(config, **{"train.num_updates": 4}), str(workdir), **QUIET).run()
   assert config_history.history(str(workdir))[-1] == {"since_version": 3, "changes": [
       {"key": "config.train.num_updates", "old": 3, "new": 4}]}
   # The grid's view follows the history: finished at 4, though config.json still asks for 2.
   assert rundirs.final_version(str(workdir)) == 4 and rundirs.is_finished(str(workdir))
+
+
+def _truncate_largest_chunk(step_dir):
+  chunks = [f for f in step_dir.rglob("*") if f.is_file() and f.parent.name == "d"]
+  max(chunks, key=lambda f: f.stat().st_size).write_bytes(b"")
+
+
+def test_a_run_changed_mid_way_falls_back_across_the_change_and_replays_to_its_version(changed, tmp_path):
+  """With steps 2 and 3 corrupt, a rerun restores step 1 and replays the logged updates 2 and 3
+  (3 made after the allowed change) to version 3's parameters; each skipped step is one warning
+  that names tensorstore's read error. (This tiny run's updates are zero steps, so it does not
+  show that update 2 is replayed at the learning rate it was made with.)"""
+  src, _, _, config = changed
+  workdir = _copy(src, tmp_path / "run")
+  steps = workdir / "checkpoints"
+  assert sorted(int(p.name) for p in steps.iterdir() if p.name.isdigit()) == [0, 1, 2, 3]
+  for step in (2, 3):
+    _truncate_largest_chunk(steps / str(step))
+  trainer = Trainer(_changed_config(config), str(workdir), **QUIET)
+  with pytest.warns(RuntimeWarning, match="step 3 .* corrupt") as said:
+    trainer.run()
+  assert trainer.state.restored_from == 1 and trainer.state.version == 3
+  assert not [str(w.message) for w in said if "<bound method" in str(w.message)]
+  diffs = compare.param_differences(trainer.state.params_by_version[3], load_policy(str(src), 3).params)
+  assert diffs == {}, diffs
 
 
 def test_rerun_of_a_finished_run_keeps_the_totals(finished, tmp_path):
@@ -143,3 +184,16 @@ def test_progress_bar_says_compiling_until_the_first_update_then_times_from_ther
   # No rate yet: the first update (its compiles) is not part of the estimate.
   assert "1/3 [00:00<?, ?upd/s" in out.getvalue().split("\r")[-1]
   bar.close()
+
+
+@pytest.mark.parametrize("schedule", ["constant", "cosine"])
+def test_extending_a_run_is_free_only_while_sigma_is_constant(tmp_path, schedule):
+  config = tiny_config("tok", **{"es.sigma_schedule": schedule, "es.sigma_final": 0.001})
+  config_history.write_original(str(tmp_path), config)
+  longer = tiny_config("tok", **{"es.sigma_schedule": schedule, "es.sigma_final": 0.001,
+                                 "train.num_updates": 5})
+  if schedule == "constant":
+    assert [c.key for c in config_history.check_rerun(str(tmp_path), longer, False)] == ["config.train.num_updates"]
+  else:   # the schedule's length is the run's: every later sigma would change
+    with pytest.raises(RunStateError, match="config.train.num_updates was 2 there, is 5 here"):
+      config_history.check_rerun(str(tmp_path), longer, False)

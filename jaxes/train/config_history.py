@@ -2,7 +2,8 @@
 fresh start) and ``config_history.json`` (every change a rerun made, from which version on).
 
 A rerun compares its config with the one in force (the original plus the history) before it
-writes anything. Keys in ``FREE_KEYS`` change nothing that is computed and may differ freely;
+writes anything. Keys in ``FREE_KEYS`` change nothing that is computed and may differ freely
+(``train.num_updates`` only where sigma is constant: ``free_keys``);
 any other difference is refused (one line listing each) unless the rerun allows it
 (``--allow_config_change``), in which case it is appended to the history. Every difference,
 free ones included, is recorded, so the config in force is always the original plus the history.
@@ -21,6 +22,15 @@ HISTORY = "config_history.json"
 # Presentation, retention and run length: a rerun may change them without a flag.
 FREE_KEYS = frozenset({"config.train.num_updates", "config.train.progress_bar", "config.train.plot",
                        "config.train.keep_checkpoints", "config.train.checkpoint_every"})
+
+
+def free_keys(recorded: dict) -> frozenset:
+  """``FREE_KEYS`` of a run whose flat config in force is ``recorded``: under a sigma schedule the
+  run's length is the schedule's length (``es.Strategy.schedule_steps``), so extending it changes
+  every later sigma and is a change like any other."""
+  if recorded.get("config.es.sigma_schedule", "constant") != "constant":
+    return FREE_KEYS - {"config.train.num_updates"}
+  return FREE_KEYS
 
 
 def flat(d: dict, prefix: str = "config") -> dict:
@@ -82,7 +92,8 @@ def segments(workdir: str) -> list[tuple[int, dict]] | None:
   base = original(workdir)
   if base is None:
     return None
-  computed = lambda config: {k: v for k, v in config.items() if k not in FREE_KEYS}
+  free = free_keys(flat(base))
+  computed = lambda config: {k: v for k, v in config.items() if k not in free}
   out = [(0, computed(flat(base)))]
   for entry in history(workdir):
     out.append((entry["since_version"], computed(in_force(workdir, entry["since_version"] + 1))))
@@ -115,7 +126,8 @@ def check_rerun(workdir: str, config, allow_change: bool) -> list[Change]:
   if recorded is None:
     return []
   changes = differences(recorded, config)
-  refused = [c for c in changes if c.key not in FREE_KEYS]
+  free = free_keys(recorded)
+  refused = [c for c in changes if c.key not in free]
   if refused and not allow_change:
     raise RunStateError(f"{workdir} was trained with another config: {'; '.join(map(str, refused))}. "
                         f"Revert it, rerun with --allow_config_change to continue with it (recorded "
@@ -148,5 +160,6 @@ def changed_in_force(workdir: str, config) -> dict:
   base = original(workdir)
   if base is None:
     return {}
+  free = free_keys(flat(base))
   return {c.key.removeprefix("config."): c.new for c in differences(flat(base), config)
-          if c.key not in FREE_KEYS}
+          if c.key not in free}

@@ -189,7 +189,7 @@ def test_a_failing_build_is_one_line_naming_the_step_and_keeps_its_log(built, tm
   with pytest.raises(loaders.TaskLoadError) as err:
     loaders.load_task(str(folder), builder=builder)
   message = str(err.value)
-  assert "\n" not in message and "task broken: image build failed at step 2/3 `RUN echo" in message
+  assert "\n" not in message and "task broken: image build failed at step 2/2 `RUN echo" in message
   assert "returned a non-zero code: 3" in message
   log_path = message.rsplit("build log: ", 1)[1].rstrip(")")
   with open(log_path) as f:
@@ -197,16 +197,23 @@ def test_a_failing_build_is_one_line_naming_the_step_and_keeps_its_log(built, tm
 
 
 @pytest.mark.docker
-def test_an_image_without_the_agents_user_is_refused(built, engine, tmp_path):
-  folder = tmp_path / "no-user"
-  shutil.copytree(os.path.join(SUITE, HARBOR), folder)
-  (folder / "environment" / "Dockerfile").write_text(
-    "FROM jaxes-sandbox:latest\nRUN userdel -r user\n")
+def test_an_image_without_the_agents_user_gets_it_and_one_without_the_tools_is_refused(
+    built, sandbox, engine, tmp_path):
   builder = TaskImageBuilder(log_dir=str(tmp_path / "logs"), network="none")
-  with pytest.raises(loaders.TaskLoadError, match="task no-user: its image lacks what jaxes' "
-                     "agent protocol needs: the user 'user' with uid 1000"):
-    loaders.load_task(str(folder), builder=builder)
-  assert engine.images.list(name="jaxes-task/no-user") == []   # removed, so never "cached"
+  for name, recipe in (("no-user", "RUN userdel -r user\n"),
+                       ("no-setpriv", "RUN rm /usr/bin/setpriv\n")):
+    folder = tmp_path / name
+    shutil.copytree(os.path.join(SUITE, HARBOR), folder)
+    dockerfile = (folder / "environment" / "Dockerfile")
+    dockerfile.write_text(dockerfile.read_text() + recipe)
+  task = loaders.load_task(str(tmp_path / "no-user"), builder=builder)   # a root-only image
+  results, leaked = check.run_checks(sandbox, [task], "oracle", progress=False)
+  assert results[0][1].passed and leaked == 0
+  with pytest.raises(loaders.TaskLoadError, match="task no-setpriv: its image lacks what jaxes' "
+                     r"agent protocol needs: util-linux \(setpriv\)"):
+    loaders.load_task(str(tmp_path / "no-setpriv"), builder=builder)
+  assert engine.images.list(name="jaxes-task/no-setpriv") == []   # never "cached"
+  engine.images.remove(task.image)
 
 
 @pytest.mark.docker

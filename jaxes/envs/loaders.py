@@ -399,9 +399,11 @@ def _mode(data: bytes) -> int:
   return 0o755 if data.startswith(b"#!") else 0o644
 
 
-def _ensure_image(builder, name: str, context) -> task_images.BuiltImage:
+def _ensure_image(builder, name: str, context,
+                  needs: tuple[str, ...] = task_images.SHELL_TOOLS + (task_images.PYTHON,)
+                  ) -> task_images.BuiltImage:
   try:
-    return builder.ensure(name, context)
+    return builder.ensure(name, context, needs)
   except task_images.TaskImageError as err:
     raise TaskLoadError(str(err)) from err
 
@@ -597,13 +599,14 @@ def _verifier_files(reader: _Folder, tests_dir: str) -> tuple[tuple[str, bytes],
 
 
 def _build_dockerfile(dockerfile: str, reader: _Folder, name: str,
-                      builder: task_images.TaskImageBuilder) -> task_images.BuiltImage:
+                      builder: task_images.TaskImageBuilder, needs: tuple[str, ...]
+                      ) -> task_images.BuiltImage:
   """Builds the task's Dockerfile with its folder as the context."""
   context_dir = os.path.dirname(dockerfile)
   files = tuple((path, data, 0o755 if os.stat(os.path.join(context_dir, path)).st_mode & 0o111
                  else 0o644) for path, data in reader.collect(context_dir, "", dockerfile))
   return _ensure_image(builder, name, task_images.BuildContext(
-    files, dockerfile=os.path.relpath(dockerfile, context_dir)))
+    files, dockerfile=os.path.relpath(dockerfile, context_dir)), needs)
 
 
 def load_terminal_bench(folder: str, max_bytes: int = MAX_TASK_BYTES,
@@ -633,7 +636,9 @@ def load_terminal_bench(folder: str, max_bytes: int = MAX_TASK_BYTES,
         setup, files, env, workdir = _parse_dockerfile(dockerfile, os.path.dirname(dockerfile),
                                                        reader)
       else:
-        built = _build_dockerfile(dockerfile, reader, name, builder)
+        # A Harbor test.sh is its own verifier: the image needs no python3 for ours.
+        needs = task_images.SHELL_TOOLS + (() if verifier_files else (task_images.PYTHON,))
+        built = _build_dockerfile(dockerfile, reader, name, builder, needs)
         image, workdir, env = built.tag, os.path.normpath(built.workdir), list(built.env)
         _check_workdir(workdir, f"{dockerfile} (the image's WORKDIR)")
       break

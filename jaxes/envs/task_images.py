@@ -12,8 +12,9 @@ that passed it. Each build's log is kept in ``log_dir``; a failing build raises
 What the image provides is the task's; the episode protocol, the agent's user (uid 1000,
 ``user``, home /home/user) and the verifier are ours, so a built image must have bash,
 coreutils' ``timeout``, util-linux's ``setpriv``, ``/usr/bin/python3`` and that user: images
-``FROM jaxes-sandbox:latest`` have them; others are probed after their build and refused,
-saying what is missing.
+``FROM jaxes-sandbox:latest`` have them. Others are probed after their build: an image without
+that user (most run as root) gets it in one more layer (its own uid-1000 user renamed, or a new
+one); one without the tools is refused, saying what is missing.
 """
 from __future__ import annotations
 
@@ -27,17 +28,27 @@ import tarfile
 import time
 
 REPOSITORY = "jaxes-task"
-HASH_LABEL = "jaxes.task-context"
 # Bumped when what goes into an image besides the folder changes (the probe, the translation).
-RECIPE_VERSION = "1"
+RECIPE_VERSION = "2"
 DEFAULT_LOG_DIR = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
                                "jaxes", "task-images")
 _NEEDS = {"/bin/bash": "bash", "/usr/bin/timeout": "coreutils (timeout)",
           "/usr/bin/setpriv": "util-linux (setpriv)", "/usr/bin/python3": "python3"}
-_PROBE = "; ".join(f"[ -x {path} ] || echo {shlex.quote('missing: ' + what)}"
-                   for path, what in _NEEDS.items()) + (
-  "; [ \"$(id -u user 2>/dev/null)\" = 1000 ] || echo \"missing: the user 'user' with uid 1000\""
-  "; [ -d /home/user ] || echo 'missing: /home/user'; true")
+SHELL_TOOLS = ("/bin/bash", "/usr/bin/timeout", "/usr/bin/setpriv")   # every episode's
+PYTHON = "/usr/bin/python3"          # the pytest verifier's (not needed by a Harbor test.sh)
+AGENT_UID = 1000
+AGENT_USER = f"the user 'user' with uid {AGENT_UID} and home /home/user"
+_PROBE_USER = (f"; [ \"$(id -u user 2>/dev/null)\" = {AGENT_UID} ] && [ -d /home/user ] || "
+               f"echo {shlex.quote('missing: ' + AGENT_USER)}; true")
+# Gives the image our agent's user: renames the image's own uid-1000 user (ubuntu, node…) if it
+# has one, else creates it.
+_USER_LAYER = """FROM {base}
+USER root
+RUN set -e; old="$(getent passwd 1000 | cut -d: -f1)"; \\
+    if [ -n "$old" ] && [ "$old" != user ]; then usermod -l user -d /home/user -m "$old"; \\
+    elif [ -z "$old" ]; then useradd --create-home --home-dir /home/user --uid 1000 --shell /bin/bash user; fi; \\
+    mkdir -p /home/user && chown 1000:1000 /home/user
+"""
 
 
 def _errors():
@@ -119,31 +130,29 @@ class TaskImageBuilder:
     except _errors() as err:
       raise TaskImageError(f"cannot inspect image {tag}: {err}") from err
 
-  def ensure(self, name: str, context: BuildContext) -> BuiltImage:
-    """The task's image, built unless an image of this exact context exists."""
+  def ensure(self, name: str, context: BuildContext,
+             needs: tuple[str, ...] = SHELL_TOOLS + (PYTHON,)) -> BuiltImage:
+    """The task's image, built unless an image of this exact context exists; ``needs``: the
+    executables the task's episodes use (a Harbor test.sh verifier needs no python3)."""
     tag = image_tag(name, context)
     image = None if self.rebuild else self._cached(tag)
     if image is not None:
       result = BuiltImage(tag, False, 0.0, _workdir(image), _env(image), None)
     else:
-      result = self._build(name, tag, context)
+      result = self._build(name, tag, context, needs)
     self.builds.append((name, result))
     return result
 
-  def _build(self, name: str, tag: str, context: BuildContext) -> BuiltImage:
-    os.makedirs(self.log_dir, exist_ok=True)
-    log_path = os.path.join(self.log_dir, tag.replace("/", "_").replace(":", "_") + ".log")
-    started = time.monotonic()
-    unchecked = f"{tag}-unchecked"
-    step, error, lines = None, None, []
+  def _stream(self, context: BuildContext, tag: str, lines: list[str]) -> tuple[str | None, str | None]:
+    """Builds ``context`` as ``tag``, appending the log to ``lines``; returns (error, step)."""
+    step, error = None, None
     try:
       # The low-level API streams the log as it comes (the high-level build returns it only at
       # the end), so a failure's step is known and the log is kept whatever happens.
       events = self.client.api.build(
         fileobj=io.BytesIO(context.tar()), custom_context=True, dockerfile=context.dockerfile,
-        tag=unchecked, rm=True, forcerm=True, pull=False, nocache=self.rebuild, decode=True,
-        network_mode=self.network,
-        labels={HASH_LABEL: context.digest()})
+        tag=tag, rm=True, forcerm=True, pull=False, nocache=self.rebuild, decode=True,
+        network_mode=self.network)
       for event in events:
         text = event.get("stream") or event.get("status") or ""
         if text:
@@ -157,34 +166,56 @@ class TaskImageBuilder:
     except _errors() as err:
       error = f"{type(err).__name__}: {err}"
       lines.append(f"ERROR: {error}\n")
-    finally:
-      with open(log_path, "w", encoding="utf-8") as f:
-        f.write("".join(lines))
-    if error is not None:
-      where = f" at {step}" if step else ""
-      raise TaskImageError(f"task {name}: image build failed{where}: "
-                           f"{' '.join(error.split())[:300]} (build log: {log_path})")
-    image = self._cached(unchecked)
-    if image is None:
-      raise TaskImageError(f"task {name}: the build ended without an image {unchecked} "
-                           f"(build log: {log_path})")
+    return error, step
+
+  def _build(self, name: str, tag: str, context: BuildContext, needs: tuple[str, ...]
+             ) -> BuiltImage:
+    os.makedirs(self.log_dir, exist_ok=True)
+    log_path = os.path.join(self.log_dir, tag.replace("/", "_").replace(":", "_") + ".log")
+    started = time.monotonic()
+    unchecked = f"{tag}-unchecked"
+    lines: list[str] = []
     try:
-      self._probe(name, unchecked, log_path)
+      error, step = self._stream(context, unchecked, lines)
+      if error is not None:
+        where = f" at {step}" if step else ""
+        raise TaskImageError(f"task {name}: image build failed{where}: "
+                             f"{' '.join(error.split())[:300]} (build log: {log_path})")
+      missing = self._probe(name, unchecked, needs, log_path)
+      if missing == [AGENT_USER]:
+        # The task's image runs as root (Harbor's agents do); ours is uid 1000: add it on top.
+        lines.append(f"-- jaxes: adding the agent's user (uid {AGENT_UID}) on top\n")
+        layer = BuildContext((("Dockerfile", _USER_LAYER.format(base=unchecked).encode(), 0o644),))
+        error, step = self._stream(layer, unchecked, lines)
+        if error is not None:
+          raise TaskImageError(f"task {name}: the image has no user 'user' with uid 1000 and "
+                               f"adding one failed: {' '.join(error.split())[:200]} "
+                               f"(build log: {log_path})")
+        missing = self._probe(name, unchecked, needs, log_path)
+      if missing:
+        raise TaskImageError(f"task {name}: its image lacks what jaxes' agent protocol needs: "
+                             f"{', '.join(missing)} (build FROM jaxes-sandbox:latest or add them; "
+                             f"build log: {log_path})")
+      image = self._cached(unchecked)
       repository, _, version = tag.rpartition(":")
       image.tag(repository, version)
     finally:
+      with open(log_path, "w", encoding="utf-8") as f:
+        f.write("".join(lines))
       try:
         self.client.images.remove(unchecked, force=self._cached(tag) is None)
       except _errors():
-        pass
+        pass   # no such image: the build failed before tagging it
     return BuiltImage(tag, True, time.monotonic() - started, _workdir(image), _env(image),
                       log_path)
 
-  def _probe(self, name: str, tag: str, log_path: str) -> None:
-    """Refuses an image our protocol cannot drive, naming what it lacks."""
+  def _probe(self, name: str, tag: str, needs: tuple[str, ...], log_path: str) -> list[str]:
+    """What of ``needs`` (paths) and the agent's user the image lacks."""
     import docker
+    script = "; ".join(f"[ -x {path} ] || echo {shlex.quote('missing: ' + _NEEDS[path])}"
+                       for path in needs) + _PROBE_USER
     try:
-      out = self.client.containers.run(tag, ["/bin/sh", "-c", _PROBE], entrypoint=[],
+      out = self.client.containers.run(tag, ["/bin/sh", "-c", script], entrypoint=[],
                                         remove=True, network_mode="none", user="root")
     except docker.errors.ContainerError as err:
       stderr = (err.stderr or b"").decode(errors="replace")
@@ -193,12 +224,8 @@ class TaskImageBuilder:
                            f"protocol needs a shell (build log: {log_path})") from err
     except _errors() as err:
       raise TaskImageError(f"task {name}: cannot start the built image {tag}: {err}") from err
-    missing = [line[len("missing: "):] for line in out.decode(errors="replace").splitlines()
-               if line.startswith("missing: ")]
-    if missing:
-      raise TaskImageError(f"task {name}: its image lacks what jaxes' agent protocol needs: "
-                           f"{', '.join(missing)} (build FROM jaxes-sandbox:latest or add them; "
-                           f"build log: {log_path})")
+    return [line[len("missing: "):] for line in out.decode(errors="replace").splitlines()
+            if line.startswith("missing: ")]
 
 
 def _workdir(image) -> str:

@@ -100,8 +100,11 @@ class Target:
   estimate: bool         # GPU by the CPU compiler
 
 
-def resolve_topology(name: str, device_memory_gib: float | None = None) -> Target:
-  """Devices (real or abstract), memory per device and compiler for a topology name."""
+def resolve_topology(name: str, device_memory_gib: float | None = None,
+                     cpu_estimate: bool = False) -> Target:
+  """Devices (real or abstract), memory per device and compiler for a topology name;
+  ``cpu_estimate``: a GPU target by the CPU compiler even where the GPU compiler is installed
+  (to compare the two)."""
   override = None if device_memory_gib is None else device_memory_gib * 2**30
   if name in TPU_TOPOLOGIES:
     try:
@@ -115,11 +118,12 @@ def resolve_topology(name: str, device_memory_gib: float | None = None) -> Targe
   if gpu_targets.parse(name):
     chip, n = gpu_targets.parse(name)
     # The compiler rematerialises against the memory it is told: an override reaches it too.
-    gpu = gpu_targets.devices(name, memory=None if override is None else int(override))
+    gpu = None if cpu_estimate else gpu_targets.devices(name, memory=None if override is None else int(override))
     if gpu is not None:
       return Target(name, gpu, override or chip.nominal, "gpu", False)
-    print(f"preflight: {name} sized by the CPU compiler (an estimate); for the real GPU compiler: "
-          f"pip install -e '.[gpu-aot]'", file=sys.stderr)
+    if not cpu_estimate:
+      print(f"preflight: {name} sized by the CPU compiler (an estimate); for the real GPU compiler: "
+            f"pip install -e '.[gpu-aot]'", file=sys.stderr)
     return Target(name, _host_devices(name, n), override or chip.nominal, "cpu", True)
   m = re.fullmatch(r"cpu:(\d+)", name)
   if m:
@@ -535,7 +539,7 @@ def main(argv):
     # Every program compiled here, not read from a persistent cache: its compile seconds are the
     # measurement, and a cached program would not log the compiler's rematerialisation warning.
     jax.config.update("jax_enable_compilation_cache", False)
-    target = resolve_topology(topology, FLAGS.device_memory_gib)
+    target = resolve_topology(topology, FLAGS.device_memory_gib, FLAGS.cpu_estimate)
     log = (lambda *_: None) if FLAGS.json else (lambda m: print(m, file=sys.stderr, flush=True))
     try:
       report = plan(config, target, log=log, only=FLAGS.only, jobs=FLAGS.jobs)
@@ -558,6 +562,8 @@ def _define_flags():
                       "(v5p-64, v5e-8, ...); default: the config's mesh.target.")
   flags.DEFINE_integer("jobs", 1, "Programs compiled at once, in threads (the compilers release "
                        "the GIL); each holds its own compiler memory.")
+  flags.DEFINE_bool("cpu_estimate", False, "Size a GPU target with the CPU compiler even where the "
+                    "GPU compiler is installed (the estimate, to set beside the real numbers).")
   flags.DEFINE_float("headroom", 0.9, "Fraction of device memory the peak may use.")
   flags.DEFINE_float("device_memory_gib", None, "Override the memory per device (GiB).")
   flags.DEFINE_string("only", None, "Compile only the programs whose name matches this regex "

@@ -40,7 +40,7 @@ class Compiled:
 class Compilation:
   programs: list[Compiled]    # in the order they were given
   wall_seconds: float
-  cpu_seconds: float          # this process's CPU time while compiling (all threads)
+  cpu_seconds: float          # CPU time while compiling (all threads, and child processes)
   unattributed: list[str]     # remat warnings from a thread that compiled none of them
 
   @property
@@ -49,8 +49,9 @@ class Compilation:
 
 
 def _cpu_seconds() -> float:
-  usage = resource.getrusage(resource.RUSAGE_SELF)
-  return usage.ru_utime + usage.ru_stime
+  """This process's CPU time, all threads, and its finished children's (a compiler may run tools)."""
+  return sum(u.ru_utime + u.ru_stime for u in (resource.getrusage(resource.RUSAGE_SELF),
+                                               resource.getrusage(resource.RUSAGE_CHILDREN)))
 
 
 def compile_all(lowered: Mapping[str, Any], jobs: int = 1, read: Callable[[Any], Any] = lambda c: None,

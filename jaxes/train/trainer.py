@@ -28,7 +28,7 @@ from jaxes.es import keys
 from jaxes.rollout.episodes import EpisodeSpec
 from jaxes.envs.sandbox import Sandbox, SandboxError
 from jaxes.train import (builders, checkpoint, compile_cache, config_history, evaluation, metrics, multihost,
-                         report, tracker, warmstart)
+                         precompile, report, tracker, warmstart)
 from jaxes.train.config import validate
 from jaxes.train.hooks import Hook, UpdateInfo, run_hooks
 from jaxes.train.transcripts import TranscriptSampler
@@ -105,6 +105,7 @@ class Trainer:
                  f"{config_history.HISTORY}): " + "; ".join(map(str, changes)))
       self._in_force = config_history.changed_in_force(self.workdir, c)
       engine = self._build_engine()
+      precompile.warm_up(engine.programs(), c.train.compile_jobs, self.log, progress=c.train.progress_bar and host.primary)
       # Oracle transcripts above ran on the bare sandbox; training and evaluation pay the latency.
       self.runner = builders.build_runner(c, engine, self.parts.tokenizer,
                                           builders.with_latency(c, sandbox), owned=host.owned,

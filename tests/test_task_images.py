@@ -257,3 +257,17 @@ def test_the_trainers_task_folders_kind_plays_task_built_images(built, sandbox):
     while not episode.step(agent(episode.messages)):
       pass
     assert episode.finish().passed
+
+
+@pytest.mark.docker
+def test_an_endless_terminals_folder_with_a_dockerfile_instead_builds_it(built, tmp_path):
+  folder = tmp_path / "et-dockerfile"
+  shutil.copytree(os.path.join(SUITE, ENDLESS), folder)
+  (folder / "container.def").unlink()
+  (folder / "Dockerfile").write_text("FROM jaxes-sandbox:latest\nENV LOG_DIR=/var/log/et\n")
+  builder = TaskImageBuilder(log_dir=str(tmp_path / "logs"), network="none")
+  task = loaders.load_task(str(folder), builder=builder)
+  assert task.image.startswith("jaxes-task/endless-error-count:") and task.image != (
+    built[0][ENDLESS].image)
+  assert ("LOG_DIR", "/var/log/et") in task.env
+  builder.client.images.remove(task.image)

@@ -431,12 +431,16 @@ def load_endless_terminals(folder: str, max_bytes: int = MAX_TASK_BYTES,
       _check_stdlib_only(initial_tests, initial_path)
   setup, files, env, image = "", [], [], None
   def_path = os.path.join(folder, "container.def")
-  if reader.isfile(def_path):
-    if builder is None:
-      setup, files, env = _parse_container_def(def_path, reader)
-    else:
-      built = _build_definition(def_path, reader, name, builder)
-      image, env = built.tag, list(built.env)
+  dockerfiles = [p for p in (os.path.join(folder, "Dockerfile"),
+                             os.path.join(folder, "environment", "Dockerfile")) if reader.isfile(p)]
+  if reader.isfile(def_path) and builder is None:
+    setup, files, env = _parse_container_def(def_path, reader)
+  elif builder is not None and (reader.isfile(def_path) or dockerfiles):
+    # Some redistributions of the suite ship a Dockerfile instead of the Apptainer definition.
+    built = (_build_definition(def_path, reader, name, builder) if reader.isfile(def_path) else
+             _build_dockerfile(dockerfiles[0], reader, name, builder,
+                               task_images.SHELL_TOOLS + (task_images.PYTHON,)))
+    image, env = built.tag, list(built.env)
   return Task(
     name=name, instruction=meta["description"], setup=setup, final_tests=final_tests,
     initial_tests=initial_tests, solution=reader.read_optional(os.path.join(folder, "solution.sh")),

@@ -34,6 +34,9 @@ def tiny_config(tokenizer_dir, **overrides):
   c.rollout.max_new_tokens = 24
   c.train.num_updates, c.train.eval_every, c.train.checkpoint_every = 2, 0, 1
   c.train.progress_bar = False
+  # Programs compile when first called: a few-update test uses a fraction of the 29 the start-up
+  # compile would build (2.5x the CPU of test_train's first test; tests/test_precompile.py covers it).
+  c.train.compile_jobs = 0
   c.eval.num_tasks, c.eval.seeds = 2, 1
   c.warmstart.steps, c.warmstart.num_tasks, c.warmstart.batch_size = 0, 8, 4
   c.warmstart.seq_len = 160

@@ -45,8 +45,10 @@ def test_few_updates_end_to_end_async_no_recompile_no_leftovers(tokenizer_dir, t
   jax.monitoring.register_event_duration_secs_listener(
       lambda event, _secs, **_: compiles.__setitem__(0, compiles[0] + (event == "/jax/core/compile/backend_compile_duration")))
   sandbox = LocalSandbox(root_dir=sandbox_root)
+  # 8 slots, as the exception test below: its programs are then this run's (the compile cache).
   c = tiny_config(tokenizer_dir, **{"train.num_updates": 4, "controller.mode": "async",
-                                    "controller.max_staleness": 1, "train.plot": True})
+                                    "controller.max_staleness": 1, "train.plot": True,
+                                    "rollout.num_slots": 8})
   summary = Trainer(c, str(tmp_path / "run"), sandbox=sandbox,
                     on_update=lambda r: at_update.append(compiles[0]), log=lambda s: None).run()
   assert summary["version"] == 4

@@ -3,7 +3,7 @@ as configs/demo.py, trained by GRPO instead of ES.
 
   python -m jaxes.train --config=configs/demo_grpo.py --workdir=runs/demo_grpo
 
-(``python -m jaxes.train`` runs ``jaxes.train.grpo_trainer`` for ``train.algorithm = "grpo"``;
+(``python -m jaxes.train`` runs ``jaxes.train.algorithms.grpo`` for ``train.algorithm = "grpo"``;
 configs/demo_grid.py's ``grpo`` variant is this at the grid's sizes.)
 
 Choices, matched to the ES demo so the comparison is at equal episode budget:

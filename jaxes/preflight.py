@@ -153,40 +153,6 @@ def _bytes_per_device(tree) -> int:
   return total
 
 
-def _like_params(tree, params):
-  """Shardings for an optimizer state: a leaf shaped like a parameter is sharded like it (the
-  states of optax are parameter-shaped trees), anything else replicated."""
-  by_shape = {}
-  for p in jax.tree.leaves(params):
-    by_shape.setdefault(tuple(p.shape), p.sharding)
-  any_sharding = jax.tree.leaves(params)[0].sharding
-  replicated = jax.sharding.NamedSharding(any_sharding.mesh, jax.sharding.PartitionSpec())
-  return sharding.abstract(tree, jax.tree.map(lambda x: by_shape.get(tuple(x.shape), replicated), tree))
-
-
-def _es_update_program(strategy, params, num_keys: int):
-  """The ES update lowered over abstract parameters (what ``Strategy.update`` runs)."""
-  from jaxes.es import update
-  state = jax.eval_shape(lambda p: strategy.init(p, jax.random.key(0)), params)
-  opt_state = _like_params(state.opt_state, params)
-  tx = strategy.tx
-  mesh = jax.tree.leaves(params)[0].sharding.mesh
-  rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-
-  def arg(shape, dtype):
-    return jax.ShapeDtypeStruct(shape, dtype, sharding=rep)
-
-  fn = jax.jit(lambda p, o, k, v, m, w, n: update.apply(p, o, k, v, m, w, n, cfg=strategy.noise_config, tx=tx),
-               out_shardings=(jax.tree.map(lambda x: x.sharding, params),
-                              jax.tree.map(lambda x: x.sharding, opt_state), rep))
-  key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=rep)
-  run_key = jax.eval_shape(jax.random.wrap_key_data, key)
-  run_key = jax.ShapeDtypeStruct(run_key.shape, run_key.dtype, sharding=rep)
-  lowered = fn.lower(params, opt_state, run_key, arg((num_keys,), jnp.int32),
-                     arg((num_keys,), jnp.int32), arg((num_keys,), jnp.float32), arg((), jnp.int32))
-  return lowered, opt_state
-
-
 @dataclasses.dataclass
 class Program:
   name: str
@@ -243,14 +209,18 @@ def live_versions(config) -> int:
   return 1 + int(config.controller.max_staleness)
 
 
+ES_COMPARED = ("grpo",)   # algorithms whose report carries the same config sized as ES beside it
+
+
 def plan(config, target: Target, log=print, only: str | None = None, jobs: int = 1) -> dict:
   """Build the run abstractly on ``target``, compile its programs (those whose name matches the
-  regex ``only``, default all) in ``jobs`` threads; the report as a dict. A GRPO config (``train.algorithm``) is
-  sized as GRPO runs it, and the same config as ES on the same model and mesh beside it
-  (``report["es"]``, ``report["es_over_grpo"]``: ES's peak per device over GRPO's)."""
-  if config.train.algorithm != "grpo":
-    return _plan(config, target, log, only, "es", jobs)
-  report = _plan(config, target, log, only, "grpo", jobs)
+  regex ``only``, default all) in ``jobs`` threads; the report as a dict. The config's algorithm
+  (``train.algorithm``) is sized as it runs; a GRPO config also as ES, on the same model and mesh,
+  beside it (``report["es"]``, ``report["es_over_grpo"]``: ES's peak per device over GRPO's; the
+  paper's comparison)."""
+  report = _plan(config, target, log, only, config.train.algorithm, jobs)
+  if config.train.algorithm not in ES_COMPARED:
+    return report
   try:
     report["es"] = _plan(config, target, log, only, "es", jobs)
   except NoProgramMatches:   # --only selected GRPO programs alone (e.g. 'grpo_step'): no ES side
@@ -263,63 +233,25 @@ class NoProgramMatches(ValueError):
   """``--only`` selected none of the run's programs."""
 
 
-def _learner_program(config, graphdef, params, mesh):
-  """The GRPO learner step lowered over the abstract learner state a run places
-  (``GRPOLearner.abstract_state``: params per the rule table, over fsdp/tensor; the float32
-  master and AdamW moments also over data with ``grpo.optimizer_over_data``) and a batch of
-  ``group_size x tasks_per_update`` episode rows of ``seq_len`` tokens over ``data``; with the
-  abstract state."""
-  from jaxes.rl import config as rl_config
-  from jaxes.rl.batch import Batch
-  from jaxes.rl.grpo import GRPOLearner
-  learner = GRPOLearner(graphdef, rl_config.from_run_config(config))
-  P = jax.sharding.PartitionSpec
-  state = learner.abstract_state(params, jax.tree.map(lambda p: p.sharding, params))
-  g = config.grpo
-  rows, seq = g.group_size * g.tasks_per_update, g.seq_len or config.rollout.max_len
-  over_data = jax.sharding.NamedSharding(mesh, P("data"))
-
-  def arg(shape, dtype):
-    return jax.ShapeDtypeStruct(shape, dtype, sharding=over_data)
-
-  batch = Batch(arg((rows, seq), jnp.int32), arg((rows, seq), jnp.bool_), arg((rows, seq), jnp.bool_),
-                arg((rows, seq), jnp.float32), arg((rows,), jnp.float32), arg((rows,), jnp.int32))
-  return learner.lower(state, batch), state, batch
-
-
 def _plan(config, target: Target, log, only: str | None, algorithm: str, jobs: int = 1) -> dict:
+  """One algorithm's report: the run built abstractly by the trainer's own builders and the
+  algorithm's (``jaxes.train.algorithms``), on a mesh over the target's devices."""
   from jaxes.models import qwen2
-  from jaxes.rollout.engine import Engine
-  from jaxes.train import builders
+  from jaxes.train import algorithms, builders
+  from jaxes.train.state import Parts
   preset = qwen2.PRESETS.get(config.model.preset, {})
   vocab = config.model.vocab_size or preset.get("vocab_size") or config.tokenizer.vocab_size
-  cfg = builders.model_config(config, vocab)
   shape = builders.mesh_shape(config, len(target.devices))
   mesh = sharding.make_mesh(*shape, devices=target.devices[:math.prod(shape)])
-  strategy = builders.build_strategy(config)
-  run_key = jax.random.key(config.seed)
-
   model = builders.build_model(config, vocab)
-  graphdef = model.graphdef
-  r = config.rollout
-  # GRPO decodes the current policy's unperturbed rows: an engine without a noiser.
-  engine = Engine(graphdef, cfg, num_slots=r.num_slots, max_len=r.max_len,
-                  prefill_chunk=r.prefill_chunk, max_new_tokens=r.max_new_tokens, stop_ids=[],
-                  im_end_id=0, make_noiser=strategy.engine_noiser(run_key) if algorithm == "es" else None,
-                  seed=config.seed, mesh=mesh, abstract=True,
-                  version_steps=builders.version_steps(config, model, strategy, run_key)
-                  if algorithm == "es" else None,
-                  member_slices=algorithm == "es" and builders.member_slices(strategy),
-                  **builders.paged_cache(config))   # paged: kv_cache counts the pages
+  # No tokenizer and no tasks: the programs depend on neither.
+  run = algorithms.ALGORITHMS[algorithm](config, Parts(None, model, [], []), mesh)
+  engine = run.build_engine(None, mesh, abstract=True)   # paged: kv_cache counts the pages
   params = engine.abstract_params
   versions = live_versions(config)
-  noiser_bytes = _bytes_per_device(engine.abstract_noiser) if algorithm == "es" else 0
-  if algorithm == "es":
-    update_lowered, opt_state = _es_update_program(strategy, params, config.es.population)
-    lowered = {**engine.programs(), "es_update": update_lowered}
-  else:
-    step_lowered, state, batch = _learner_program(config, graphdef, params, mesh)
-    lowered = {**engine.programs(), "grpo_step": step_lowered}
+  noiser_bytes = 0 if engine.abstract_noiser is None else _bytes_per_device(engine.abstract_noiser)
+  update_programs, update_state = run.abstract_update(params, mesh)
+  lowered = {**engine.programs(), **update_programs}
   matching = {k: v for k, v in lowered.items() if only is None or re.search(only, k)}
   if not matching:
     raise NoProgramMatches(f"--only={only!r} matches none of the {algorithm} programs: "
@@ -331,17 +263,12 @@ def _plan(config, target: Target, log, only: str | None, algorithm: str, jobs: i
     "old_versions": (versions - 1) * _bytes_per_device(params),
     "kv_cache": _bytes_per_device(engine.cache),
   }
-  if algorithm == "es":
+  if engine.abstract_noiser is not None:
     # Rows of all live versions in one call: the merged noiser takes the place of the newer
     # versions' own, and the low-rank steps between versions are held beside it.
     resident |= {"noiser_state": versions * noiser_bytes,
-                 "version_steps": _bytes_per_device(engine.abstract_version_steps()),
-                 "optimizer_state": _bytes_per_device(opt_state)}
-  else:  # the engine decodes with the learner's params: one copy serves both
-    resident |= {"master_weights": _bytes_per_device(state.master),
-                 "optimizer_state": _bytes_per_device(state.opt_state),
-                 "reference_params": _bytes_per_device(state.ref_params),
-                 "learner_batch": _bytes_per_device(batch)}
+                 "version_steps": _bytes_per_device(engine.abstract_version_steps())}
+  resident |= {name: _bytes_per_device(tree) for name, tree in update_state.items()}
   total = sum(resident.values())
   peaks = {p.name: max(p.required, total) if p.required else total + p.extra for p in programs}
   worst = max(programs, key=lambda p: peaks[p.name])

@@ -18,7 +18,7 @@ from jaxes.envs.sandbox import Sandbox, SandboxHandle
 from jaxes.models import qwen2
 from jaxes.rollout.engine import Engine
 from jaxes.rollout.episodes import EpisodeRunner, EpisodeSpec
-from jaxes.train.trainer import PAIR_STREAM_BASE, training_stream
+from jaxes.train.algorithms.evolution import PAIR_STREAM_BASE, training_stream
 
 SYSTEM = "Answer with <command>CMD</command>, then <action>done</action>."
 

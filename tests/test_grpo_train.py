@@ -6,7 +6,7 @@ import pytest
 
 from helpers_train import build_tiny_tokenizer, tiny_config
 from jaxes.train import checkpoint, metrics
-from jaxes.train.grpo_trainer import GRPOTrainer
+from jaxes.train.trainer import Trainer
 from jaxes.train.policy import load_policy
 
 # Async (staleness <= 1), so stale groups are consumed and kept episodes cross checkpoints; a
@@ -32,7 +32,7 @@ def _params_equal(a, b):
 
 def _run(tokenizer_dir, workdir, updates, **overrides):
   config = tiny_config(tokenizer_dir, **{**BASE, **overrides, "train.num_updates": updates})
-  return GRPOTrainer(config, str(workdir), log=lambda s: None).run()
+  return Trainer(config, str(workdir), log=lambda s: None).run()
 
 
 def _train_lines(workdir):

@@ -96,10 +96,7 @@ def main(argv):
   from jaxes.train.policy import PolicyLoadError
   from jaxes.train.state import RunStateError
   from jaxes.envs.sandbox import SandboxError
-  if config.train.algorithm == "grpo":
-    from jaxes.train.grpo_trainer import GRPOTrainer as Trainer
-  else:
-    from jaxes.train.trainer import Trainer
+  from jaxes.train.trainer import Trainer   # runs the algorithm config.train.algorithm names
   try:
     summary = Trainer(config, _WORKDIR.value, allow_config_change=_ALLOW_CHANGE.value).run()
   except (RunStateError, PolicyLoadError, ConfigError, SandboxError) as e:

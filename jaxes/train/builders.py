@@ -187,37 +187,30 @@ def build_strategy(config) -> es.Strategy:
                      perturb_vectors=e.perturb_vectors,
                      frozen=[p.strip() for p in e.frozen.split(",") if p.strip()],
                      # The controller's stale-result policy weighs each result's shaped fitness.
-                     staleness_weighting=policies.from_config(controller_config(config)).result_weight)
+                     staleness_weighting=policies.from_config(es_controller_config(config)).result_weight)
 
 
-def controller_config(config) -> ControllerConfig:
-  """ES: a member is a perturbation, its episodes run different tasks. GRPO: a member is a
-  group of ``grpo.group_size`` episodes of one task (``grpo.tasks_per_update`` per update);
-  the controller's staleness bound and delays apply to groups as they do to members."""
-  if config.train.algorithm == "grpo":
-    if config.controller.overage in ("weight", "baseline_only"):
-      raise ConfigError(f"config.controller.overage={config.controller.overage!r} weighs ES results "
-                        "by staleness; GRPO takes drop, wait or pace")
-    g = config.grpo
-    return ControllerConfig.from_config(config.controller, population=g.tasks_per_update,
-                                        seed=config.seed, antithetic=False,
-                                        episodes_per_member=g.group_size, episodes_share_task=True)
+def es_controller_config(config) -> ControllerConfig:
+  """ES's controller: a member is a perturbation, its episodes run different tasks (GRPO's is
+  its own, ``algorithms.grpo``)."""
   return ControllerConfig.from_config(config.controller, population=config.es.population,
                                       seed=config.seed, antithetic=config.es.antithetic)
 
 
 # -- rollout --------------------------------------------------------------------------------------
 def build_engine(config, model: Model, tokenizer, strategy: es.Strategy | None = None,
-                 run_key: jax.Array | None = None, mesh=None) -> Engine:
+                 run_key: jax.Array | None = None, mesh=None, abstract: bool = False) -> Engine:
   """The rollout engine; each slot's policy is its member's perturbation under ``run_key``
   (``strategy`` None: every row runs the unperturbed policy, as GRPO's do). ``mesh``: where its
-  arrays live (None: one device)."""
-  stop, im_end = stop_ids(tokenizer)
+  arrays live (None: one device). ``abstract``: shapes and shardings only, for compiling its
+  programs ahead of time (the preflight); ``tokenizer`` may then be None (no stop ids: the
+  programs do not depend on them)."""
+  stop, im_end = stop_ids(tokenizer) if tokenizer is not None else ([], 0)
   r = config.rollout
   return Engine(model.graphdef, model.config, num_slots=r.num_slots, max_len=r.max_len,
                 prefill_chunk=r.prefill_chunk, max_new_tokens=r.max_new_tokens, stop_ids=stop,
                 im_end_id=im_end, make_noiser=None if strategy is None else strategy.engine_noiser(run_key),
-                seed=config.seed, mesh=mesh,
+                seed=config.seed, mesh=mesh, abstract=abstract,
                 version_steps=version_steps(config, model, strategy, run_key),
                 member_slices=member_slices(strategy), prefill_hold=int(r.get("prefill_hold", 8)),
                 decode_steps=int(r.get("decode_steps", 8)), **paged_cache(config))

@@ -12,8 +12,7 @@ from ml_collections import config_dict
 
 from jaxes.envs import generator
 from jaxes.models import qwen2
-from jaxes.rl import config as rl_config
-from jaxes.train import builders, defaults
+from jaxes.train import algorithms, builders, defaults, environments
 from jaxes.train.errors import ConfigError
 from jaxes.train.tracker import TRACKERS
 
@@ -73,10 +72,10 @@ def validate(config: config_dict.ConfigDict) -> None:
   checks.mesh()
   # ES, controller and model settings are checked by the objects they build, which own their rules.
   _built("es", lambda: builders.build_strategy(config))
-  _built("controller", lambda: builders.controller_config(config))
+  checks.algorithm()   # before the controller: what a member is depends on the algorithm
+  _built("controller", lambda: algorithms.controller_config(config))
   if not config.model.path:
     _built("model", lambda: builders.model_config(config, config.model.vocab_size or config.tokenizer.vocab_size))
-  checks.algorithm()
   checks.env()
   checks.rollout()
   checks.schedule()
@@ -132,16 +131,12 @@ class _Checks:
                "at most one of config.mesh.{data,fsdp,tensor} may be -1")
 
   def algorithm(self):
-    self.one_of("train.algorithm", ("es", "grpo"))
-    if self.c.train.algorithm == "grpo":
-      try:
-        rl_config.from_run_config(self.c)
-      except ValueError as err:   # its messages already name the key (config.grpo.*)
-        raise ConfigError(str(err)) from err
+    self.one_of("train.algorithm", tuple(algorithms.ALGORITHMS))
+    algorithms.ALGORITHMS[self.c.train.algorithm].check_config(self.c)
 
   def env(self):
     c = self.c
-    self.one_of("env.kind", ("terminal", "webshop"))
+    self.one_of("env.kind", tuple(environments.ENVIRONMENTS))
     self.one_of("env.sandbox", ("local", "docker"))
     if c.env.kind == "webshop":
       self.at_least("webshop.max_steps", 1)

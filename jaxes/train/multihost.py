@@ -66,7 +66,7 @@ def host(config) -> Host:
 
 
 def es_state_shardings(abstract_es_state, mesh: Mesh, model_config):
-  """Where each leaf of an ES state (``state.abstract_es_state``) lives on ``mesh``: the
+  """Where each leaf of an ES state (``algorithms.evolution.abstract_es_state``) lives on ``mesh``: the
   parameters, and every optimizer-state subtree shaped like them (Adam's moments), in the rule
   table's shardings, the engine's (``partition.param_shardings``: fsdp splits the embedding
   dimension, tensor the heads and MLP); the rest (step count, run key, version) replicated."""

@@ -17,7 +17,7 @@ from flax import nnx
 from ml_collections import config_dict
 
 from jaxes.models import qwen2
-from jaxes.train import builders, checkpoint, config_history
+from jaxes.train import algorithms, builders, checkpoint, config_history
 
 
 class PolicyLoadError(RuntimeError):
@@ -68,7 +68,7 @@ def _load_step(ckpt: checkpoint.Checkpointer, workdir: str, step: int) -> Policy
     raise PolicyLoadError(f"{workdir}: the run's tokenizer is missing (expected {workdir}/tokenizer)")
   tokenizer = builders.load_tokenizer(tokenizer_path)
   model = builders.build_model(config, len(tokenizer))
-  item = "learner" if config.train.get("algorithm", "es") == "grpo" else "es"  # (grpo_trainer)
+  item = algorithms.checkpoint_item(config.train.get("algorithm", "es"))
   params = ckpt.restore_item(step, item, {"params": model.abstract_params}, partial=True)["params"]
   changes = [e for e in config_history.history(workdir) if e["since_version"] < step]
   return Policy(config, tokenizer, model.config, model.graphdef, params, step, changes)

@@ -1,19 +1,22 @@
 """The run state, and the one function that creates it: fresh start, resume and ``init_from``.
 
-``RunState`` is everything a run carries from one update to the next: the ES state, the
-parameters of every version still in use (jobs of older versions may be in flight), the
-controller, the evaluation history and timings. A checkpoint stores exactly that:
+``RunState`` is everything a run carries from one update to the next, whatever its algorithm
+(``jaxes.train.algorithms``): the algorithm's state (ES: params, optimizer state, run key,
+version; GRPO: the learner state and the kept episodes of unconsumed groups), the parameters of
+every version still in use (jobs of older versions may be in flight), the controller, the
+evaluation history and timings. A checkpoint stores exactly that:
 
-  items  ``es``          the ES state (params, optimizer state, run key, version)
+  items  ``<item>``      the algorithm's state (``Algorithm.checkpoint_item``: ``es``, ``learner``)
          ``old/<v>``     parameters of each older version still live
-  host   ``controller``, ``evals``, ``timings``, ``old_versions`` and ``config`` (the run's config,
-         so a rerun with a changed config is told which key differs)
+  host   ``controller``, ``evals``, ``timings``, ``old_versions``, ``config`` (the run's config,
+         so a rerun with a changed config is told which key differs) and what the algorithm
+         keeps besides its item (``Algorithm.checkpoint_host``)
 
-Full checkpoints are written every ``train.checkpoint_every`` updates; every update in between
-appends a few-KB record to the update log (``update_log.py``): the cohort it consumed, the
-controller's state after it and its metrics line. The ES state after an update is a function of
-the state before it and its cohort, so a resume restores the newest checkpoint and replays the
-logged updates after it, bit for bit.
+Full checkpoints are written every ``train.checkpoint_every`` updates. For an algorithm whose
+update is a function of the state before it and its cohort (ES: ``logs_updates``), every update
+in between appends a few-KB record to the update log (``update_log.py``): the cohort it consumed,
+the controller's state after it and its metrics line; a resume restores the newest checkpoint
+and replays the logged updates after it, bit for bit.
 
 ``initial_state`` restores the newest checkpoint when the run directory has one. A checkpoint
 that does not match the config stops the run before any compute, naming the leaf and the config
@@ -27,11 +30,8 @@ import json
 import time
 from typing import Any
 
-import jax
-
-from jaxes import distributed, es, sharding
 from jaxes.controller import Controller
-from jaxes.train import builders, checkpoint, multihost, warmstart
+from jaxes.train import builders, checkpoint, warmstart
 from jaxes.train.errors import RunStateError
 from jaxes.train.policy import load_policy
 from jaxes.train.update_log import UpdateLog
@@ -39,7 +39,7 @@ from jaxes.train.update_log import UpdateLog
 
 @dataclasses.dataclass
 class RunState:
-  es: es.ESState
+  algorithm_state: Any                # the algorithm's own state (``Algorithm.init``)
   params_by_version: dict[int, Any]   # every version still needed, the current one included
   controller: Controller
   evals: list[dict]
@@ -49,12 +49,13 @@ class RunState:
 
   @property
   def version(self) -> int:
-    return int(self.es.version)
+    return self.controller.version
 
-  def advance(self, new_es: es.ESState, keep: set[int]) -> None:
-    """The state after an update: ``new_es`` current, only the versions in ``keep`` retained."""
-    self.es = new_es
-    self.params_by_version[self.version] = new_es.params
+  def advance(self, new_state, params, keep: set[int]) -> None:
+    """The state after an update: ``new_state`` (whose current parameters are ``params``)
+    current, only the versions in ``keep`` retained besides it."""
+    self.algorithm_state = new_state
+    self.params_by_version[self.version] = params
     for v in [v for v in self.params_by_version if v not in keep | {self.version}]:
       del self.params_by_version[v]
 
@@ -64,17 +65,18 @@ class Parts:
   """What a run is made of besides its state (built once per process by ``builders``)."""
   tokenizer: Any
   model: builders.Model
-  strategy: es.Strategy
   train_tasks: list
   heldout_tasks: list
 
 
 # -- checkpoints ----------------------------------------------------------------------------------
-def save(ckpt: checkpoint.Checkpointer, state: RunState, config) -> None:
+def save(ckpt: checkpoint.Checkpointer, state: RunState, config, algorithm) -> None:
   old = sorted(v for v in state.params_by_version if v != state.version)
-  items = {"es": state.es, **{f"old/{v}": state.params_by_version[v] for v in old}}
+  items = {algorithm.checkpoint_item: algorithm.item(state.algorithm_state),
+           **{f"old/{v}": state.params_by_version[v] for v in old}}
   host = {"controller": state.controller.state_dict(), "evals": state.evals,
-          "timings": state.timings, "old_versions": old, "config": config_values(config)}
+          "timings": state.timings, "old_versions": old, "config": config_values(config),
+          **algorithm.checkpoint_host(state.algorithm_state)}
   ckpt.save(state.version, items, host)
 
 
@@ -87,16 +89,14 @@ def log_record(state: RunState, results, metrics_record: dict) -> dict:
           "controller": state.controller.state_dict(), "metrics": metrics_record}
 
 
-def replay(state: RunState, records: list[dict], strategy: es.Strategy) -> list[dict]:
+def replay(state: RunState, records: list[dict], algorithm) -> list[dict]:
   """Applies logged updates to a restored state (the same jitted update on the same inputs as
   the run that logged them); returns their metrics lines."""
   for record in records:
-    new_es, _ = strategy.update(state.es, [tuple(r) for r in record["results"]])
-    if int(new_es.version) != record["version"]:
-      raise RunStateError(f"update log: replaying the update to version {record['version']} gave "
-                          f"version {int(new_es.version)}")
+    new_state = algorithm.replay(state.algorithm_state, [tuple(r) for r in record["results"]],
+                                 record["version"])
     state.controller = Controller.from_state_dict(record["controller"])
-    state.advance(new_es, keep=set(state.controller.live_versions()))
+    state.advance(new_state, algorithm.params(new_state), keep=set(state.controller.live_versions()))
     if "eval" in record["metrics"]:
       state.evals.append(record["metrics"]["eval"])
   return [r["metrics"] for r in records]
@@ -104,20 +104,6 @@ def replay(state: RunState, records: list[dict], strategy: es.Strategy) -> list[
 
 def config_values(config) -> dict:
   return json.loads(config.to_json_best_effort())
-
-
-def abstract_es_state(parts: Parts, shardings=None) -> es.ESState:
-  """The ES state's shapes and dtypes (nothing allocated), each array leaf placed in its
-  sharding if ``shardings`` (a matching pytree) is given: the target of a restore."""
-  shapes = jax.eval_shape(lambda p: parts.strategy.init(p, jax.random.key(0)), parts.model.abstract_params)
-  if shardings is None:
-    return shapes
-  return sharding.abstract(shapes, shardings)
-
-
-def es_shardings(parts: Parts, mesh):
-  """The ES state's shardings on ``mesh`` (``multihost.es_state_shardings``); None without one."""
-  return None if mesh is None else multihost.es_state_shardings(abstract_es_state(parts), mesh, parts.model.config)
 
 
 def restore_items(ckpt: checkpoint.Checkpointer, name: str, abstract, abstract_params, config
@@ -142,13 +128,15 @@ def restore_items(ckpt: checkpoint.Checkpointer, name: str, abstract, abstract_p
   return step, items[name], old, host
 
 
-def _restore(ckpt: checkpoint.Checkpointer, parts: Parts, config, shardings=None) -> RunState:
-  abstract = abstract_es_state(parts, shardings)
-  step, es_state, params, host = restore_items(ckpt, "es", abstract, abstract.params, config)
-  es_state = dataclasses.replace(es_state, version=int(es_state.version))
-  params[int(es_state.version)] = es_state.params
-  return RunState(es_state, params, Controller.from_state_dict(host["controller"]), host["evals"],
-                  host.get("timings", {}), restored_from=step)
+def _restore(ckpt: checkpoint.Checkpointer, algorithm, config) -> RunState:
+  abstract = algorithm.abstract_state()
+  step, item, params, host = restore_items(ckpt, algorithm.checkpoint_item, abstract,
+                                           abstract.params, config)
+  algorithm_state = algorithm.restored(item, host)
+  controller = Controller.from_state_dict(host["controller"])
+  params[controller.version] = algorithm.params(algorithm_state)
+  return RunState(algorithm_state, params, controller, host["evals"], host.get("timings", {}),
+                  restored_from=step)
 
 
 def config_difference(stored: dict, current: dict) -> str:
@@ -165,29 +153,27 @@ def config_difference(stored: dict, current: dict) -> str:
 
 
 # -- the initial state ----------------------------------------------------------------------------
-def initial_state(config, workdir: str, parts: Parts, ckpt: checkpoint.Checkpointer,
+def initial_state(config, workdir: str, parts: Parts, algorithm, ckpt: checkpoint.Checkpointer,
                   update_log: UpdateLog, transcripts: list[list[dict]], log=print,
-                  place=None, replay_strategy: es.Strategy | None = None) -> RunState:
+                  replay_algorithm=None) -> RunState:
   """The newest checkpoint's state, or a fresh one: version-0 parameters from the warm start on
-  ``transcripts``, from ``warmstart.init_from``'s version 0, from ``model.path`` or random.
-  ``place``: the mesh the ES state lives on, in the rule table's shardings (``es_shardings``),
-  restored into them too; None leaves arrays where they are made. ``replay_strategy``: the
-  strategy the logged updates were made with, when the config changed since (default: this one)."""
-  shardings = es_shardings(parts, place)
+  ``transcripts``, from ``warmstart.init_from``'s version 0, from ``model.path`` or random, made
+  into ``algorithm``'s state (placed where it lives, and restored into the same places).
+  ``replay_algorithm``: the algorithm the logged updates were made with, when the config changed
+  since (default: ``algorithm``)."""
   if ckpt.steps():
-    state = _restore(ckpt, parts, config, shardings)
-    state.replayed = replay(state, update_log.replay_after(state.restored_from),
-                            replay_strategy or parts.strategy)
+    state = _restore(ckpt, algorithm, config)
+    if algorithm.logs_updates:
+      state.replayed = replay(state, update_log.replay_after(state.restored_from),
+                              replay_algorithm or algorithm)
     log(f"resumed from checkpoint at version {state.restored_from}"
         + (f" and {len(state.replayed)} logged updates" if state.replayed else ""))
     return state
   update_log.truncate_to(0)   # a fresh start: records of an earlier run are set aside
   params, timings = version_zero_params(config, parts, transcripts, log)
-  es_state = parts.strategy.init(params, jax.random.key(config.seed))
-  if shardings is not None:
-    es_state = distributed.place(es_state, shardings)
-  controller = Controller(builders.controller_config(config), num_tasks=len(parts.train_tasks))
-  return RunState(es_state, {0: es_state.params}, controller, [], timings)
+  algorithm_state = algorithm.init(params)
+  controller = Controller(algorithm.controller_config(), num_tasks=len(parts.train_tasks))
+  return RunState(algorithm_state, {0: algorithm.params(algorithm_state)}, controller, [], timings)
 
 
 def version_zero_params(config, parts: Parts, transcripts: list[list[dict]], log=print
@@ -221,5 +207,5 @@ def build_parts(config, workdir: str, transcripts: list[list[dict]], log=print) 
   path = builders.tokenizer_dir(config, workdir)
   tokenizer = (builders.load_tokenizer(path) if path is not None
                else builders.build_tokenizer(config, workdir, transcripts, log))
-  return Parts(tokenizer, builders.build_model(config, len(tokenizer)), builders.build_strategy(config), builders.training_tasks(config),
+  return Parts(tokenizer, builders.build_model(config, len(tokenizer)), builders.training_tasks(config),
                builders.heldout_tasks(config))

@@ -1,9 +1,10 @@
-"""The ES trainer: a short loop over the parts ``builders`` makes and the state ``state`` keeps.
+"""The trainer: a short loop over the parts ``builders`` makes, the state ``state`` keeps and
+the algorithm (``jaxes.train.algorithms``: ES, GRPO) ``train.algorithm`` names.
 
 One loop on the host: hand free slots the controller's jobs, advance every episode by one engine
 step (sandbox work runs on worker threads meanwhile), report finished episodes, and apply every
 update the controller declares due (its cohort of ``(version, member, fitness)`` results, stale
-ones included). After each update the hooks run: held-out evaluation every ``eval_every``, the
+ones included) through the algorithm. After each update the hooks run: held-out evaluation every ``eval_every``, the
 update-log record, the metrics line, a checkpoint every ``checkpoint_every``, the progress bar,
 the caller's callback.
 
@@ -14,21 +15,17 @@ reissues its in-flight jobs, so a resumed run decodes exactly what the interrupt
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
 import time
-import zlib
 from typing import Callable
 
 from ml_collections import config_dict
 
-from jaxes.controller import Job
-from jaxes.es import keys
-from jaxes.rollout.episodes import EpisodeSpec
 from jaxes.envs.sandbox import Sandbox, SandboxError
-from jaxes.train import (builders, checkpoint, compile_cache, config_history, evaluation, metrics, multihost,
-                         precompile, report, tracker, warmstart)
+from jaxes.train import (algorithms, builders, checkpoint, compile_cache, config_history, evaluation, metrics,
+                         multihost, precompile, report, tracker, warmstart)
+from jaxes.train.algorithms import UpdateContext
 from jaxes.train.config import validate
 from jaxes.train.hooks import Hook, UpdateInfo, run_hooks
 from jaxes.train.transcripts import TranscriptSampler
@@ -36,28 +33,9 @@ from jaxes.train.state import (UPDATE_LOG, RunState, build_parts, initial_state,
                                needs_transcripts, save)
 from jaxes.train.update_log import UpdateLog
 
-PAIR_STREAM_BASE = 1 << 31     # sampling streams shared by antithetic partners
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainEpisode:
-  """The key of a training episode: the controller's job."""
-  job: Job
-
-
-def training_stream(job: Job, antithetic: bool, common_random_numbers: bool) -> int:
-  """The sampling stream of a training episode. With common random numbers both members of an
-  antithetic pair (which the controller gives the same task) decode with the same stream, so at
-  temperature > 0 their rewards differ through the perturbation, not through sampling luck. The
-  stream depends only on (version, pair, episode), so a reissued job decodes the same tokens."""
-  if not (common_random_numbers and antithetic):
-    return job.job_id
-  pair = keys.pair_id(job.member, antithetic)
-  return PAIR_STREAM_BASE + zlib.crc32(f"{job.version}/{pair}/{job.episode}".encode()) % (1 << 30)
-
-
 class Trainer:
-  """``Trainer(config, workdir).run()``. ``sandbox`` overrides the configured backend (it is shut
+  """``Trainer(config, workdir).run()`` trains with the algorithm ``train.algorithm`` names
+  (``jaxes.train.algorithms``). ``sandbox`` overrides the configured backend (it is shut
   down at the end either way); ``on_update(record)`` is called after each update's metrics line;
   ``hooks`` run after the built-in ones."""
 
@@ -94,6 +72,7 @@ class Trainer:
       transcripts = multihost.shared(host, lambda: self._transcripts(sandbox, resuming=bool(ckpt.steps())))
       self.parts = multihost.primary_first(host, "tokenizer",
                                            lambda: build_parts(c, self.workdir, transcripts, self.log))
+      self.algorithm = algorithms.build(c, self.parts, host.mesh)
       if isinstance(sandbox, Sandbox):   # refuses here, not one SANDBOX_ERROR per task later
         sandbox.check_verifier(self.parts.train_tasks + self.parts.heldout_tasks)
       update_log = UpdateLog(os.path.join(self.workdir, UPDATE_LOG))
@@ -104,7 +83,7 @@ class Trainer:
         self.log(f"config changed from version {self.state.version} on (recorded in "
                  f"{config_history.HISTORY}): " + "; ".join(map(str, changes)))
       self._in_force = config_history.changed_in_force(self.workdir, c)
-      engine = self._build_engine()
+      engine = self.algorithm.build_engine(self.state.algorithm_state, host.mesh)
       precompile.warm_up(engine.programs(), c.train.compile_jobs, self.log, progress=c.train.progress_bar and host.primary)
       # Oracle transcripts above ran on the bare sandbox; training and evaluation pay the latency.
       self.runner = builders.build_runner(c, engine, self.parts.tokenizer,
@@ -141,32 +120,23 @@ class Trainer:
   _sampler: TranscriptSampler | None = None   # set by run() on the primary process
   _tracker: tracker.WandbTracker | None = None
 
-  # What another algorithm's trainer (``grpo_trainer``) replaces: its state, engine, jobs and update.
-  name = "ES"
-
   def _initial_state(self, ckpt, update_log: UpdateLog, transcripts) -> RunState:
-    host = self.host
     # Logged updates after the checkpoint are replayed as they were made: under the config in
     # force before this rerun's change (recorded only once the state is restored).
     before = self._changes and config_history.in_force(self.workdir)
-    replay_strategy = (builders.build_strategy(config_dict.ConfigDict(config_history.unflat(before)))
-                       if before else None)
-    return initial_state(self.config, self.workdir, self.parts, ckpt, update_log, transcripts,
-                         self.log, place=host.mesh if host.mesh.size > 1 else None,
-                         replay_strategy=replay_strategy)
-
-  def _build_engine(self):
-    return builders.build_engine(self.config, self.parts.model, self.parts.tokenizer,
-                                 self.parts.strategy, self.state.es.run_key, mesh=self.host.mesh)
+    replay_algorithm = (algorithms.build(config_dict.ConfigDict(config_history.unflat(before)), self.parts,
+                                         self.host.mesh) if before else None)
+    return initial_state(self.config, self.workdir, self.parts, self.algorithm, ckpt, update_log,
+                         transcripts, self.log, replay_algorithm=replay_algorithm)
 
   def _save(self, ckpt) -> None:
-    save(ckpt, self.state, self.config)
+    save(ckpt, self.state, self.config, self.algorithm)
 
   def _current_params(self):
-    return self.state.es.params
+    return self.algorithm.params(self.state.algorithm_state)
 
   def _log_update(self, update_log: UpdateLog, info: UpdateInfo) -> None:
-    if self.host.primary:   # host state is identical on every process; one of them writes it
+    if self.host.primary and self.algorithm.logs_updates:   # identical on every process: one writes it
       update_log.append(log_record(self.state, info.results, info.record))
 
   def _transcripts(self, sandbox, resuming: bool) -> list[list[dict]]:
@@ -181,7 +151,7 @@ class Trainer:
   def _progress_bar(self):
     return metrics.ProgressBar(self.config.train.num_updates, self.state.version,
                                enabled=self.config.train.progress_bar and self.host.primary,
-                               desc=f"{self.name} updates")
+                               desc=f"{self.algorithm.name} updates")
 
   # -- the loop -------------------------------------------------------------------------------
   def _train(self, ckpt, writer, hooks: list[Hook]) -> dict:
@@ -222,15 +192,10 @@ class Trainer:
     if not free:
       return
     for job in self.state.controller.next_jobs(len(free)):
-      self.runner.submit(self._spec(job))
-
-  def _spec(self, job: Job) -> EpisodeSpec:
-    c = self.config
-    stream = training_stream(job, c.es.antithetic, c.rollout.common_random_numbers)
-    return EpisodeSpec(TrainEpisode(job), self.parts.train_tasks[job.task], job.version,
-                       job.member, stream, c.rollout.temperature, c.rollout.top_p)
+      self.runner.submit(self.algorithm.spec(job))
 
   def _report(self, result) -> None:
+    self.algorithm.on_result(self.state.algorithm_state, result)
     self.state.controller.report(result.spec.key.job.job_id, reward=result.reward, failure=result.failure)
     self._window.add(result)
     if self._sampler is not None:
@@ -249,15 +214,13 @@ class Trainer:
   def _apply(self, update) -> tuple[dict, list]:
     state, t = self.state, time.perf_counter()
     results = sorted(update.results)  # a deterministic order: float sums do not depend on arrival
-    strategy = self.parts.strategy
-    new_es, es_metrics = strategy.update(state.es, results)
-    if self.runner.engine.version_steps is not None:  # rows of the new version may join older calls
-      self.runner.engine.add_step(int(new_es.version), *strategy.cohort(state.es, results))
-    if int(new_es.version) != state.controller.version:
-      raise RuntimeError(f"ES version {int(new_es.version)} != controller version {state.controller.version}")
-    state.advance(new_es, keep=set(state.controller.live_versions()) | self.runner.live_versions())
+    keep = set(state.controller.live_versions()) | self.runner.live_versions()
+    context = UpdateContext(state.controller.version, state.controller.config, self.runner.engine,
+                            state.params_by_version, keep)
+    new_state, update_metrics = self.algorithm.update(state.algorithm_state, results, context)
+    state.advance(new_state, self.algorithm.params(new_state), keep)
     self._window.update_s += time.perf_counter() - t
-    return self._window.record(update, results, es_metrics, self.runner.stats(), self.config.es.antithetic), results
+    return self.algorithm.record(self._window, update, results, update_metrics, self.runner.stats()), results
 
   # -- evaluation -----------------------------------------------------------------------------
   def evaluate(self) -> dict:
@@ -297,17 +260,14 @@ class Trainer:
       return {**summary, "params": self._current_params()}
     if c.train.plot and records:
       metrics.plot(records, os.path.join(self.workdir, "progress.png"),
-                   title=f"{self._plot_label()} — held-out success and staleness")
+                   title=f"{self.algorithm.plot_label()} — held-out success and staleness")
     with open(os.path.join(self.workdir, "summary.json"), "w") as f:
       json.dump(summary, f, indent=2)
     if c.train.report:   # again, with the summary's paired change
       report.write(self.workdir)
     if before is not None and after is not None:
-      self.log(evaluation.format_table(before, after, self.name))
+      self.log(evaluation.format_table(before, after, self.algorithm.name))
     return {**summary, "params": self._current_params()}
-
-  def _plot_label(self) -> str:
-    return f"ES ({self.config.controller.mode}, {self.config.es.mode})"
 
 
 def _per_hour(updates: int, seconds: float) -> float | None:

@@ -1,0 +1,151 @@
+"""Evolution strategies as a training algorithm: the controller's members are perturbations
+``θ_v + σ·ε(v, m)``, the engine decodes each row with its member's noise, and an update is
+``es.Strategy.update`` over the cohort's ``(version, member, fitness)`` results, stale ones
+included. An update is a function of the state before it and its cohort, so the update log
+replays updates after a checkpoint bit for bit.
+"""
+from __future__ import annotations
+
+import dataclasses
+import zlib
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxes import distributed, es, sharding
+from jaxes.controller import ControllerConfig, Job
+from jaxes.es import keys, update
+from jaxes.rollout.episodes import EpisodeSpec
+from jaxes.train import builders, multihost
+from jaxes.train.algorithms.base import TrainEpisode, UpdateContext
+from jaxes.train.errors import RunStateError
+
+PAIR_STREAM_BASE = 1 << 31     # sampling streams shared by antithetic partners
+
+
+def training_stream(job: Job, antithetic: bool, common_random_numbers: bool) -> int:
+  """The sampling stream of a training episode. With common random numbers both members of an
+  antithetic pair (which the controller gives the same task) decode with the same stream, so at
+  temperature > 0 their rewards differ through the perturbation, not through sampling luck. The
+  stream depends only on (version, pair, episode), so a reissued job decodes the same tokens."""
+  if not (common_random_numbers and antithetic):
+    return job.job_id
+  pair = keys.pair_id(job.member, antithetic)
+  return PAIR_STREAM_BASE + zlib.crc32(f"{job.version}/{pair}/{job.episode}".encode()) % (1 << 30)
+
+
+def abstract_es_state(strategy: es.Strategy, model: builders.Model, shardings=None) -> es.ESState:
+  """The ES state's shapes and dtypes (nothing allocated), each array leaf placed in its
+  sharding if ``shardings`` (a matching pytree) is given: the target of a restore."""
+  shapes = jax.eval_shape(lambda p: strategy.init(p, jax.random.key(0)), model.abstract_params)
+  return shapes if shardings is None else sharding.abstract(shapes, shardings)
+
+
+def es_shardings(strategy: es.Strategy, model: builders.Model, mesh):
+  """The ES state's shardings on ``mesh`` (``multihost.es_state_shardings``); None without one."""
+  if mesh is None:
+    return None
+  return multihost.es_state_shardings(abstract_es_state(strategy, model), mesh, model.config)
+
+
+class EvolutionStrategies:
+  """``train.algorithm = "es"``: the ``es.*`` config block."""
+
+  name = "ES"
+  checkpoint_item = "es"
+  logs_updates = True
+
+  def __init__(self, config, parts, mesh):
+    self.config, self.parts = config, parts
+    self.strategy = builders.build_strategy(config)
+    # One device: arrays stay where they are made; a mesh of several: the rule table's shardings.
+    self._shardings = es_shardings(self.strategy, parts.model, mesh if mesh.size > 1 else None)
+
+  @staticmethod
+  def check_config(config) -> None:
+    """The ``es`` block is checked by the ``es.Strategy`` it builds (``config.validate``)."""
+
+  @staticmethod
+  def controller_config_of(config) -> ControllerConfig:
+    """A member is a perturbation; its episodes run different tasks."""
+    return builders.es_controller_config(config)
+
+  def controller_config(self) -> ControllerConfig:
+    return self.controller_config_of(self.config)
+
+  def init(self, params) -> es.ESState:
+    state = self.strategy.init(params, jax.random.key(self.config.seed))
+    return state if self._shardings is None else distributed.place(state, self._shardings)
+
+  def abstract_state(self) -> es.ESState:
+    return abstract_es_state(self.strategy, self.parts.model, self._shardings)
+
+  def item(self, state: es.ESState) -> es.ESState:
+    return state
+
+  def params(self, state: es.ESState):
+    return state.params
+
+  def restored(self, item: es.ESState, host: dict) -> es.ESState:
+    return dataclasses.replace(item, version=int(item.version))
+
+  def checkpoint_host(self, state: es.ESState) -> dict:
+    return {}
+
+  def build_engine(self, state: es.ESState | None, mesh, abstract: bool = False):
+    # Abstractly (the preflight) the run key is the fresh run's, which has the same shape.
+    run_key = jax.random.key(self.config.seed) if state is None else state.run_key
+    return builders.build_engine(self.config, self.parts.model, self.parts.tokenizer, self.strategy,
+                                 run_key, mesh=mesh, abstract=abstract)
+
+  def spec(self, job: Job) -> EpisodeSpec:
+    c = self.config
+    stream = training_stream(job, c.es.antithetic, c.rollout.common_random_numbers)
+    return EpisodeSpec(TrainEpisode(job), self.parts.train_tasks[job.task], job.version,
+                       job.member, stream, c.rollout.temperature, c.rollout.top_p)
+
+  def on_result(self, state, result) -> None:
+    """ES needs only the reward, which the controller keeps."""
+
+  def update(self, state: es.ESState, results: list, context: UpdateContext
+             ) -> tuple[es.ESState, dict]:
+    new_state, metrics = self.strategy.update(state, results)
+    if context.engine.version_steps is not None:   # rows of the new version may join older calls
+      context.engine.add_step(int(new_state.version), *self.strategy.cohort(state, results))
+    if int(new_state.version) != context.version:
+      raise RuntimeError(f"ES version {int(new_state.version)} != controller version {context.version}")
+    return new_state, metrics
+
+  def replay(self, state: es.ESState, results: list, version: int) -> es.ESState:
+    new_state = self.strategy.update(state, results)[0]
+    if int(new_state.version) != version:
+      raise RunStateError(f"update log: replaying the update to version {version} gave "
+                          f"version {int(new_state.version)}")
+    return new_state
+
+  def record(self, window, update, results: list, metrics: dict, runner_stats: dict) -> dict:
+    return window.record(update, results, metrics, runner_stats, self.config.es.antithetic)
+
+  def plot_label(self) -> str:
+    return f"ES ({self.config.controller.mode}, {self.config.es.mode})"
+
+  def abstract_update(self, params, mesh) -> tuple[dict, dict]:
+    """The ES update (``update.apply``, what ``Strategy.update`` runs) lowered over ``params``
+    (ShapeDtypeStructs in their shardings) and the optimizer state where a run on ``mesh``
+    places it (``es_shardings``), for a cohort of ``population`` noise keys; and that state."""
+    model = self.parts.model
+    opt_state = abstract_es_state(self.strategy, model, es_shardings(self.strategy, model, mesh)).opt_state
+    rep = NamedSharding(mesh, PartitionSpec())
+    strategy = self.strategy
+    fn = jax.jit(lambda p, o, k, v, m, w, n: update.apply(p, o, k, v, m, w, n, cfg=strategy.noise_config,
+                                                         tx=strategy.tx),
+                 out_shardings=(jax.tree.map(lambda x: x.sharding, params),
+                                jax.tree.map(lambda x: x.sharding, opt_state), rep))
+    run_key = jax.eval_shape(jax.random.wrap_key_data, jax.ShapeDtypeStruct((2,), jnp.uint32))
+    n = strategy.population   # a cohort of N results pads to N keys (one compiled shape)
+    args = [jax.ShapeDtypeStruct(shape, dtype, sharding=rep) for shape, dtype in
+            (((n,), jnp.int32), ((n,), jnp.int32), ((n,), jnp.float32), ((), jnp.int32))]
+    lowered = fn.lower(params, opt_state, sharding.abstract(run_key, rep), *args)
+    return {"es_update": lowered}, {"optimizer_state": opt_state}
+

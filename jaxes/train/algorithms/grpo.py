@@ -1,0 +1,228 @@
+"""GRPO as a training algorithm: a gradient learner (``jaxes.rl``) in place of the ES update, on
+the same trainer, tasks, engine, controller, evaluation, metrics and checkpoints.
+
+A controller *member* is a group: ``grpo.group_size`` episodes of one task
+(``ControllerConfig.episodes_share_task``), ``grpo.tasks_per_update`` groups per update, so the
+controller's staleness bound, delays and drops apply to GRPO exactly as to ES (``max_staleness``
+0: on-policy and synchronous; K >= 1: stale groups, corrected by the importance ratio against the
+log-probs the engine recorded when it sampled them). Every episode has its own sampling stream
+(the job id), since a group needs distinct samples. The engine runs unperturbed rows.
+
+A finished episode's tokens (``EpisodeResult.tokens``) are kept until the update that consumes
+its group; the update pads the consumed groups into one fixed-shape ``Batch`` and runs
+``grpo.updates_per_batch`` learner steps. A checkpoint holds the learner state (item
+``learner``: params, float32 master, AdamW moments) and, in its host record, the kept episodes
+of groups not yet consumed. There is no update log (``logs_updates`` False): an update's input is
+its batch (KBs per episode), not a few numbers, so updates after the newest checkpoint are
+recomputed instead of replayed; under the deterministic schedule (``rollout.sandbox_steps`` > 0)
+a resumed run repeats the interrupted one's updates exactly, since streams are keyed by job.
+
+Multi-process runs: every process runs the same controller and knows every finished episode's
+tokens (the runner exchanges them once per engine tick), so every process builds the same batch;
+the learner state, params and batch live on the one global mesh (the batch split over ``data``),
+so the learner step is one SPMD program.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxes import distributed
+from jaxes.controller import ControllerConfig, Job
+from jaxes.models import partition
+from jaxes.rl import batch as rl_batch
+from jaxes.rl import config as rl_config
+from jaxes.rl.grpo import GRPOLearner, LearnerState
+from jaxes.rollout.episodes import EpisodeSpec, EpisodeStream
+from jaxes.train import builders
+from jaxes.train.algorithms.base import TrainEpisode, UpdateContext
+from jaxes.train.errors import ConfigError
+
+
+@dataclasses.dataclass
+class GRPOState:
+  learner: LearnerState
+  # (version, group, episode) -> (reward, EpisodeStream): finished episodes of groups not consumed yet
+  episodes: dict[tuple[int, int, int], tuple[float, EpisodeStream]]
+
+
+def _episode_rows(episodes: dict) -> list:
+  return [[v, m, e, reward, list(s.prompt), [list(t) for t in s.turns],
+           [list(x) for x in s.logprobs], [list(o) for o in s.observations]]
+          for (v, m, e), (reward, s) in sorted(episodes.items())]
+
+
+def _episodes_from_rows(rows: list) -> dict:
+  return {(v, m, e): (reward, EpisodeStream(tuple(p), tuple(map(tuple, t)), tuple(map(tuple, lp)),
+                                            tuple(map(tuple, o))))
+          for v, m, e, reward, p, t, lp, o in rows}
+
+
+class GRPO:
+  """``train.algorithm = "grpo"``: the ``grpo.*`` config block (``jaxes.rl.config``)."""
+
+  name = "GRPO"
+  checkpoint_item = "learner"
+  logs_updates = False
+
+  def __init__(self, config, parts, mesh):
+    self.config, self.parts, self.mesh = config, parts, mesh
+    self.learner = GRPOLearner(parts.model.graphdef, rl_config.from_run_config(config))
+    self._param_shardings = partition.param_shardings(parts.model.config, mesh)
+
+  @staticmethod
+  def check_config(config) -> None:
+    """The ``grpo`` block's rules are the learner's own (``jaxes.rl.config``); its messages name
+    the key (config.grpo.*, config.rollout.*)."""
+    try:
+      rl_config.from_run_config(config)
+    except ValueError as err:
+      raise ConfigError(str(err)) from err
+
+  @staticmethod
+  def controller_config_of(config) -> ControllerConfig:
+    """A member is a group of ``grpo.group_size`` episodes of one task (``grpo.tasks_per_update``
+    per update); the controller's staleness bound and delays apply to groups as to ES members."""
+    if config.controller.overage in ("weight", "baseline_only"):
+      raise ConfigError(f"config.controller.overage={config.controller.overage!r} weighs ES results "
+                        "by staleness; GRPO takes drop, wait or pace")
+    g = config.grpo
+    return ControllerConfig.from_config(config.controller, population=g.tasks_per_update,
+                                        seed=config.seed, antithetic=False,
+                                        episodes_per_member=g.group_size, episodes_share_task=True)
+
+  def controller_config(self) -> ControllerConfig:
+    return self.controller_config_of(self.config)
+
+  def init(self, params) -> GRPOState:
+    return GRPOState(self.learner.init(distributed.place(params, self._param_shardings)), {})
+
+  def abstract_state(self) -> LearnerState:
+    """The learner state's shapes, each leaf where a fresh start puts it
+    (``GRPOLearner.abstract_state``)."""
+    return self.learner.abstract_state(self.parts.model.abstract_params, self._param_shardings)
+
+  def item(self, state: GRPOState) -> LearnerState:
+    return state.learner
+
+  def params(self, state: GRPOState):
+    return state.learner.params
+
+  def restored(self, item: LearnerState, host: dict) -> GRPOState:
+    return GRPOState(item, _episodes_from_rows(host["episodes"]))
+
+  def checkpoint_host(self, state: GRPOState) -> dict:
+    return {"episodes": _episode_rows(state.episodes)}
+
+  def build_engine(self, state: GRPOState | None, mesh, abstract: bool = False):
+    """Unperturbed rows: an engine without a noiser."""
+    return builders.build_engine(self.config, self.parts.model, self.parts.tokenizer, mesh=mesh,
+                                 abstract=abstract)
+
+  def spec(self, job: Job) -> EpisodeSpec:
+    c = self.config   # one stream per episode: a group's samples must differ
+    return EpisodeSpec(TrainEpisode(job), self.parts.train_tasks[job.task], job.version, -1,
+                       job.job_id, c.rollout.temperature, c.rollout.top_p)
+
+  def on_result(self, state: GRPOState, result) -> None:
+    job = result.spec.key.job
+    if result.reward is not None:
+      state.episodes[(job.version, job.member, job.episode)] = (result.reward, result.tokens)
+
+  def update(self, state: GRPOState, results: list, context: UpdateContext) -> tuple[GRPOState, dict]:
+    c, t = self.config, time.perf_counter()
+    old = context.version - 1
+    batch, group_std = self._batch(state, results)
+    if old in context.keep:   # the step donates the learner state; stale rows still need θ_old
+      context.params_by_version[old] = jax.tree.map(jnp.copy, state.learner.params)
+    learner, sums = state.learner, {}
+    for _ in range(c.grpo.updates_per_batch):
+      learner, step_metrics = self.learner.step(learner, batch)
+      for k, v in step_metrics.items():   # replicated scalars: this process's copy
+        sums[k] = sums.get(k, 0.0) + float(np.asarray(v.addressable_data(0)))
+    new_state = GRPOState(learner, state.episodes)
+    _forget(new_state, context.controller, context.version)
+    steps, update_s = c.grpo.updates_per_batch, time.perf_counter() - t
+    return new_state, {**{k: v / steps for k, v in sums.items() if k not in ("tokens", "episodes")},
+                       "tokens": int(sums["tokens"] / steps), "episodes": int(sums["episodes"] / steps),
+                       "learner_tokens_per_s": sums["tokens"] / update_s if update_s > 0 else 0.0,
+                       "group_reward_std": group_std}
+
+  def replay(self, state, results: list, version: int):
+    raise NotImplementedError("GRPO keeps no update log (logs_updates is False)")
+
+  def record(self, window, update, results: list, metrics: dict, runner_stats: dict) -> dict:
+    return {**window.common(update.version + 1, update, results, runner_stats), "grpo": metrics}
+
+  def plot_label(self) -> str:
+    return f"GRPO ({self.config.controller.mode})"
+
+  def abstract_update(self, params, mesh) -> tuple[dict, dict]:
+    """The learner step lowered over the abstract learner state a run places
+    (``GRPOLearner.abstract_state``: params as ``params`` are sharded; the float32 master and
+    AdamW moments also over data with ``grpo.optimizer_over_data``) and a batch of
+    ``group_size x tasks_per_update`` episode rows of ``seq_len`` tokens over ``data``; and the
+    state it holds besides the parameters (the engine decodes with the learner's params)."""
+    c = self.config
+    state = self.learner.abstract_state(params, jax.tree.map(lambda p: p.sharding, params))
+    rows, seq = c.grpo.group_size * c.grpo.tasks_per_update, c.grpo.seq_len or c.rollout.max_len
+    over_data = NamedSharding(mesh, PartitionSpec("data"))
+
+    def arg(shape, dtype):
+      return jax.ShapeDtypeStruct(shape, dtype, sharding=over_data)
+
+    batch = rl_batch.Batch(arg((rows, seq), jnp.int32), arg((rows, seq), jnp.bool_),
+                           arg((rows, seq), jnp.bool_), arg((rows, seq), jnp.float32),
+                           arg((rows,), jnp.float32), arg((rows,), jnp.int32))
+    return ({"grpo_step": self.learner.lower(state, batch)},
+            {"master_weights": state.master, "optimizer_state": state.opt_state,
+             "reference_params": state.ref_params, "learner_batch": batch})
+
+  def _batch(self, state: GRPOState, results: list) -> tuple[rl_batch.Batch, float]:
+    """The consumed groups' episodes, padded to ``tasks_per_update * group_size`` rows, and the
+    mean over groups of their rewards' std (0: every episode of a group scored alike, and the
+    group teaches nothing)."""
+    c = self.config
+    im_end = builders.stop_ids(self.parts.tokenizer)[1]
+    episodes, rewards, groups = [], [], []
+    for version, group, _ in results:
+      for e in range(c.grpo.group_size):
+        kept = state.episodes.pop((version, group, e), None)
+        if kept is None:   # failed for good after its retries: not part of the group
+          continue
+        reward, stream = kept
+        if stream is None or not stream.turns:   # never decoded (its prompt overflowed the row)
+          continue
+        episodes.append(rl_batch.episode_from_stream(stream, im_end))
+        rewards.append(reward)
+        groups.append((version, group))
+    by_group: dict = {}
+    for g, r in zip(groups, rewards):
+      by_group.setdefault(g, []).append(r)
+    group_std = float(np.mean([np.std(r) for r in by_group.values()])) if by_group else 0.0
+    batch = rl_batch.build_batch(episodes, rewards, groups, seq_len=c.grpo.seq_len or c.rollout.max_len,
+                                 num_rows=c.grpo.tasks_per_update * c.grpo.group_size)
+    return distributed.place(batch, batch_sharding(self.mesh, batch.num_rows)), group_std
+
+
+def _forget(state: GRPOState, controller: ControllerConfig, version: int) -> None:
+  """Drops kept episodes of groups that can no longer be consumed (older than the bound on the
+  staleness of a consumed result: max_staleness plus the longest hold)."""
+  horizon = controller.max_staleness + controller.hold_updates
+  for key in [k for k in state.episodes if k[0] + horizon < version]:
+    del state.episodes[key]
+
+
+def batch_sharding(mesh, rows: int) -> NamedSharding:
+  """Rows split over ``data`` in contiguous blocks (each data shard trains its own rows; the
+  learner's micro-batches interleave them), or replicated when ``data`` does not divide them.
+  The same placement on one process as on several, so both run the same step program."""
+  split = rows % mesh.shape.get("data", 1) == 0
+  return NamedSharding(mesh, PartitionSpec("data") if split else PartitionSpec())
+
+

@@ -89,6 +89,18 @@ def test_refused_change_writes_nothing_and_allowed_one_is_recorded(changed, tmp_
   assert rundirs.final_version(str(workdir)) == 4 and rundirs.is_finished(str(workdir))
 
 
+def test_load_policy_and_export_carry_the_changes_a_version_was_trained_under(changed, tmp_path):
+  src, _, _, _ = changed
+  entry = config_history.history(str(src))[0]
+  assert load_policy(str(src), 3).config_changes == [entry]   # update 3 ran after the change
+  assert load_policy(str(src), 2).config_changes == []
+  export.main([f"--workdir={src}", "--version=3", f"--out={tmp_path / 'hf'}"])
+  written = json.loads((tmp_path / "hf" / "jaxes_config_history.json").read_text())
+  assert written["version"] == 3 and written["config_changes"] == [entry]
+  export.main([f"--workdir={src}", "--version=2", f"--out={tmp_path / 'hf2'}"])
+  assert not (tmp_path / "hf2" / "jaxes_config_history.json").exists()
+
+
 def _truncate_largest_chunk(step_dir):
   chunks = [f for f in step_dir.rglob("*") if f.is_file() and f.parent.name == "d"]
   max(chunks, key=lambda f: f.stat().st_size).write_bytes(b"")

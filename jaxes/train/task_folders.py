@@ -52,7 +52,7 @@ class TaskFolders:
 
   @property
   def _terminal(self):
-    from jaxes.train.environments import TerminalTasks   # the registry imports this module
+    from jaxes.train.terminal_tasks import TerminalTasks
     return TerminalTasks()
 
   def make_tasks(self, config, split: str, n: int, start: int) -> list:

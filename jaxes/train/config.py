@@ -34,16 +34,18 @@ def _schema() -> config_dict.ConfigDict:
   return defaults.base_config()
 
 
-def _built(section: str, build) -> None:
-  """Builds a typed object from ``config.<section>``; its own error becomes a ConfigError that
-  names the key (``config.es.population: must be even ...``) where the message names one."""
+def _built(section: str, build, also: str | None = None) -> None:
+  """Builds a typed object from ``config.<section>`` (and ``config.<also>``); its own error
+  becomes a ConfigError that names the key (``config.es.population: must be even ...``) where
+  the message names one of either section."""
   try:
     build()
   except ValueError as err:
     message = _TYPE_PREFIX.sub("", str(err))
     match = _KEY_THEN_REASON.match(message)
-    if match and f"config.{section}.{match.group(1)}" in _flatten(_schema()):
-      raise ConfigError(f"config.{section}.{match.group(1)}: {match.group(2)}") from err
+    for name in (section, also):
+      if match and name and f"config.{name}.{match.group(1)}" in _flatten(_schema()):
+        raise ConfigError(f"config.{name}.{match.group(1)}: {match.group(2)}") from err
     raise ConfigError(f"config.{section}: {message}") from err
 
 
@@ -71,7 +73,9 @@ def validate(config: config_dict.ConfigDict) -> None:
   checks.model()
   checks.mesh()
   # ES, controller and model settings are checked by the objects they build, which own their rules.
-  _built("es", lambda: builders.build_strategy(config))
+  # The strategy weighs results by the controller's stale-result policy: it builds the
+  # controller's configuration too, whose errors name their controller key.
+  _built("es", lambda: builders.build_strategy(config), also="controller")
   checks.algorithm()   # before the controller: what a member is depends on the algorithm
   _built("controller", lambda: algorithms.controller_config(config))
   if not config.model.path:

@@ -96,7 +96,8 @@ def warm_up(lowered: Mapping[str, Any], jobs: int, log: Callable[[str], None] = 
     return None
   bar = tqdm(total=len(lowered), desc=f"compiling {len(lowered)} programs", leave=False,
              disable=not progress, file=file or sys.stderr,
-             bar_format="{desc}: {n_fmt}/{total_fmt}, {elapsed}")
+             bar_format="{desc}: {n_fmt}/{total_fmt}, {elapsed}",
+             mininterval=0, miniters=1)   # every program shown: a few dozen, minutes apart
   lock = threading.Lock()
 
   def done(_):

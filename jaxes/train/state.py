@@ -89,10 +89,11 @@ def log_record(state: RunState, results, metrics_record: dict) -> dict:
           "controller": state.controller.state_dict(), "metrics": metrics_record}
 
 
-def replay(state: RunState, records: list[dict], algorithm) -> list[dict]:
+def replay(state: RunState, records: list[dict], algorithm_for) -> list[dict]:
   """Applies logged updates to a restored state (the same jitted update on the same inputs as
-  the run that logged them); returns their metrics lines."""
+  the run that logged them, ``algorithm_for(version)``'s); returns their metrics lines."""
   for record in records:
+    algorithm = algorithm_for(record["version"])
     new_state = algorithm.replay(state.algorithm_state, [tuple(r) for r in record["results"]],
                                  record["version"])
     state.controller = Controller.from_state_dict(record["controller"])
@@ -155,17 +156,17 @@ def config_difference(stored: dict, current: dict) -> str:
 # -- the initial state ----------------------------------------------------------------------------
 def initial_state(config, workdir: str, parts: Parts, algorithm, ckpt: checkpoint.Checkpointer,
                   update_log: UpdateLog, transcripts: list[list[dict]], log=print,
-                  replay_algorithm=None) -> RunState:
+                  algorithm_for=None) -> RunState:
   """The newest checkpoint's state, or a fresh one: version-0 parameters from the warm start on
   ``transcripts``, from ``warmstart.init_from``'s version 0, from ``model.path`` or random, made
   into ``algorithm``'s state (placed where it lives, and restored into the same places).
-  ``replay_algorithm``: the algorithm the logged updates were made with, when the config changed
-  since (default: ``algorithm``)."""
+  ``algorithm_for(version)``: the algorithm the logged update to ``version`` was made with (the
+  config in force then; default: ``algorithm`` for every one)."""
   if ckpt.steps():
     state = _restore(ckpt, algorithm, config)
     if algorithm.logs_updates:
       state.replayed = replay(state, update_log.replay_after(state.restored_from),
-                              replay_algorithm or algorithm)
+                              algorithm_for or (lambda version: algorithm))
     log(f"resumed from checkpoint at version {state.restored_from}"
         + (f" and {len(state.replayed)} logged updates" if state.replayed else ""))
     return state

@@ -121,13 +121,23 @@ class Trainer:
   _tracker: tracker.WandbTracker | None = None
 
   def _initial_state(self, ckpt, update_log: UpdateLog, transcripts) -> RunState:
-    # Logged updates after the checkpoint are replayed as they were made: under the config in
-    # force before this rerun's change (recorded only once the state is restored).
-    before = self._changes and config_history.in_force(self.workdir)
-    replay_algorithm = (algorithms.build(config_dict.ConfigDict(config_history.unflat(before)), self.parts,
-                                         self.host.mesh) if before else None)
+    # Each logged update is replayed under the config in force when it was made (the original
+    # plus the history up to it; this rerun's own change is recorded only after the restore).
+    built = {}
+
+    def algorithm_for(version: int):
+      recorded = config_history.in_force(self.workdir, version)
+      if recorded is None or not [c for c in config_history.differences(recorded, self.config)
+                                  if c.key not in config_history.free_keys(recorded)]:
+        return self.algorithm
+      key = json.dumps(recorded, sort_keys=True)
+      if key not in built:
+        built[key] = algorithms.build(config_dict.ConfigDict(config_history.unflat(recorded)),
+                                      self.parts, self.host.mesh)
+      return built[key]
+
     return initial_state(self.config, self.workdir, self.parts, self.algorithm, ckpt, update_log,
-                         transcripts, self.log, replay_algorithm=replay_algorithm)
+                         transcripts, self.log, algorithm_for=algorithm_for)
 
   def _save(self, ckpt) -> None:
     save(ckpt, self.state, self.config, self.algorithm)

@@ -69,10 +69,11 @@ def test_held_prefills_decode_the_same_tokens(model):
 
 def test_a_prefill_waits_at_most_prefill_hold_steps(model):
   """One observation while other rows decode: held for exactly H steps (no other prefill comes),
-  then fed; the decoding rows ran every step meanwhile."""
+  then fed; the decoding rows ran every step meanwhile (one token per step: with decode_steps
+  K a held step is up to K decode tokens)."""
   _, _, params = model
   H = 3
-  engine = _parked(model, prefill_hold=H)
+  engine = _parked(model, prefill_hold=H, decode_steps=1)
   for slot in (1, 2, 3):
     engine.continue_turn(slot, [9])
   _delta(engine, {0: params})                          # nothing decodes yet: they go at once

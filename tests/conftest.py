@@ -41,10 +41,11 @@ from helpers_timings import (pytest_configure, pytest_runtest_protocol,  # noqa:
 
 # The files that took longest in CI (benchmarks of the suite: `--durations` at the end of a run).
 # A scheduling hint only: a name missing here just runs in its usual place.
-LONGEST_FILES = ("test_multihost_train.py", "test_preflight.py", "test_engine_paged.py",
-                 "test_train.py", "test_engine_sharded.py", "test_grpo_multihost.py",
-                 "test_grid.py", "test_docker_sandbox.py", "test_engine_fullrank_slices.py",
-                 "test_engine_versions.py")
+LONGEST_FILES = ("test_multihost_train.py", "test_train.py", "test_preflight.py",
+                 "test_engine_paged.py", "test_staleness_train.py", "test_engine_sharded.py",
+                 "test_grpo_multihost.py", "test_run_dir.py", "test_task_images.py",
+                 "test_grid.py", "test_preflight_gpu.py", "test_docker_sandbox.py",
+                 "test_engine_fullrank_slices.py", "test_engine_versions.py")
 
 
 def pytest_collection_modifyitems(config, items):

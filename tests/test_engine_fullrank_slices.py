@@ -69,7 +69,9 @@ def _decode(engine, params_by_version, jobs):
 def test_member_slices_decode_the_one_device_tokens(model):
   """data=4 x tensor=2, two slots per shard, each shard its own (version, member) (one of them
   unperturbed): the tokens and log-probs of the one-device engine whose noiser has a group per
-  slot; some calls run compacted rows."""
+  slot; some calls run compacted rows. The one-device engine decodes 8 steps per call on the
+  device (the default), the sliced one a step per call: with 8 its few decode calls all need
+  the full batch, and this test is about compacted member slices."""
   _, _, params = model
   strategy = _strategy()
   state0 = strategy.init(params, jax.random.key(1))
@@ -79,7 +81,7 @@ def test_member_slices_decode_the_one_device_tokens(model):
   single = _decode(_engine(model, None, strategy, state0.run_key, compact=False),
                    params_by_version, jobs)
   engine = _engine(model, sharding.make_mesh(data=4, tensor=2), strategy, state0.run_key,
-                   member_slices=True)
+                   member_slices=True, decode_steps=1)
   assert_same_turns(_decode(engine, params_by_version, jobs), single)
   assert engine.stats.rows_computed < engine.stats.rows_total
   assert len({tuple(turns[0][0]) for turns in single.values()}) > 2
@@ -140,6 +142,7 @@ def test_noiser_holds_one_copy_per_shard_and_its_matmuls_gather_nothing(model):
   noiser_bytes = sum(_local_bytes(x, sh) for x, sh in zip(
       jax.tree.leaves(sliced.abstract_noiser), jax.tree.leaves(sliced.noiser_shardings)))
   cache_bytes = sum(_local_bytes(x, x.sharding) for x in jax.tree.leaves(sliced.cache))
+  param_bytes = sum(_local_bytes(x, x.sharding) for x in jax.tree.leaves(sliced.abstract_params))
   assert copy_bytes < noiser_bytes < 1.1 * copy_bytes   # one copy, plus per-row vectors
   biggest_layer = cfg.hidden_size * cfg.intermediate_size // mesh.shape["tensor"]
   for engine, copies in ((per_slot, SLOTS // 4), (sliced, 1)):
@@ -150,7 +153,10 @@ def test_noiser_holds_one_copy_per_shard_and_its_matmuls_gather_nothing(model):
       # reads no parameter (unused arguments are dropped), the noiser holds every weight.
       args = compiled.memory_analysis().argument_size_in_bytes - cache_bytes
       if copies == 1:
-        assert noiser_bytes <= args < noiser_bytes + 4096, name
+        # The w=1 program is a decode loop (``decode_loop``): its while loop keeps the unused
+        # parameters as an argument, buffers that are resident anyway (no memory of its own).
+        unused = param_bytes if ",w=1," in name else 0
+        assert noiser_bytes <= args < noiser_bytes + unused + 4096, name
       else:
         assert args > copies * copy_bytes, name
       moved = [int(np.prod([int(d) for d in dims.split(",") if d])) for dims in re.findall(

@@ -10,8 +10,11 @@ resumes.
 Each step makes one call per live policy version, covering all of that version's working slots:
 decoding rows feed one token, prefilling rows their next chunk. Shapes are fixed — ``[B, w]``
 for w in a short ladder ``1 … prefill_chunk`` (``Engine.widths``), the narrowest that holds the
-longest pending chunk — and attention reads only the shortest of three prefixes of the cache
-rows (``Engine.spans``) that holds every row of the call. Rows of other versions, parked or free
+longest pending chunk — and attention reads key blocks up to the call's furthest token only
+(one span, the whole row; on GPU, where cuDNN takes the whole span, the shortest of three
+prefixes of the cache rows that holds every row of the call, ``Engine.spans``). A width-1 call
+runs up to ``decode_steps`` decode steps on the device (``jaxes.rollout.decode_loop``), the host
+reading the sampled tokens once per call. Rows of other versions, parked or free
 rows are marked invalid, which leaves their cache rows untouched. A slot's policy is its
 member's perturbation of that version's parameters, applied in-graph by the noiser
 (``make_noiser``), rebuilt only when a call has a row started since it was built.
@@ -24,8 +27,8 @@ free and other-version rows cost nothing and no cache row is copied. A call that
 rows runs the full-batch program above, unchanged. A version whose decoding and prefilling rows
 together would widen every decoding row is run as two calls (decoding at width 1, prefilling at
 its width) when that at least halves the positions computed. The step compiles at most
-``len(batches) * len(widths) * len(spans)`` programs for the life of the engine (36 for the
-paper config: 3 batches x 4 widths x 3 spans; 12 without compaction).
+``len(batches) * len(widths) * len(spans)`` programs for the life of the engine (12 for the
+paper config off GPU: 3 batches x 4 widths x 1 span; 4 without compaction).
 
 Prefill coalescing (``prefill_hold=H``, default 8): a new prefill (a prompt at ``start``, an
 observation at ``continue_turn``) that would run as a call of its own beside decoding rows waits up

@@ -6,7 +6,7 @@ sandboxes, asynchronous low-rank ES. Runs in <= 15 minutes on 2 CPU cores.
 Outcome (benchmarks/RESULTS.md, "The CPU demo"; 3 seeds, 20 updates): held-out success rose by
 +35 +- 6 points async and +43 +- 2 points sync (mean +- s.e. over seeds), from 5-13% to 38-55%
 (on the previous engine, 7 minutes a run); on the current engine the README run alone takes
-2 min 44 s on 2 cores (seed 0: +37.5 points).
+3 min 33 s on 2 cores (seed 0: +34.4 points), 41 s of it the start-up compile.
 
 What ES has to learn here: the warm start (a stand-in for an Instruct checkpoint) was taught on
 oracle transcripts 62% of which write the command as a fenced code block, which the agent

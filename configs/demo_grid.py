@@ -15,7 +15,7 @@ and evaluation trained by GRPO (configs/demo_grpo.py's learner settings) at the 
 episode budget -- 4 tasks x 4 sampled episodes = 16 per update, as 8 members x 2 episodes --
 synchronous and on-policy.
 
-Sizing, by measurement (benchmarks/RESULTS.md, "Experiment grid"; CPU seconds measured on a
+Sizing, by measurement (the results notebook in docs/log/, "Experiment grid"; CPU seconds measured on a
 loaded 2-core VM, extrapolated, since the grid itself could not run there): the demo's ES
 settings (population 8, sigma 0.015, lr 0.02, centered ranks, partial credit) with 2 episodes
 per member instead of 4 (8.5 vs 15.3 CPU s per update) so that 48 updates fit -- a delay of 8

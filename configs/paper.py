@@ -24,7 +24,7 @@ evaluation, trained by `jaxes.rl` (GRPO) instead of ES; its preflight reports GR
 memory beside ES's on the same mesh. With the learner's per-layer remat, blockwise causal
 attention, chunked log-probs and its float32 state split over data it needs 61.4 GiB per device
 on 8xH100 (82.5%) and 72.5 GiB on 8xH200 (55.2%), CPU-compile estimates: both fit under the 90%
-headroom (benchmarks/RESULTS.md, "GRPO at 7B fits").
+headroom (benchmarks/RESULTS.md, "GRPO at 7B" and "Preflight on the GPU compiler").
 """
 from jaxes.experiments.variants import apply_es_variant
 from jaxes.rl.config import default_config as grpo_defaults

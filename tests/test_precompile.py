@@ -15,7 +15,7 @@ def _lowered(n: int) -> dict:
 
 def test_warm_up_compiles_every_program_in_threads_with_a_progress_bar():
   bar, lines = io.StringIO(), []
-  run = precompile.warm_up(_lowered(3), jobs=2, log=lines.append, file=bar)
+  run = precompile.warm_up(lambda: _lowered(3), jobs=2, log=lines.append, file=bar)
   assert [p.name for p in run.programs] == ["p0", "p1", "p2"]   # in the order given
   assert all(p.error is None and p.seconds > 0 for p in run.programs)
   assert "compiling 3 programs: 3/3" in bar.getvalue()
@@ -23,9 +23,11 @@ def test_warm_up_compiles_every_program_in_threads_with_a_progress_bar():
 
 
 def test_warm_up_off_and_bad_jobs():
-  assert precompile.warm_up(_lowered(1), jobs=0, log=print) is None   # each compiles when first called
+  def never_lowered():
+    raise AssertionError("jobs=0 lowers nothing")
+  assert precompile.warm_up(never_lowered, jobs=0, log=print) is None   # each compiles when first called
   with pytest.raises(ValueError, match=r"config.train.compile_jobs: must be >= 0"):
-    precompile.warm_up(_lowered(1), jobs=-1)
+    precompile.warm_up(lambda: _lowered(1), jobs=-1)
 
 
 def test_a_program_that_fails_to_compile_raises_its_error():
@@ -34,6 +36,6 @@ def test_a_program_that_fails_to_compile_raises_its_error():
       raise RuntimeError("no such op")
 
   with pytest.raises(RuntimeError, match="no such op"):
-    precompile.warm_up({**_lowered(1), "broken": Broken()}, jobs=2, log=print, progress=False)
+    precompile.warm_up(lambda: {**_lowered(1), "broken": Broken()}, jobs=2, log=print, progress=False)
   run = precompile.compile_all({"broken": Broken()})
   assert isinstance(run.programs[0].error, RuntimeError) and run.programs[0].result is None

@@ -83,16 +83,20 @@ def compile_all(lowered: Mapping[str, Any], jobs: int = 1, read: Callable[[Any],
   return Compilation(programs, time.perf_counter() - wall, _cpu_seconds() - cpu, log.unattributed)
 
 
-def warm_up(lowered: Mapping[str, Any], jobs: int, log: Callable[[str], None] = print,
+def warm_up(programs: Callable[[], Mapping[str, Any]], jobs: int, log: Callable[[str], None] = print,
             progress: bool = True, file=None) -> Compilation | None:
-  """Compile every program of ``lowered`` now, in ``jobs`` threads (0: not at all, each compiles
-  when first called), with a progress bar ("compiling 12 programs: 5/12, 03:10"); one log line
-  with the totals. Raises the first compile error (the run would meet it at that program's
+  """Compile every program ``programs()`` lowers now, in ``jobs`` threads (0: not at all, each
+  compiles when first called, and nothing is lowered: tracing every program is start-up work a
+  lazy run does not need), with a progress bar ("compiling 12 programs: 5/12, 03:10"); one log
+  line with the totals. Raises the first compile error (the run would meet it at that program's
   first call)."""
   if jobs < 0:
     raise ValueError(f"config.train.compile_jobs: must be >= 0 (0 = compile each program when "
                      f"first called), got {jobs}")
-  if not jobs or not lowered:
+  if not jobs:
+    return None
+  lowered = programs()
+  if not lowered:
     return None
   bar = tqdm(total=len(lowered), desc=f"compiling {len(lowered)} programs", leave=False,
              disable=not progress, file=file or sys.stderr,

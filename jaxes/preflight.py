@@ -46,7 +46,6 @@ import os
 import re
 import sys
 import tempfile
-import time
 
 from jaxes import gpu_targets  # noqa: E402 -- imports no JAX: safe before the flags below
 
@@ -58,8 +57,8 @@ def _host_devices_wanted(argv) -> int | None:
     m = re.fullmatch(r"--topology=(.+)", arg)
     if m:
       name = m.group(1)
-      if gpu_targets.parse(name):
-        return gpu_targets.parse(name)[1]
+      if parsed := gpu_targets.parse(name):
+        return parsed[1]
       if re.fullmatch(r"cpu:\d+", name):
         return int(name.split(":")[1])
   return None
@@ -115,8 +114,8 @@ def resolve_topology(name: str, device_memory_gib: float | None = None,
                        f"{str(e).splitlines()[0][:200]}); install libtpu: pip install -e '.[tpu]'")
     memory = override or TPU_MEMORY[name.split("-")[0]]
     return Target(name, list(topo.devices), memory, "tpu", False)
-  if gpu_targets.parse(name):
-    chip, n = gpu_targets.parse(name)
+  if parsed := gpu_targets.parse(name):
+    chip, n = parsed
     # The compiler rematerialises against the memory it is told: an override reaches it too.
     gpu = None if cpu_estimate else gpu_targets.devices(name, memory=None if override is None else int(override))
     if gpu is not None:

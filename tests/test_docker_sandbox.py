@@ -296,12 +296,6 @@ def test_loaded_endless_terminals_task_runs_with_its_oracle(sandbox, tmp_path):
     checked.shutdown()
 
 
-def _jaxes_temp_entries():
-  """Host temp entries a sandbox could leave (the machine is shared: others' files are ignored)."""
-  return {os.path.join(d, name) for d in {tempfile.gettempdir(), "/var/tmp"}
-          for name in os.listdir(d) if "jaxes" in name}
-
-
 def _child_processes():
   me = str(os.getpid())
   children = 0
@@ -314,10 +308,14 @@ def _child_processes():
   return children
 
 
-def test_soak_60_episodes_with_injected_faults_leaks_nothing(client):
+def test_soak_60_episodes_with_injected_faults_leaks_nothing(client, tmp_path, monkeypatch):
   """60 short episodes on 4 workers (each fault 6 times, overlapping others in flight); every 10th container is killed mid-episode, every 10th
   exec hangs (its timeout frozen), every 10th create fails, every 10th command times out."""
-  tmp_before = _jaxes_temp_entries()
+  # This process's temporary files go to a folder of its own: the other test worker's files in
+  # /tmp come and go meanwhile and are none of this test's business.
+  private_tmp = tmp_path / "tmp"
+  private_tmp.mkdir()
+  monkeypatch.setattr(tempfile, "tempdir", str(private_tmp))
   children_before = _child_processes()
   sb = FlakyCreate(run_label=f"soak-{uuid.uuid4().hex[:8]}", exec_grace_s=1.0,
                    create_retries=1, retry_backoff_s=0.01)
@@ -356,7 +354,7 @@ def test_soak_60_episodes_with_injected_faults_leaks_nothing(client):
   assert wrong == []
   assert client.containers.list(all=True, filters={"label": f"jaxes.run={sb.run_label}"}) == []
   assert _child_processes() == children_before
-  assert _jaxes_temp_entries() - tmp_before == set()
+  assert list(private_tmp.iterdir()) == []
 
 
 def test_the_agents_writable_space_is_capped_per_episode_never_the_hosts_disk(sandbox, client):

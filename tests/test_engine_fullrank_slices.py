@@ -203,7 +203,7 @@ def test_runner_runs_a_shards_members_in_turn_and_completes_every_episode(model)
   steps later): no engine step ever sees two members in one shard, a shard's members follow one
   another (a member's episodes there are one unbroken run), and every episode ends."""
   tasks = [generator.generate(f, s, 1) for f in ("permissions", "log_count") for s in range(3)]
-  root = tempfile.mkdtemp(prefix="jaxes-test-slices-")
+  root = tempfile.mkdtemp(prefix="test-slices-")
   os.chmod(root, 0o711)  # the sandbox uid must traverse it
   tok = tokenization.build_tokenizer(16 * [SYSTEM] + [t.instruction for t in tasks], 400,
                                      os.path.join(root, "tok"))

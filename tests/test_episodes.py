@@ -59,12 +59,12 @@ class SlowSandbox(Sandbox):
 @pytest.fixture(scope="module")
 def setup():
   tasks = [generator.generate(f, s, 1) for f in ("permissions", "log_count") for s in range(3)]
-  tok_dir = tempfile.mkdtemp(prefix="jaxes-test-tok-")
+  tok_dir = tempfile.mkdtemp(prefix="test-tok-")
   tok = tokenization.build_tokenizer(16 * [SYSTEM] + [t.instruction for t in tasks], 400, tok_dir)
   cfg = qwen2.Qwen2Config.preset("tiny", vocab_size=len(tok), hidden_size=32, intermediate_size=64,
                                  num_layers=1, num_heads=2, num_kv_heads=1)
   graphdef, params = nnx.split(qwen2.Qwen2ForCausalLM(cfg, rngs=nnx.Rngs(0)), nnx.Param)
-  root = tempfile.mkdtemp(prefix="jaxes-test-episodes-")
+  root = tempfile.mkdtemp(prefix="test-episodes-")
   os.chmod(root, 0o711)  # the sandbox uid must traverse it
   yield tasks, tok, cfg, graphdef, params, os.path.join(root, "sandboxes")
   shutil.rmtree(root, ignore_errors=True)

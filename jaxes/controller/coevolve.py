@@ -103,11 +103,15 @@ class Coevolution:
     self._parents = {v: p for v, p in self._parents.items() if v >= oldest or v == newest}
 
   def state_dict(self) -> dict[str, Any]:
-    return {"seed": self.seed, "parents": self.num_parents,
+    # The pieces too: a context is indices into them, meaningless under another library.
+    return {"seed": self.seed, "parents": self.num_parents, "pieces": list(self.library.pieces),
             "by_version": [[v, [list(c) for c in ps]] for v, ps in sorted(self._parents.items())]}
 
   @classmethod
   def from_state_dict(cls, library: ContextLibrary, state: dict[str, Any]) -> "Coevolution":
+    if "pieces" in state and tuple(state["pieces"]) != library.pieces:
+      raise ValueError("coevolution: the stored contexts index another library of prompt pieces "
+                       "than this one (keep the run's coevolve.pieces, or start fresh)")
     co = cls(library, state["seed"], state["parents"])
     co._parents = {v: [tuple(c) for c in ps] for v, ps in state["by_version"]}
     return co

@@ -50,6 +50,9 @@ class EpisodeSpec:
   stream: int                    # sampling stream: the same spec decodes the same tokens
   temperature: float = 0.0
   top_p: float = 1.0
+  # This episode's protocol, ``make_episode(task, handle)``; None: the runner's. (Co-evolution
+  # gives each member its own system prompt, ``jaxes.train.coevolution``.)
+  make_episode: Callable[[Any, Any], Any] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,7 +145,7 @@ class EpisodeRunner:
     handle = self.sandbox.start(live.spec.task)
     live.handle = handle
     self._handles.add(handle)
-    live.episode = self._make_episode(live.spec.task, handle)
+    live.episode = (live.spec.make_episode or self._make_episode)(live.spec.task, handle)
     live.env_s += time.perf_counter() - t
 
   def _act(self, live: _Live, text: str):

@@ -22,7 +22,7 @@ from jaxes.envs.latency import LatencySandbox
 from jaxes.models import hf, qwen2
 from jaxes.rollout.engine import Engine, VersionSteps
 from jaxes.rollout.episodes import EpisodeRunner
-from jaxes.train import environments
+from jaxes.train import coevolution, environments
 from jaxes.train.errors import ConfigError
 
 # -- tasks and episodes (each environment kind's own, from ``environments``) --------------------
@@ -88,9 +88,10 @@ def tokenizer_dir(config, workdir: str) -> str | None:
 
 def build_tokenizer(config, workdir: str, transcripts: list[list[dict]], log=print):
   """A small byte-level BPE tokenizer (saved to ``workdir/tokenizer``) from the system prompt,
-  the protocol's fixed texts, the training instructions and the warm start's transcripts."""
+  the protocol's fixed texts (and co-evolution's prompt pieces), the training instructions and
+  the warm start's transcripts."""
   repeated = environments.environment(config).tokenizer_texts(config)
-  texts = 64 * [system_prompt(config), *repeated]
+  texts = 64 * [system_prompt(config), *repeated, *coevolution.pieces(config)]
   texts += [t.instruction for t in training_tasks(config)]
   for messages in transcripts:
     texts += [m["content"] for m in messages[1:]]

@@ -12,7 +12,7 @@ from ml_collections import config_dict
 
 from jaxes.envs import generator
 from jaxes.models import qwen2
-from jaxes.train import algorithms, builders, defaults, environments
+from jaxes.train import algorithms, builders, coevolution, defaults, environments
 from jaxes.train.errors import ConfigError
 from jaxes.train.tracker import TRACKERS
 
@@ -78,6 +78,7 @@ def validate(config: config_dict.ConfigDict) -> None:
   _built("es", lambda: builders.build_strategy(config), also="controller")
   checks.algorithm()   # before the controller: what a member is depends on the algorithm
   _built("controller", lambda: algorithms.controller_config(config))
+  _built("coevolve", lambda: coevolution.from_config(config))
   if not config.model.path:
     _built("model", lambda: builders.model_config(config, config.model.vocab_size or config.tokenizer.vocab_size))
   checks.env()

@@ -64,6 +64,15 @@ def base_config() -> config_dict.ConfigDict:
   c.controller.stress_all_stale = 0
   c.controller.max_retries = 3
 
+  # Parameter-context co-evolution (Agentic ESOpt, ES only; jaxes.train.coevolution): each
+  # antithetic pair's system prompt gets a seeded mutation of a parent context of prompt pieces,
+  # and the best pairs' contexts are the next version's parents.
+  c.coevolve = config_dict.ConfigDict()
+  c.coevolve.enabled = False
+  c.coevolve.pieces = ""         # the library, one piece per line; empty = coevolution.DEFAULT_PIECES
+  c.coevolve.max_pieces = 3      # pieces in a context at most
+  c.coevolve.parents = 2         # contexts carried forward per update
+
   c.env = config_dict.ConfigDict()
   c.env.kind = "terminal"        # "terminal" (shell tasks in sandboxes) or "webshop" (in-process)
   # env.kind = "task_folders" (jaxes.train.task_folders): a downloaded suite's folders, built

@@ -45,10 +45,12 @@ class EvalEpisode:
 
 def evaluate(runner: EpisodeRunner, params_by_version: dict, version: int, tasks: list, *,
              seeds: int, temperature: float, top_p: float,
-             on_training_result: Callable[[EpisodeResult], None], log=print) -> dict:
-  """Success of ``params_by_version[version]`` unperturbed on ``tasks`` x ``seeds`` episodes."""
-  todo = [EpisodeSpec(EvalEpisode(s, i), task, version, -1, EVAL_STREAM_BASE + s * len(tasks) + i,
-                      temperature, top_p)
+             on_training_result: Callable[[EpisodeResult], None], log=print,
+             prepare: Callable[[EpisodeSpec], EpisodeSpec] = lambda spec: spec) -> dict:
+  """Success of ``params_by_version[version]`` unperturbed on ``tasks`` x ``seeds`` episodes.
+  ``prepare``: each episode's spec as the run runs it (co-evolution: with the best context)."""
+  todo = [prepare(EpisodeSpec(EvalEpisode(s, i), task, version, -1, EVAL_STREAM_BASE + s * len(tasks) + i,
+                              temperature, top_p))
           for s in range(seeds) for i, task in enumerate(tasks)]
   todo.reverse()
   passed = np.zeros((seeds, len(tasks)))

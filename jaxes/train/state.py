@@ -31,7 +31,8 @@ import time
 from typing import Any
 
 from jaxes.controller import Controller
-from jaxes.train import builders, checkpoint, warmstart
+from jaxes.controller.coevolve import Coevolution
+from jaxes.train import builders, checkpoint, coevolution, warmstart
 from jaxes.train.errors import RunStateError
 from jaxes.train.policy import load_policy
 from jaxes.train.update_log import UpdateLog
@@ -46,6 +47,7 @@ class RunState:
   timings: dict[str, float]
   restored_from: int | None = None    # the checkpoint step this run resumed from
   replayed: list[dict] = dataclasses.field(default_factory=list)  # metrics of updates replayed from the log
+  contexts: Coevolution | None = None  # co-evolved contexts (``coevolve.enabled``), else None
 
   @property
   def version(self) -> int:
@@ -77,6 +79,8 @@ def save(ckpt: checkpoint.Checkpointer, state: RunState, config, algorithm) -> N
   host = {"controller": state.controller.state_dict(), "evals": state.evals,
           "timings": state.timings, "old_versions": old, "config": config_values(config),
           **algorithm.checkpoint_host(state.algorithm_state)}
+  if state.contexts is not None:
+    host["contexts"] = state.contexts.state_dict()
   ckpt.save(state.version, items, host)
 
 
@@ -85,8 +89,11 @@ UPDATE_LOG = "update_log"
 
 def log_record(state: RunState, results, metrics_record: dict) -> dict:
   """The update-log record of the update that produced ``state``'s version."""
-  return {"version": state.version, "results": [list(r) for r in results],
-          "controller": state.controller.state_dict(), "metrics": metrics_record}
+  record = {"version": state.version, "results": [list(r) for r in results],
+            "controller": state.controller.state_dict(), "metrics": metrics_record}
+  if state.contexts is not None:
+    record["contexts"] = state.contexts.state_dict()
+  return record
 
 
 def replay(state: RunState, records: list[dict], algorithm_for) -> list[dict]:
@@ -97,6 +104,8 @@ def replay(state: RunState, records: list[dict], algorithm_for) -> list[dict]:
     new_state = algorithm.replay(state.algorithm_state, [tuple(r) for r in record["results"]],
                                  record["version"])
     state.controller = Controller.from_state_dict(record["controller"])
+    if state.contexts is not None:
+      state.contexts = Coevolution.from_state_dict(state.contexts.library, record["contexts"])
     state.advance(new_state, algorithm.params(new_state), keep=set(state.controller.live_versions()))
     if "eval" in record["metrics"]:
       state.evals.append(record["metrics"]["eval"])
@@ -137,7 +146,7 @@ def _restore(ckpt: checkpoint.Checkpointer, algorithm, config) -> RunState:
   controller = Controller.from_state_dict(host["controller"])
   params[controller.version] = algorithm.params(algorithm_state)
   return RunState(algorithm_state, params, controller, host["evals"], host.get("timings", {}),
-                  restored_from=step)
+                  restored_from=step, contexts=coevolution.restored(config, host.get("contexts")))
 
 
 def config_difference(stored: dict, current: dict) -> str:
@@ -174,7 +183,8 @@ def initial_state(config, workdir: str, parts: Parts, algorithm, ckpt: checkpoin
   params, timings = version_zero_params(config, parts, transcripts, log)
   algorithm_state = algorithm.init(params)
   controller = Controller(algorithm.controller_config(), num_tasks=len(parts.train_tasks))
-  return RunState(algorithm_state, {0: algorithm.params(algorithm_state)}, controller, [], timings)
+  return RunState(algorithm_state, {0: algorithm.params(algorithm_state)}, controller, [], timings,
+                  contexts=coevolution.from_config(config))
 
 
 def version_zero_params(config, parts: Parts, transcripts: list[list[dict]], log=print

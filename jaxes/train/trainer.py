@@ -23,8 +23,8 @@ from typing import Callable
 from ml_collections import config_dict
 
 from jaxes.envs.sandbox import Sandbox, SandboxError
-from jaxes.train import (algorithms, builders, checkpoint, compile_cache, config_history, evaluation, metrics,
-                         multihost, precompile, report, tracker, warmstart)
+from jaxes.train import (algorithms, builders, checkpoint, coevolution, compile_cache, config_history,
+                         evaluation, metrics, multihost, precompile, report, tracker, warmstart)
 from jaxes.train.algorithms import UpdateContext
 from jaxes.train.config import validate
 from jaxes.train.hooks import Hook, UpdateInfo, run_hooks
@@ -78,6 +78,8 @@ class Trainer:
       update_log = UpdateLog(os.path.join(self.workdir, UPDATE_LOG))
       stack.callback(update_log.close)
       self.state = self._initial_state(ckpt, update_log, transcripts)
+      self._contexts = coevolution.ContextEpisodes(c, builders.system_prompt(c))   # coevolve.enabled
+      self._contexts.check(self.state.contexts, self.parts.tokenizer)
       if changes and host.primary:
         config_history.record(self.workdir, self.state.version, changes)
         self.log(f"config changed from version {self.state.version} on (recorded in "
@@ -202,7 +204,7 @@ class Trainer:
     if not free:
       return
     for job in self.state.controller.next_jobs(len(free)):
-      self.runner.submit(self.algorithm.spec(job))
+      self.runner.submit(self._contexts.spec(self.algorithm.spec(job), self.state.contexts))
 
   def _report(self, result) -> None:
     self.algorithm.on_result(self.state.algorithm_state, result)
@@ -229,8 +231,10 @@ class Trainer:
                             state.params_by_version, keep)
     new_state, update_metrics = self.algorithm.update(state.algorithm_state, results, context)
     state.advance(new_state, self.algorithm.params(new_state), keep)
+    contexts = coevolution.after_update(state.contexts, state.version, results, keep)
     self._window.update_s += time.perf_counter() - t
-    return self.algorithm.record(self._window, update, results, update_metrics, self.runner.stats()), results
+    record = self.algorithm.record(self._window, update, results, update_metrics, self.runner.stats())
+    return {**record, **contexts}, results
 
   # -- evaluation -----------------------------------------------------------------------------
   def evaluate(self) -> dict:
@@ -239,7 +243,8 @@ class Trainer:
     result = evaluation.evaluate(
         self.runner, state.params_by_version, state.version, self.parts.heldout_tasks[:c.eval.num_tasks],
         seeds=c.eval.seeds, temperature=c.eval.temperature, top_p=c.rollout.top_p,
-        on_training_result=self._report, log=self.log)
+        on_training_result=self._report, log=self.log,
+        prepare=lambda spec: self._contexts.spec(spec, state.contexts))
     state.evals.append(result)
     return result
 

@@ -1,0 +1,92 @@
+"""Parameter–context co-evolution through the real trainer: each sampled episode's system prompt
+is its member's context, the parents change across updates, and a run SIGKILLed mid-run and
+resumed ends with the parameters and contexts of a run never interrupted."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from helpers_train import ROOT, SYSTEM, build_tiny_tokenizer, tiny_config, write_config_file
+from jaxes.controller.coevolve import Coevolution
+from jaxes.train import metrics
+from jaxes.train.coevolution import ContextEpisodes, from_config
+from jaxes.train.errors import ConfigError
+from jaxes.train.trainer import Trainer
+from jaxes.train.transcripts import read_episodes
+
+# Short pieces: a context must leave the tiny model's 192-token row room for two turns.
+PIECES = "Be brief.\nCheck paths.\nOne command.\nRead first."
+
+
+def _train_records(workdir):
+  path = os.path.join(workdir, "metrics.jsonl")
+  return [r for r in metrics.read_metrics(path) if "train" in r] if os.path.exists(path) else []
+
+
+def _config(tmp_path, **overrides):
+  return tiny_config(build_tiny_tokenizer(str(tmp_path / "tok")), **{
+      "coevolve.enabled": True, "coevolve.pieces": PIECES, "coevolve.max_pieces": 2,
+      "controller.mode": "async", "controller.max_staleness": 1, "rollout.sandbox_steps": 2,
+      "env.partial_credit": True, "eval.num_tasks": 0, "rollout.temperature": 0.6,
+      "rollout.common_random_numbers": False, "train.num_updates": 4, "train.plot": False,
+      "train.checkpoint_every": 2, "train.transcripts_per_update": 4, **overrides})
+
+
+@pytest.mark.slow
+def test_contexts_coevolve_and_resume_exactly_after_sigkill(tmp_path):
+  config = _config(tmp_path)
+  whole = Trainer(config, str(tmp_path / "a"), log=lambda s: None).run()
+  lines = _train_records(tmp_path / "a")
+  parents = {0: [[]], **{r["version"]: r["context_parents"] for r in lines}}
+  assert len({json.dumps(p) for p in parents.values()}) > 1, parents   # the parents moved
+  # Every sampled episode's prompt is the run's system prompt plus its member's context.
+  state = {"seed": config.seed, "parents": 2, "pieces": PIECES.splitlines(),
+           "by_version": sorted(parents.items())}
+  co = Coevolution.from_state_dict(from_config(config).library, state)
+  episodes = read_episodes(os.path.join(tmp_path / "a", "episodes.jsonl"))
+  prompts = ContextEpisodes(config, SYSTEM)
+  assert len(episodes) >= 8
+  for e in episodes:
+    assert prompts.prompt(co, e["version"], e["member"]) in e["transcript"][0]["text"]
+  assert len({e["transcript"][0]["text"].split("\nuser")[0] for e in episodes}) > 1
+
+  workdir = tmp_path / "b"
+  cmd = [sys.executable, "-m", "jaxes.train", f"--config={write_config_file(config, tmp_path / 'c.py')}",
+         f"--workdir={workdir}"]
+  proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+  deadline = time.monotonic() + 300
+  while not _train_records(workdir) and proc.poll() is None and time.monotonic() < deadline:
+    time.sleep(0.05)
+  assert proc.poll() is None, f"the run ended before it could be killed:\n{proc.stderr.read().decode()[-2000:]}"
+  os.kill(proc.pid, signal.SIGKILL)
+  proc.wait()
+  proc.stderr.close()
+  assert 1 <= len(_train_records(workdir)) < 4
+  resumed = Trainer(config, str(workdir), log=lambda s: None).run()   # restores, replays, finishes
+  assert resumed["version"] == 4
+  for x, y in zip(jax.tree.leaves(resumed["params"]), jax.tree.leaves(whole["params"]), strict=True):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  strip = lambda r: {k: r[k] for k in ("version", "context_parents", "staleness_hist", "update_norm")}
+  assert [strip(r) for r in _train_records(workdir)] == [strip(r) for r in lines]
+
+
+def test_bad_coevolve_settings_are_one_line(tmp_path):
+  from jaxes.train.config import validate
+  config = _config(tmp_path)
+  config.train.algorithm = "grpo"
+  with pytest.raises(ConfigError, match=r"config\.coevolve\.enabled: co-evolves ES members"):
+    validate(config)
+  config = _config(tmp_path, **{"coevolve.max_pieces": 0})
+  with pytest.raises(ConfigError, match=r"config\.coevolve\.max_pieces: must be >= 1"):
+    validate(config)
+  # A library too long for the cache row is refused before any episode runs.
+  config = _config(tmp_path, **{"coevolve.pieces": "\n".join(["Read every file twice " * 12] * 3)})
+  with pytest.raises(ConfigError, match=r"config\.coevolve\.pieces: the longest context"):
+    Trainer(config, str(tmp_path / "w"), log=lambda s: None).run()
+  assert not [n for n in os.listdir(tmp_path / "w" / "checkpoints") if n.isdigit()]   # nothing saved

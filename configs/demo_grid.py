@@ -10,7 +10,9 @@ One run alone: python -m jaxes.train --config=configs/demo_grid.py:delay8 --work
 Variants (as configs/paper.py): sync, async1 (staleness <= 1), delay4 / delay8 (10% of each
 cohort -- round(0.8) = 1 of 8 members -- held back 4 / 8 updates on top of Async-1), allstale
 (every member of a cohort held back 4 updates), async1_weight / async1_baseline_only /
-async1_pace (Async-1 under the stale-result policies of jaxes/controller/policies.py), and grpo: the same warm start, tasks, engine
+async1_pace (Async-1 under the stale-result policies of jaxes/controller/policies.py), coevolve
+(Async-1 with system prompts co-evolved alongside the parameters, jaxes/train/coevolution.py),
+and grpo: the same warm start, tasks, engine
 and evaluation trained by GRPO (configs/demo_grpo.py's learner settings) at the ES variants'
 episode budget -- 4 tasks x 4 sampled episodes = 16 per update, as 8 members x 2 episodes --
 synchronous and on-policy.
@@ -34,7 +36,7 @@ from jaxes.experiments.variants import apply_es_variant
 from jaxes.train.config import load_config_file
 
 VARIANTS = ("sync", "async1", "delay4", "delay8", "allstale", "async1_weight",
-            "async1_baseline_only", "async1_pace", "grpo")
+            "async1_baseline_only", "async1_pace", "coevolve", "grpo")
 NUM_UPDATES = 48
 EVAL_EVERY = 16
 EPISODES_PER_MEMBER = 2

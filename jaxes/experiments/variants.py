@@ -32,6 +32,9 @@ ES_OVERRIDES = {
     "async1_baseline_only": {**_ASYNC1, "controller.overage": "baseline_only"},
     "async1_pace": {**_ASYNC1, "controller.overage": "pace", "controller.pace_pool_capacity": 0,
                     "controller.pace_generation_weight": 1.0},
+    # Parameter-context co-evolution (jaxes/train/coevolution.py) on Async-1: paired with async1,
+    # the difference is the evolving system prompt's.
+    "coevolve": {**_ASYNC1, "coevolve.enabled": True},
 }
 POLICY_VARIANTS = ("async1_weight", "async1_baseline_only", "async1_pace")
 
@@ -55,6 +58,7 @@ DESCRIPTIONS = {
     "async1_weight": "Async-1, results weighted 0.5 ** staleness",
     "async1_baseline_only": "Async-1, stale results only in the shaping baseline",
     "async1_pace": "Async-1, PACE (pool rejection budget, effective-staleness ranking)",
+    "coevolve": "Async-1, system prompts co-evolved with the parameters (Agentic ESOpt)",
     "grpo": "GRPO (backprop baseline)",
 }
 

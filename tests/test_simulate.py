@@ -108,6 +108,24 @@ def test_async_beats_sync_on_updates_per_hour_under_lognormal_durations():
   assert async1["utilization"] > sync["utilization"]
 
 
+def test_sync_waits_out_every_update_and_async_overlaps_it():
+  # Constant 60 s episodes, one round of 16 per update: a sync update n lands at
+  # n * 60 + (n - 1) * U, since no job of the next version starts while the trainer computes it.
+  def run(mode, k, update_seconds, spec="constant"):
+    ctl = Controller(ControllerConfig(mode=mode, population=8, episodes_per_member=2,
+                                      max_staleness=k), num_tasks=200)
+    return Simulator(ctl, 16, durations.parse(spec), seed=3, update_seconds=update_seconds).run(10)
+  for u in (0.0, 30.0):
+    s = run("sync", 0, u)
+    assert s["virtual_hours"] * 3600 == pytest.approx(10 * 60 + 9 * u)
+  # Under heavy tails too (durations are drawn by job identity): sync loses exactly U per
+  # update; async keeps its episodes in flight through an update and loses less.
+  sync = [run("sync", 0, u, "lognormal:1.0")["virtual_hours"] * 3600 for u in (0.0, 60.0)]
+  async1 = [run("async", 1, u, "lognormal:1.0")["virtual_hours"] * 3600 for u in (0.0, 60.0)]
+  assert sync[1] - sync[0] == pytest.approx(9 * 60.0)
+  assert 0 < async1[1] - async1[0] < 9 * 60.0
+
+
 @pytest.mark.parametrize("cut", [1, 7, 23])
 def test_checkpoint_and_resume_gives_the_uninterrupted_run(cut):
   full_log = []

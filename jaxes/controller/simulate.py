@@ -3,8 +3,10 @@
 One tick: apply every update that is due, abort jobs the controller dropped, hand jobs to idle
 workers, then advance the clock to the next completion and report every job finishing at that
 instant (in job-id order). With ``update_seconds`` an update keeps the trainer busy that long
-after its cohort is taken; results finishing meanwhile wait in the ready pool (where waiting
-staleness and PACE's pool occupancy come from). A job's duration and infrastructure failure are drawn from a
+after its cohort is taken, and no job is handed out meanwhile (the version it would run is being
+computed): a synchronous run waits out every update, an asynchronous one keeps the jobs in flight
+running, and results finishing meanwhile wait in the ready pool (where waiting staleness and
+PACE's pool occupancy come from). A job's duration and infrastructure failure are drawn from a
 ``random.Random`` seeded with the job's identity, so the run is a pure function of its arguments.
 
 CLI (prints a summary table, then one JSON line)::
@@ -150,10 +152,12 @@ class Simulator:
     for job in self.ctl.doomed_jobs() if self.abort_doomed else ():
       if job.job_id in self._running:
         self._finish(job.job_id, self.clock, aborted=True)
-    for job in self.ctl.next_jobs(len(self._idle)):
+    busy_trainer = self.trainer_free > self.clock
+    # No job starts while the trainer computes the next version: its parameters do not exist
+    # yet (sync pays every update in full; async overlaps it with the episodes in flight).
+    for job in () if busy_trainer else self.ctl.next_jobs(len(self._idle)):
       duration, fails = self._draw(job)
       self._start(job, heapq.heappop(self._idle), self.clock, self.clock + duration, fails)
-    busy_trainer = self.trainer_free > self.clock
     if not self._running and not busy_trainer:
       raise RuntimeError(f"simulator deadlock at version {self.ctl.version}: no job running, none "
                          f"issuable, no update due; controller stats {self.ctl.stats}")

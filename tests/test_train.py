@@ -72,17 +72,26 @@ def test_few_updates_end_to_end_async_no_recompile_no_leftovers(tokenizer_dir, t
 def test_resume_equals_uninterrupted(tokenizer_dir, tmp_path):
   # Sync ES after a short warm start; temperature sampling keyed by job id (common random numbers
   # off), so members differ in reward (within antithetic pairs too) and the updates, including
-  # the resumed one, move θ.
+  # the resumed one, move θ. 8 slots: the programs of the tests above and below (the compile
+  # cache), and the same episodes as any other slot count (sampling keyed by job id).
   base = {"controller.mode": "sync", "controller.max_staleness": 0, "warmstart.steps": 60,
           "warmstart.learning_rate": 1e-2, "env.partial_credit": True, "eval.num_tasks": 0,
           "rollout.temperature": 0.4, "rollout.common_random_numbers": False,
-          "controller.episodes_per_member": 2}
+          "controller.episodes_per_member": 2, "rollout.num_slots": 8}
   quiet = dict(log=lambda s: None)
   whole = Trainer(tiny_config(tokenizer_dir, **{**base, "train.num_updates": 3}), str(tmp_path / "a"), **quiet).run()
   norms = [r["update_norm"] for r in metrics.read_metrics(str(tmp_path / "a" / "metrics.jsonl")) if "train" in r]
   assert norms[2] > 0, f"the update after the resume point did not move θ ({norms}): vacuous comparison"
+  # The interrupted run starts from the whole run's version 0 (warmstart.init_from) rather than
+  # warm-starting again: the warm start's determinism across runs is the SIGKILL test's (its
+  # launched process warm-starts on its own).
+  base = {**base, "warmstart.init_from": str(tmp_path / "a")}
   Trainer(tiny_config(tokenizer_dir, **{**base, "train.num_updates": 2}), str(tmp_path / "b"), **quiet).run()
-  resumed = Trainer(tiny_config(tokenizer_dir, **{**base, "train.num_updates": 3}), str(tmp_path / "b"), **quiet).run()
+  said = []
+  resumed = Trainer(tiny_config(tokenizer_dir, **{**base, "train.num_updates": 3}), str(tmp_path / "b"),
+                    log=said.append).run()
+  # From the full checkpoint the first run ended with, not through the update log.
+  assert "resumed from checkpoint at version 2" in said, said
   assert resumed["version"] == whole["version"] == 3 and resumed["updates_this_run"] == 1
   _params_equal(resumed["params"], whole["params"])
   versions = [r["version"] for r in metrics.read_metrics(str(tmp_path / "b" / "metrics.jsonl")) if "train" in r]
@@ -101,7 +110,8 @@ def test_sigkill_at_random_moments_then_rerun_equals_uninterrupted(tokenizer_dir
           "warmstart.learning_rate": 1e-2, "env.partial_credit": True, "eval.num_tasks": 0,
           "rollout.temperature": 0.4, "rollout.common_random_numbers": False,
           "train.num_updates": 5, "train.plot": False,   # two kills near updates 1-3, two ahead
-          "train.checkpoint_every": 3}   # kills between full checkpoints resume through the update log
+          "train.checkpoint_every": 3,   # kills between full checkpoints resume through the update log
+          "rollout.num_slots": 8}        # the other tests' programs (the compile cache)
   config = tiny_config(tokenizer_dir, **base)
   whole = Trainer(config, str(tmp_path / "a"), log=lambda s: None).run()
   config_file = write_config_file(config, tmp_path / "sigkill_config.py")

@@ -12,17 +12,20 @@ repeated), keys/values ``[B, S, K, hd]``, outputs ``[B, T, K, G, hd]`` in ``q``'
 * ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")`` (flash attention) on GPU
   when cuDNN takes the call (bf16/fp16), else ``blockwise``.
 
-* ``Pages``: a paged cache (``qwen2.PagedKVCache``): ``blockwise`` over key blocks of whole
-  pages gathered through each row's page table, per data shard.
+* ``Pages``: a paged cache (``qwen2.PagedKVCache``), per data shard: on TPU, with the pages in
+  the kernel's interleaved layout, the Pallas kernel ``ragged_paged_attention``
+  (``kernels_tpu``); otherwise ``blockwise`` over key blocks of whole pages gathered through each
+  row's page table.
 
-Why not the Pallas TPU kernels: ``pallas.ops.tpu.flash_attention`` aligns its causal mask at key 0,
-while a cache row here is a prefix of slots whose queries sit at a per-row offset.
-``pallas.ops.tpu.paged_attention`` takes one query per row (decode only) and pages laid out
-heads-major per layer (``[K, pages, page, hd]``, one array per layer), while an engine call
-mixes decode rows with prefill chunks and the layer scan carries all layers' pages
-``[L, pages, page, K, hd]`` (a transposed copy per call would cost what paging saves);
-``ragged_paged_attention`` (mixed prefill/decode) has its own page layout as well. ``blockwise``
-bounds the memory the same way on every backend; it does not fuse as well.
+The path is chosen for the platform the program is compiled for (``target_platform``: the
+mesh's devices), not the process's default backend, so a deviceless compile for a GPU or TPU
+target from a CPU machine (the preflight) builds the program the real run would.
+
+Why not the other Pallas TPU kernels: ``pallas.ops.tpu.flash_attention`` aligns its causal mask
+at key 0, while a cache row here is a prefix of slots whose queries sit at a per-row offset.
+``pallas.ops.tpu.paged_attention`` takes one query per row (decode only), while an engine call
+mixes decode rows with prefill chunks; the unpaged cache (``Rows``, the ragged batch) stays on
+``blockwise``, which bounds the memory the same way on every backend but does not fuse as well.
 """
 from __future__ import annotations
 
@@ -33,6 +36,8 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
+
+from jaxes.models import kernels_tpu
 
 # A finite floor (not -inf) keeps rows without any visible key (padding) free of NaN.
 _FLOOR = float(jnp.finfo(jnp.float32).min)
@@ -109,6 +114,16 @@ def _cudnn(q, k, v, mask):
   return out.reshape(B, T, K, G, hd)
 
 
+def target_platform(mesh=None) -> str:
+  """The platform a program runs on: that of ``mesh``'s devices, else of the mesh set by
+  ``jax.set_mesh`` (abstract devices included), else the default backend. A deviceless compile
+  for a TPU or GPU topology from a CPU process names its target here, not ``"cpu"``."""
+  if mesh is not None:
+    return mesh.devices.flat[0].platform
+  device = jax.sharding.get_abstract_mesh().abstract_device
+  return jax.default_backend() if device is None else device.platform
+
+
 def as_bits(x: jax.Array) -> jax.Array:
   """``x``'s raw bits as unsigned ints of its width (a free bitcast)."""
   return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
@@ -116,8 +131,8 @@ def as_bits(x: jax.Array) -> jax.Array:
 
 def cached(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, layer: jax.Array,
            cache_valid: jax.Array, q_slots: jax.Array, span: int, dtype=None,
-           block: int | None = None, rows: "Rows | None" = None, bounded: bool = False
-           ) -> jax.Array:
+           block: int | None = None, rows: "Rows | None" = None, bounded: bool = False,
+           platform: str | None = None) -> jax.Array:
   """Attention of ``q`` to the first ``span`` slots of layer ``layer`` of a ``[L, B, S, K, hd]``
   cache; query t of row b sees slot s iff ``cache_valid[b, s]`` and ``s <= q_slots[b, t]``.
   ``dtype``: the cache holds raw bits (``as_bits``) of this dtype; None: plain values. Blocks
@@ -125,7 +140,8 @@ def cached(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, layer: jax.Arra
   the whole cache out of the block loop (the CPU backend, which computes bfloat16 dots in
   float32, did: a float32 copy of the cache). ``rows``: q's batch is those rows of the cache
   (``cache_valid`` and ``q_slots`` per batch row); see ``Rows``. ``bounded``: read key blocks
-  up to the furthest query only (``_attend``)."""
+  up to the furthest query only (``_attend``). ``platform``: the target's (None:
+  ``target_platform()``; ``rows`` name their own mesh's)."""
   if rows is not None:
     return rows.attend(q, cache_k, cache_v, layer, cache_valid, q_slots, span, dtype, block,
                        bounded)
@@ -140,11 +156,12 @@ def cached(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, layer: jax.Arra
       k, v = (jax.lax.bitcast_convert_type(c, dtype) for c in (k, v))
     return k, v
 
-  return _attend(q, read, cache_valid, q_slots, span, block, bounded)
+  return _attend(q, read, cache_valid, q_slots, span, block, bounded,
+                 target_platform() if platform is None else platform)
 
 
 def _attend_rows(q, cache_k, cache_v, layer, row_valid, q_slots, index, span, dtype, block,
-                 bounded=False):
+                 bounded, platform):
   """``cached`` for batch row i reading cache row ``index[i]``, all on one device: each key block
   is gathered for the batch's rows only (``[n, block, K, hd]``), never their whole rows."""
   def read(start, n):
@@ -154,12 +171,13 @@ def _attend_rows(q, cache_k, cache_v, layer, row_valid, q_slots, index, span, dt
       k, v = (jax.lax.bitcast_convert_type(c, dtype) for c in (k, v))
     return k, v
 
-  return _attend(q, read, row_valid, q_slots, span, block, bounded)
+  return _attend(q, read, row_valid, q_slots, span, block, bounded, platform)
 
 
-def _attend(q, read, valid, q_slots, span, block, bounded=False):
+def _attend(q, read, valid, q_slots, span, block, bounded, platform):
   """Attention of ``q`` to the keys ``read(start, n)`` returns: query t of row b sees slot s iff
-  ``valid[b, s]`` and ``s <= q_slots[b, t]``. cuDNN on the GPU (handed the whole span), else
+  ``valid[b, s]`` and ``s <= q_slots[b, t]``. cuDNN when ``platform`` is the GPU (handed the
+  whole span; where cuDNN refuses the call, or is not installed, ``blockwise``), else
   ``blockwise``; ``bounded``: ``blockwise`` reads key blocks up to this device's furthest query
   only (``q_slots`` of padding tokens must not point past the real ones)."""
   def visible(start, n):
@@ -167,7 +185,7 @@ def _attend(q, read, valid, q_slots, span, block, bounded=False):
     return (jax.lax.dynamic_slice_in_dim(valid, start, n, axis=1)[:, None, :]
             & (keys[None, None, :] <= q_slots[:, :, None]))
 
-  if jax.default_backend() == "gpu":
+  if platform == "gpu":
     k, v = read(0, span)
     out = _cudnn(q, k, v, visible(0, span))
     if out is not None:
@@ -240,11 +258,12 @@ class Rows:
         index, counts, self.index)
 
   def attend(self, q, cache_k, cache_v, layer, row_valid, q_slots, span, dtype=None, block=None,
-             bounded=False):
+             bounded=False, platform=None):
     """``cached`` for these rows: ``q [n, T, K, G, hd]``, ``row_valid [n, S]``, ``q_slots [n, T]``
-    (``bounded``: see ``_attend``)."""
+    (``bounded``: see ``_attend``; ``platform`` None: the mesh's, ``target_platform``)."""
     b, h = self.batch_axis, self.heads_axis
-    fn = functools.partial(_attend_rows, span=span, dtype=dtype, block=block, bounded=bounded)
+    fn = functools.partial(_attend_rows, span=span, dtype=dtype, block=block, bounded=bounded,
+                           platform=platform or target_platform(self.mesh))
     cache = self._cache_spec()
     return self._local(fn, (P(b, None, h), cache, cache, P(), P(b), P(b), P(b)),
                        P(b, None, h))(q, cache_k, cache_v, layer, row_valid, q_slots, self.index)
@@ -257,22 +276,66 @@ def _page_block(span: int, page: int, block: int | None) -> int:
   return page * block_size(span // page, max(1, (KV_BLOCK if block is None else block) // page))
 
 
+def interleaved(pages_v: jax.Array) -> bool:
+  """Whether a paged cache is in ``ragged_paged_attention``'s layout: keys and values interleaved
+  over the head axis of one ``[L, P, page, 2K, hd]`` array (``pages_k``: head 2k the keys of KV
+  head k, 2k + 1 its values), ``pages_v`` an empty ``[L, P, page, 0, hd]`` placeholder. Such
+  pages may hold values rather than raw bits (``qwen2.PagedKVCache.init(interleaved=True)``)."""
+  return pages_v.shape[-2] == 0
+
+
+def interleave_pages(mesh=None) -> bool:
+  """Whether a paged cache for ``mesh`` should be kept interleaved (``qwen2.PagedKVCache.init(
+  interleaved=)``): on TPU, where ``ragged_paged_attention`` reads that layout."""
+  return target_platform(mesh) == "tpu"
+
+
 def _paged_attend(q, pages_k, pages_v, layer, row_valid, q_slots, table, span, dtype, block,
-                  bounded=False):
-  """``cached`` for batch row i reading the pages ``table[i]`` of ``[L, P, page, K, hd]``, on one
-  device: a key block is whole pages, gathered for the batch's rows only."""
+                  bounded, platform):
+  """``cached`` for batch row i reading the pages ``table[i]`` of ``[L, P, page, K, hd]`` (or the
+  interleaved layout), on one device. TPU with interleaved pages: ``kernels_tpu.paged_attention``
+  (it reads each row's pages up to its last token, so ``span`` and ``bounded`` change nothing
+  there; it takes a row's valid slots to be a prefix, as the engine keeps them). Otherwise
+  ``blockwise``: a key block is whole pages, gathered for the batch's rows only. (The kernel is
+  not run on split pages: building its layout at the call copies the page pool every layer,
+  ~10x the live keys and values on v5p, more than ``blockwise`` reads; benchmarks/RESULTS.md.)"""
+  mixed = interleaved(pages_v)
+  if mixed and platform == "tpu":
+    return kernels_tpu.paged_attention(q, pages_k, layer, q_slots, table, dtype)
   page = pages_k.shape[2]
   n_block = _page_block(span, page, block)
 
   def read(start, n):
     ids = jax.lax.dynamic_slice_in_dim(table, start // page, n // page, axis=1)   # [b, n / page]
-    k, v = (c[layer, ids] for c in (pages_k, pages_v))                            # [b, m, page, K, hd]
+    if mixed:
+      kv = pages_k[layer, ids]                                                    # [b, m, page, 2K, hd]
+      k, v = kv[..., 0::2, :], kv[..., 1::2, :]
+    else:
+      k, v = (c[layer, ids] for c in (pages_k, pages_v))                          # [b, m, page, K, hd]
     k, v = (c.reshape(c.shape[0], n, *c.shape[3:]) for c in (k, v))
-    if dtype is not None:
+    if dtype is not None and k.dtype != dtype:   # raw bits (interleaved pages hold values)
       k, v = (jax.lax.bitcast_convert_type(c, dtype) for c in (k, v))
     return k, v
 
-  return _attend(q, read, row_valid, q_slots, span, n_block, bounded)
+  return _attend(q, read, row_valid, q_slots, span, n_block, bounded, platform)
+
+
+def _write_pages(pages, layer, slots, x, table):
+  """``pages [L, P, page, H, hd]`` with ``x [b, T, H, hd]`` at layer ``layer``, slots ``slots``
+  of each row's pages ``table [b, S // page]`` (slots >= S dropped), on one device."""
+  page = pages.shape[2]
+  width = table.shape[1]
+  row = jnp.arange(table.shape[0])[:, None]
+  ids = table[row, jnp.minimum(slots // page, width - 1)]
+  ids = jnp.where(slots < width * page, ids, pages.shape[1])   # past the pages: dropped
+  return pages.at[layer, ids, slots % page].set(x, mode="drop")
+
+
+def _write_interleaved(pages, layer, slots, k, v, table):
+  """``_write_pages`` of keys and values ``[b, T, K, hd]`` (raw bits) into interleaved pages,
+  which hold values (``qwen2.PagedKVCache``): only the new tokens are converted."""
+  x = jnp.stack([k, v], axis=3).reshape(*k.shape[:2], 2 * k.shape[2], k.shape[3])
+  return _write_pages(pages, layer, slots, jax.lax.bitcast_convert_type(x, pages.dtype), table)
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["table"],
@@ -281,11 +344,11 @@ def _paged_attend(q, pages_k, pages_v, layer, row_valid, q_slots, table, span, d
 class Pages:
   """A batch's rows in a paged cache (``qwen2.PagedKVCache``): ``table [n, S // page]`` the page
   ids of each batch row (shard-local, the rows laid out over ``batch_axis`` as ``Rows``'s are),
-  pages ``[L, P, page, K, hd]`` sharded over the same axis. Every access runs per device under
-  ``shard_map``: a shard writes and reads its own pages only. The portable path (plain JAX
-  gathers of whole pages inside ``blockwise``) on every backend: the Pallas TPU
-  ``paged_attention`` kernel takes one query per row (decode only) in a heads-major page layout,
-  while an engine call carries prefill chunks and decode rows together."""
+  pages ``[L, P, page, K, hd]`` (keys and values apart, or ``interleaved``: ``[L, P, page, 2K,
+  hd]``) sharded over the same axis. Every access runs per device under ``shard_map``: a shard
+  writes and reads its own pages only. Reads of interleaved pages go through
+  ``ragged_paged_attention`` on TPU; everything else through the portable path (plain JAX
+  gathers of whole pages inside ``blockwise``; ``_paged_attend``)."""
   table: jax.Array
   mesh: Any = None
   batch_axis: Any = None
@@ -301,22 +364,28 @@ class Pages:
     """``pages`` with ``x [n, T, K, hd]`` written at layer ``layer``, each batch row's slots
     ``slots [n, T]`` (slots >= S dropped) at their page and offset."""
     b, h = self.batch_axis, self.heads_axis
-    def fn(pages, layer, slots, x, table):
-      page = pages.shape[2]
-      width = table.shape[1]
-      row = jnp.arange(table.shape[0])[:, None]
-      ids = table[row, jnp.minimum(slots // page, width - 1)]
-      ids = jnp.where(slots < width * page, ids, pages.shape[1])   # past the pages: dropped
-      return pages.at[layer, ids, slots % page].set(x, mode="drop")
-    return self._local(fn, (self._pages_spec(), P(), P(b), P(b, None, h), P(b)),
+    return self._local(_write_pages, (self._pages_spec(), P(), P(b), P(b, None, h), P(b)),
                        self._pages_spec())(pages, layer, slots, x, self.table)
 
-  def attend(self, q, pages_k, pages_v, layer, row_valid, q_slots, span, dtype=None, block=None,
-             bounded=False):
-    """``cached`` over these rows' pages: ``q [n, T, K, G, hd]``, ``row_valid [n, S]``,
-    ``q_slots [n, T]`` (``bounded``: see ``_attend``)."""
+  def write_kv(self, pages_k: jax.Array, pages_v: jax.Array, layer: jax.Array, slots: jax.Array,
+               k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``write`` of keys ``k`` and values ``v`` ``[n, T, K, hd]``, into their own pages or, in the
+    interleaved layout (``interleaved``), both into ``pages_k``."""
+    if not interleaved(pages_v):
+      return self.write(pages_k, layer, slots, k), self.write(pages_v, layer, slots, v)
     b, h = self.batch_axis, self.heads_axis
-    fn = functools.partial(_paged_attend, span=span, dtype=dtype, block=block, bounded=bounded)
+    x = P(b, None, h)
+    return self._local(_write_interleaved, (self._pages_spec(), P(), P(b), x, x, P(b)),
+                       self._pages_spec())(pages_k, layer, slots, k, v, self.table), pages_v
+
+  def attend(self, q, pages_k, pages_v, layer, row_valid, q_slots, span, dtype=None, block=None,
+             bounded=False, platform=None):
+    """``cached`` over these rows' pages: ``q [n, T, K, G, hd]``, ``row_valid [n, S]``,
+    ``q_slots [n, T]`` (``bounded``: see ``_attend``; ``platform`` None: the mesh's,
+    ``target_platform``)."""
+    b, h = self.batch_axis, self.heads_axis
+    fn = functools.partial(_paged_attend, span=span, dtype=dtype, block=block, bounded=bounded,
+                           platform=platform or target_platform(self.mesh))
     pages = self._pages_spec()
     return self._local(fn, (P(b, None, h), pages, pages, P(), P(b), P(b), P(b)),
                        P(b, None, h))(q, pages_k, pages_v, layer, row_valid, q_slots, self.table)

@@ -160,7 +160,11 @@ class PagedKVCache:
   ``table[b, j]`` of the shard that holds row b): every access runs per shard
   (``attention.Pages``). ``index [B]`` and ``valid [B, S]`` are per row as in ``KVCache``; a
   table entry whose slots are not valid may name any page. The host owns the table
-  (``jaxes.rollout.pages``) and replaces it when it changes."""
+  (``jaxes.rollout.pages``) and replaces it when it changes. ``init(interleaved=True)``: the
+  layout TPU's ``ragged_paged_attention`` reads, keys and values interleaved over the heads of
+  ``k [L, P, page, 2 * KVH, hd]`` and ``v`` an empty ``[L, P, page, 0, hd]``
+  (``attention.interleaved``), holding values of ``dtype``, not raw bits (the kernel reads the
+  whole array, and the TPU compiler makes a bitcast of it a copy)."""
   k: jax.Array
   v: jax.Array
   index: jax.Array
@@ -175,13 +179,16 @@ class PagedKVCache:
 
   @classmethod
   def init(cls, cfg: Qwen2Config, batch_size: int, max_len: int, page_size: int, num_pages: int,
-           dtype: str | None = None):
+           dtype: str | None = None, interleaved: bool = False):
     if max_len % page_size:
       raise ValueError(f"max_len={max_len} is not a multiple of page_size={page_size}")
-    shape = (cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_size)
+    heads = cfg.num_kv_heads
+    k_heads, v_heads = (2 * heads, 0) if interleaved else (heads, heads)
+    pages = (cfg.num_layers, num_pages, page_size)
     dtype = jnp.dtype(dtype or cfg.dtype)
-    bits = jnp.dtype(f"uint{8 * dtype.itemsize}")
-    return cls(k=jnp.zeros(shape, bits), v=jnp.zeros(shape, bits),
+    held = dtype if interleaved else jnp.dtype(f"uint{8 * dtype.itemsize}")
+    return cls(k=jnp.zeros(pages + (k_heads, cfg.head_size), held),
+               v=jnp.zeros(pages + (v_heads, cfg.head_size), held),
                index=jnp.zeros((batch_size,), jnp.int32),
                valid=jnp.zeros((batch_size, max_len), bool),
                table=jnp.zeros((batch_size, max_len // page_size), jnp.int32), dtype=dtype.name)
@@ -302,8 +309,9 @@ class Attention(nnx.Module):
       # Written into the whole cache (the layer scan's carry, as raw bits) in place; invalid
       # tokens carry an out-of-range slot, so mode="drop" skips them.
       if pages is not None:  # a paged cache (``attention.Pages``): each shard its own pages
-        cache_k = pages.write(cache_k, layer, write_slots, attention.as_bits(k.astype(dtype)))
-        cache_v = pages.write(cache_v, layer, write_slots, attention.as_bits(v.astype(dtype)))
+        cache_k, cache_v = pages.write_kv(cache_k, cache_v, layer, write_slots,
+                                          attention.as_bits(k.astype(dtype)),
+                                          attention.as_bits(v.astype(dtype)))
         out = pages.attend(q, cache_k, cache_v, layer, valid, slots, span, dtype, bounded=bounded)
         return self.o_proj(out.reshape(B, T, -1), noiser, layer), (cache_k, cache_v)
       if cache_rows is None:

@@ -1,6 +1,8 @@
 """Parameter–context co-evolution through the real trainer: each sampled episode's system prompt
 is its member's context, the parents change across updates, and a run SIGKILLed mid-run and
-resumed ends with the parameters and contexts of a run never interrupted."""
+resumed ends with the parameters and contexts of a run never interrupted. The run uses the
+``baseline_only`` stale-result policy, so the resume also covers a second policy through the
+trainer (tests/test_staleness_train.py covers ``weight``)."""
 import json
 import os
 import signal
@@ -33,6 +35,7 @@ def _config(tmp_path, **overrides):
   return tiny_config(build_tiny_tokenizer(str(tmp_path / "tok")), **{
       "coevolve.enabled": True, "coevolve.pieces": PIECES, "coevolve.max_pieces": 2,
       "controller.mode": "async", "controller.max_staleness": 1, "rollout.sandbox_steps": 2,
+      "controller.overage": "baseline_only",
       "env.partial_credit": True, "eval.num_tasks": 0, "rollout.temperature": 0.6,
       "rollout.common_random_numbers": False, "train.num_updates": 4, "train.plot": False,
       "train.checkpoint_every": 2, "train.transcripts_per_update": 4, **overrides})
@@ -72,14 +75,27 @@ def test_contexts_coevolve_and_resume_exactly_after_sigkill(tmp_path):
   assert resumed["version"] == 4
   for x, y in zip(jax.tree.leaves(resumed["params"]), jax.tree.leaves(whole["params"]), strict=True):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-  strip = lambda r: {k: r[k] for k in ("version", "context_parents", "staleness_hist", "update_norm")}
+  strip = lambda r: {k: r[k] for k in ("version", "context_parents", "staleness_hist", "weight_sum",
+                                       "update_norm")}
   assert [strip(r) for r in _train_records(workdir)] == [strip(r) for r in lines]
+
+
+def test_the_demo_tokenizer_is_built_from_the_pieces(tmp_path):
+  from jaxes.train import builders
+  config = _config(tmp_path, **{"tokenizer.path": "", "tokenizer.vocab_size": 400})
+  without = _config(tmp_path, **{"tokenizer.path": "", "tokenizer.vocab_size": 400,
+                                 "coevolve.enabled": False})
+  quiet = lambda s: None
+  tok = builders.build_tokenizer(config, str(tmp_path / "with"), [], quiet)
+  plain = builders.build_tokenizer(without, str(tmp_path / "without"), [], quiet)
+  count = lambda t: sum(len(t.encode(p, add_special_tokens=False)) for p in PIECES.splitlines())
+  assert count(tok) < count(plain)   # its merges compress the pieces
 
 
 def test_bad_coevolve_settings_are_one_line(tmp_path):
   from jaxes.train.config import validate
   config = _config(tmp_path)
-  config.train.algorithm = "grpo"
+  config.train.algorithm, config.controller.overage = "grpo", "drop"
   with pytest.raises(ConfigError, match=r"config\.coevolve\.enabled: co-evolves ES members"):
     validate(config)
   config = _config(tmp_path, **{"coevolve.max_pieces": 0})

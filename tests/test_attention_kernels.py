@@ -219,3 +219,34 @@ def test_a_forward_over_interleaved_pages_gives_the_split_pages_logits():
     logits[layout] = np.concatenate([np.asarray(first)[np.asarray(valid)], np.asarray(second)[:, 0]])
   assert qwen2.PagedKVCache.init(cfg, 2, 16, 4, 8, interleaved=True).v.shape[3] == 0
   np.testing.assert_allclose(logits[True], logits[False], rtol=1e-5, atol=1e-5)
+
+
+@needs_libtpu
+def test_a_forward_over_an_interleaved_cache_compiles_for_v5p_with_the_kernel(monkeypatch):
+  """The layer scan carrying interleaved pages, written by ``write_kv`` and read by the kernel
+  per shard (data 2 x tensor 2), through the TPU compiler (head_dim 128, as Mosaic tiles it)."""
+  monkeypatch.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  from flax import nnx
+  from jax.experimental import topologies
+  from jaxes.models import qwen2
+  mesh = Mesh(np.array(topologies.get_topology_desc("v5p:2x2x1", "tpu").devices).reshape(2, 2),
+              ("data", "tensor"))
+  cfg = qwen2.Qwen2Config.preset("tiny-gqa", dtype="bfloat16", head_dim=128)
+  graphdef, params = nnx.split(nnx.eval_shape(lambda: qwen2.Qwen2ForCausalLM(cfg, rngs=nnx.Rngs(0))),
+                               nnx.Param)
+  placed = lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
+  params = jax.tree.map(lambda x: placed(x, P()), params)
+  cache = jax.eval_shape(lambda: qwen2.PagedKVCache.init(cfg, 4, 64, 16, 16, interleaved=True))
+  pages = P(None, "data", None, "tensor", None)
+  cache = dataclasses.replace(cache, k=placed(cache.k, pages), v=placed(cache.v, pages),
+                              index=placed(cache.index, P("data")), valid=placed(cache.valid, P("data")),
+                              table=placed(cache.table, P("data")))
+  tokens = jax.ShapeDtypeStruct((4, 2), jnp.int32, sharding=NamedSharding(mesh, P("data")))
+  valid = jax.ShapeDtypeStruct((4, 2), bool, sharding=NamedSharding(mesh, P("data")))
+
+  def step(params, cache, tokens, positions, valid):
+    return qwen2.forward(graphdef, params, tokens, positions, valid, cache=cache, bounded_keys=True,
+                         cache_pages=attention.Pages(cache.table, mesh, "data", "tensor"))
+  lowered = jax.jit(step).lower(params, cache, tokens, tokens, valid)
+  assert "ragged_paged_attention_kernel" in lowered.as_text()
+  assert lowered.compile().memory_analysis().temp_size_in_bytes > 0

@@ -21,8 +21,8 @@ What the kernel takes, and how an engine call's batch becomes it (per device, un
   it would copy the pool every layer (``benchmarks/attention_kernels.py`` measures it).
 * ``page_indices``: the rows' page tables (shard-local page ids) plus ``layer * P``.
 
-The block sizes are passed explicitly: the kernel's tuned-size lookup reads the local device,
-which is a CPU in a deviceless compile for a TPU topology.
+The block sizes are passed explicitly (``kv_pages_per_block``): the kernel's tuned-size lookup
+reads the local device, which is a CPU in a deviceless compile for a TPU topology.
 """
 from __future__ import annotations
 
@@ -30,11 +30,17 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as _rpa
 
-# The kernel's defaults where its tuned table has no entry (``tuned_block_sizes``), and a scoped
-# VMEM limit every TPU from v4 on has room for.
-KV_PAGES_PER_BLOCK = 128
+# Keys per kernel block (its untuned default, 128 pages, is 2,048 keys at 16-key pages; fixed in
+# pages, 128-key pages ran out of VMEM at 32 MiB on v5p), queries per block (its default), and a
+# scoped VMEM limit every TPU from v4 on has room for.
+KV_TOKENS_PER_BLOCK = 2048
 QUERIES_PER_BLOCK = 32
 VMEM_LIMIT_BYTES = 32 * 2**20
+
+
+def kv_pages_per_block(page: int, pages_per_row: int) -> int:
+  """The kernel's ``num_kv_pages_per_block``: ``KV_TOKENS_PER_BLOCK`` keys, at most a row."""
+  return max(1, min(KV_TOKENS_PER_BLOCK // page, pages_per_row))
 
 ragged_paged_attention = _rpa.ragged_paged_attention
 reference = _rpa.ref_ragged_paged_attention   # JAX's plain-JAX reference of the same layout
@@ -111,6 +117,6 @@ def paged_attention(q: jax.Array, pages: jax.Array, layer: jax.Array, q_slots: j
   n, T = q.shape[:2]
   out = ragged_paged_attention(
       *args, sm_scale=q.shape[-1] ** -0.5,
-      num_kv_pages_per_block=min(KV_PAGES_PER_BLOCK, table.shape[1]),
+      num_kv_pages_per_block=kv_pages_per_block(pages.shape[2], table.shape[1]),
       num_queries_per_block=min(QUERIES_PER_BLOCK, n * T), vmem_limit_bytes=VMEM_LIMIT_BYTES)
   return kernel_outputs(out, q_slots, q.shape)

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxes.train import precompile
+from jaxes.train import compile_cache, precompile
 
 
 def _lowered(n: int) -> dict:
@@ -39,3 +39,65 @@ def test_a_program_that_fails_to_compile_raises_its_error():
     precompile.warm_up(lambda: {**_lowered(1), "broken": Broken()}, jobs=2, log=print, progress=False)
   run = precompile.compile_all({"broken": Broken()})
   assert isinstance(run.programs[0].error, RuntimeError) and run.programs[0].result is None
+
+
+def _compiled(seen: compile_cache.Compiles) -> list[str]:
+  """The programs compiled while ``seen`` watched (not read from the persistent cache)."""
+  return [name for name, how in seen.programs if how != "read"]
+
+
+def _tiny_run(algorithm: str, configure=lambda c: None):
+  """A tiny model's algorithm object on one device and its real initial state, with shapes no
+  other test compiles (a population of 6, a GRPO batch of 6 x 40): its update programs are in the
+  suite's cache only if this test put them there."""
+  from flax import nnx
+  from jaxes import sharding
+  from jaxes.models import qwen2
+  from jaxes.train import algorithms, builders
+  from jaxes.train.defaults import base_config
+  from jaxes.train.state import Parts
+  c = base_config()
+  c.train.algorithm = algorithm
+  c.model.preset, c.model.vocab_size, c.es.population = "tiny-gqa", 72, 6
+  c.mesh.data = c.mesh.fsdp = c.mesh.tensor = 1
+  configure(c)
+  model = builders.build_model(c, 72)
+  run = algorithms.ALGORITHMS[algorithm](c, Parts(None, model, [], []),
+                                         sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+  params = nnx.split(qwen2.Qwen2ForCausalLM(model.config, rngs=nnx.Rngs(0)), nnx.Param)[1]
+  return run, run.init(params)
+
+
+def test_the_start_up_compile_warms_the_first_es_update():
+  run, state = _tiny_run("es")
+  with compile_cache.watch() as warm:
+    precompile.warm_up(lambda: run.update_programs(state), jobs=1, log=print, progress=False)
+  assert warm.of("jit(apply)") in (["written"], ["read"])   # "read": a rerun of the suite's cache
+  with compile_cache.watch() as first:
+    run.strategy.update(state, [(0, m, float(m % 3)) for m in range(6)])
+  # ES's update program compiles no more: the call finds the warm-up's executable (in memory, or
+  # in the persistent cache in a new process).
+  assert "jit(apply)" not in _compiled(first), first.programs
+
+
+def test_the_start_up_compile_warms_the_first_grpo_step():
+  from jaxes import distributed
+  from jaxes.rl import batch as rl_batch
+  from jaxes.train.algorithms.grpo import batch_sharding
+  from jaxes.rl import config as rl_config
+
+  def configure(c):
+    c.rollout.temperature, c.rollout.max_len = 1.0, 64
+    c.grpo = rl_config.default_config()
+    c.grpo.group_size, c.grpo.tasks_per_update, c.grpo.seq_len = 3, 2, 40
+
+  run, state = _tiny_run("grpo", configure)
+  with compile_cache.watch() as warm:
+    precompile.warm_up(lambda: run.update_programs(state), jobs=1, log=print, progress=False)
+  step = [name for name, how in warm.programs if how != "compiled"]
+  assert len(step) == 1, warm.programs
+  # The batch as GRPO.update's _batch builds and places one (episodes pad to its rows).
+  batch = rl_batch.build_batch([], [], [], seq_len=40, num_rows=6)
+  with compile_cache.watch() as first:
+    run.learner.step(state.learner, distributed.place(batch, batch_sharding(run.mesh, 6)))
+  assert step[0] not in _compiled(first), first.programs

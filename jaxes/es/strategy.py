@@ -247,6 +247,18 @@ class Strategy:
     }
     return new_state, metrics
 
+  def lower_update(self, state: ESState) -> jax.stages.Lowered:
+    """The program ``update`` runs, lowered for ``state`` (arrays, or ShapeDtypeStructs in their
+    shardings) and a cohort of up to ``population`` noise keys, its arguments given as ``update``
+    gives them: compiling it writes the persistent-cache entry the first such update reads."""
+    key = state.key
+    run_key = (state.run_key if isinstance(key, jax.Array) else jax.ShapeDtypeStruct(
+        (), jax.eval_shape(jax.random.wrap_key_data, key).dtype, sharding=key.sharding))
+    n = self._padded_size(self.population)
+    keys = jax.ShapeDtypeStruct((n,), jnp.int32)   # host arrays, as ``update`` passes them
+    return self._apply.lower(state.params, state.opt_state, run_key, keys, keys,
+                             jax.ShapeDtypeStruct((n,), jnp.float32), jax.ShapeDtypeStruct((), jnp.int32))
+
   def member_noiser(self, params, versions, members, row_group, *, run_key: jax.Array
                     ) -> noiser.PopulationNoiser:
     """Noiser for a batch whose row b is member ``members[row_group[b]]`` of version

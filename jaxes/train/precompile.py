@@ -4,7 +4,8 @@ A run compiles its engine's programs lazily otherwise, one at a time, each when 
 needs it (minutes each for a 7B model). ``compile_all`` compiles lowered programs in a thread pool
 (XLA's compilers release the GIL, so threads run compiles side by side) and reads each result in
 its thread (the preflight reads the memory analysis; the trainer keeps nothing). The trainer's
-``warm_up`` is that with a progress bar: its compiles land in the persistent compilation cache
+``warm_up`` is that with a progress bar, over the engine's programs and the update's
+(``run_programs``): its compiles land in the persistent compilation cache
 (``compile_cache``), from which the run's own calls load them instead of compiling again — the same
 place a restarted run, or every other process of an SPMD pod run, reads them from.
 
@@ -81,6 +82,12 @@ def compile_all(lowered: Mapping[str, Any], jobs: int = 1, read: Callable[[Any],
   for p in programs:
     p.remat_failures = log.by_label.get(p.name, [])
   return Compilation(programs, time.perf_counter() - wall, _cpu_seconds() - cpu, log.unattributed)
+
+
+def run_programs(engine, algorithm, state) -> Callable[[], dict]:
+  """Every program a run compiles at start-up, for ``warm_up``: the engine's
+  (``Engine.programs``) and its first update's (``algorithm.update_programs(state)``)."""
+  return lambda: {**engine.programs(), **algorithm.update_programs(state)}
 
 
 def warm_up(programs: Callable[[], Mapping[str, Any]], jobs: int, log: Callable[[str], None] = print,

@@ -86,7 +86,8 @@ class Trainer:
                  f"{config_history.HISTORY}): " + "; ".join(map(str, changes)))
       self._in_force = config_history.changed_in_force(self.workdir, c)
       engine = self.algorithm.build_engine(self.state.algorithm_state, host.mesh)
-      precompile.warm_up(engine.programs, c.train.compile_jobs, self.log, progress=c.train.progress_bar and host.primary)
+      precompile.warm_up(precompile.run_programs(engine, self.algorithm, self.state.algorithm_state),
+                         c.train.compile_jobs, self.log, progress=c.train.progress_bar and host.primary)
       # Oracle transcripts above ran on the bare sandbox; training and evaluation pay the latency.
       self.runner = builders.build_runner(c, engine, self.parts.tokenizer,
                                           builders.with_latency(c, sandbox), owned=host.owned,

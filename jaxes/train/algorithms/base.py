@@ -92,6 +92,11 @@ class Algorithm(Protocol):
   def plot_label(self) -> str:
     """The title of the run's progress plot."""
 
+  def update_programs(self, state) -> dict:
+    """``{name: lowered}``, the programs an update runs, lowered for ``state`` (this
+    algorithm's, arrays or ShapeDtypeStructs) with the other arguments placed as the update
+    places them: the start-up compile warms the cache entries the first update reads."""
+
   def abstract_update(self, params, mesh) -> tuple[dict, dict]:
     """For the preflight: ``{name: lowered}``, the programs an update runs, lowered over
     ``params`` (ShapeDtypeStructs in their shardings on ``mesh``) and the rest of the state

@@ -10,12 +10,10 @@ import dataclasses
 import zlib
 
 import jax
-import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxes import distributed, es, sharding
 from jaxes.controller import ControllerConfig, Job
-from jaxes.es import keys, update
+from jaxes.es import keys
 from jaxes.rollout.episodes import EpisodeSpec
 from jaxes.train import builders, multihost
 from jaxes.train.algorithms.base import TrainEpisode, UpdateContext
@@ -130,22 +128,14 @@ class EvolutionStrategies:
   def plot_label(self) -> str:
     return f"ES ({self.config.controller.mode}, {self.config.es.mode})"
 
+  def update_programs(self, state: es.ESState) -> dict:
+    """The update's program (``Strategy.update``'s own), lowered for ``state``."""
+    return {"es_update": self.strategy.lower_update(state)}
+
   def abstract_update(self, params, mesh) -> tuple[dict, dict]:
-    """The ES update (``update.apply``, what ``Strategy.update`` runs) lowered over ``params``
-    (ShapeDtypeStructs in their shardings) and the optimizer state where a run on ``mesh``
-    places it (``es_shardings``), for a cohort of ``population`` noise keys; and that state."""
-    model = self.parts.model
-    opt_state = abstract_es_state(self.strategy, model, es_shardings(self.strategy, model, mesh)).opt_state
-    rep = NamedSharding(mesh, PartitionSpec())
-    strategy = self.strategy
-    fn = jax.jit(lambda p, o, k, v, m, w, n: update.apply(p, o, k, v, m, w, n, cfg=strategy.noise_config,
-                                                         tx=strategy.tx),
-                 out_shardings=(jax.tree.map(lambda x: x.sharding, params),
-                                jax.tree.map(lambda x: x.sharding, opt_state), rep))
-    run_key = jax.eval_shape(jax.random.wrap_key_data, jax.ShapeDtypeStruct((2,), jnp.uint32))
-    n = strategy.population   # a cohort of N results pads to N keys (one compiled shape)
-    args = [jax.ShapeDtypeStruct(shape, dtype, sharding=rep) for shape, dtype in
-            (((n,), jnp.int32), ((n,), jnp.int32), ((n,), jnp.float32), ((), jnp.int32))]
-    lowered = fn.lower(params, opt_state, sharding.abstract(run_key, rep), *args)
-    return {"es_update": lowered}, {"optimizer_state": opt_state}
+    """``update_programs`` over ``params`` (ShapeDtypeStructs in their shardings) and the rest
+    of the ES state where a run on ``mesh`` places it (``es_shardings``); and its optimizer state."""
+    state = abstract_es_state(self.strategy, self.parts.model, es_shardings(self.strategy, self.parts.model, mesh))
+    state = dataclasses.replace(state, params=params)
+    return self.update_programs(state), {"optimizer_state": state.opt_state}
 

@@ -162,26 +162,34 @@ class GRPO:
   def plot_label(self) -> str:
     return f"GRPO ({self.config.controller.mode})"
 
-  def abstract_update(self, params, mesh) -> tuple[dict, dict]:
-    """The learner step lowered over the abstract learner state a run places
-    (``GRPOLearner.abstract_state``: params as ``params`` are sharded; the float32 master and
-    AdamW moments also over data with ``grpo.optimizer_over_data``) and a batch of
-    ``group_size x tasks_per_update`` episode rows of ``seq_len`` tokens over ``data``; and the
-    state it holds besides the parameters (the engine decodes with the learner's params)."""
+  def update_programs(self, state: GRPOState) -> dict:
+    """The learner step ``update`` runs, lowered for ``state``'s learner state and a batch
+    (``_abstract_batch``) placed as ``_batch`` places it."""
+    return {"grpo_step": self.learner.lower(state.learner, self._abstract_batch(self.mesh))}
+
+  def _abstract_batch(self, mesh) -> rl_batch.Batch:
+    """A batch of ``group_size x tasks_per_update`` episode rows of ``seq_len`` tokens, abstract,
+    in ``batch_sharding`` on ``mesh`` (where ``_batch`` puts a real one)."""
     c = self.config
-    state = self.learner.abstract_state(params, jax.tree.map(lambda p: p.sharding, params))
     rows, seq = c.grpo.group_size * c.grpo.tasks_per_update, c.grpo.seq_len or c.rollout.max_len
-    over_data = NamedSharding(mesh, PartitionSpec("data"))
+    where = batch_sharding(mesh, rows)
 
     def arg(shape, dtype):
-      return jax.ShapeDtypeStruct(shape, dtype, sharding=over_data)
+      return jax.ShapeDtypeStruct(shape, dtype, sharding=where)
 
-    batch = rl_batch.Batch(arg((rows, seq), jnp.int32), arg((rows, seq), jnp.bool_),
-                           arg((rows, seq), jnp.bool_), arg((rows, seq), jnp.float32),
-                           arg((rows,), jnp.float32), arg((rows,), jnp.int32))
-    return ({"grpo_step": self.learner.lower(state, batch)},
+    return rl_batch.Batch(arg((rows, seq), jnp.int32), arg((rows, seq), jnp.bool_),
+                          arg((rows, seq), jnp.bool_), arg((rows, seq), jnp.float32),
+                          arg((rows,), jnp.float32), arg((rows,), jnp.int32))
+
+  def abstract_update(self, params, mesh) -> tuple[dict, dict]:
+    """``update_programs`` over the abstract learner state a run places
+    (``GRPOLearner.abstract_state``: params as ``params`` are sharded; the float32 master and
+    AdamW moments also over data with ``grpo.optimizer_over_data``); and the state it holds
+    besides the parameters (the engine decodes with the learner's params)."""
+    state = self.learner.abstract_state(params, jax.tree.map(lambda p: p.sharding, params))
+    return (self.update_programs(GRPOState(state, {})),
             {"master_weights": state.master, "optimizer_state": state.opt_state,
-             "reference_params": state.ref_params, "learner_batch": batch})
+             "reference_params": state.ref_params, "learner_batch": self._abstract_batch(mesh)})
 
   def _batch(self, state: GRPOState, results: list) -> tuple[rl_batch.Batch, float]:
     """The consumed groups' episodes, padded to ``tasks_per_update * group_size`` rows, and the

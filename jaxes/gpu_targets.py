@@ -82,6 +82,23 @@ def plugin_installed() -> bool:
   return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
 
 
+def cudnn_installed() -> bool:
+  """Whether cuDNN's library is there for the CUDA plugin to load (the ``nvidia-cudnn-cu12`` wheel
+  of the plugin's ``[with-cuda]`` extra). Without it cuDNN attention cannot be traced, even
+  deviceless ("cuDNN not found"), and the engine's attention falls back to blockwise
+  (``jaxes.models.attention``): a GPU compile then sizes the attention a GPU run with cuDNN does
+  not use."""
+  import importlib.util
+  try:
+    return importlib.util.find_spec("nvidia.cudnn") is not None
+  except ModuleNotFoundError:   # no ``nvidia`` namespace package at all
+    return False
+
+
+CUDNN_HINT = ("pip install 'jax-cuda12-plugin[with-cuda]==<jax version>' (all CUDA wheels, ~5.5 GB; "
+              "the nvidia-cudnn-cu12, -cublas-, -cuda-runtime- and -cuda-nvrtc-cu12 wheels suffice, 2.2 GB)")
+
+
 def devices(name: str, memory: int | None = None) -> list | None:
   """Abstract devices of an ``NxCHIP`` target for the real GPU compiler, ``None`` without the plugin.
   Up to 8 GPUs per host (the HGX boards); more are hosts of 8. ``memory``: bytes per device the

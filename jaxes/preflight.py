@@ -97,6 +97,7 @@ class Target:
   device_memory: float   # bytes per device
   compiler: str          # "tpu", "gpu" (deviceless, gpu_targets), or "cpu" (cpu:N, GPU estimates)
   estimate: bool         # GPU by the CPU compiler
+  attention: str | None = None   # GPU compiler: "cuDNN", or blockwise where cuDNN is not installed
 
 
 def resolve_topology(name: str, device_memory_gib: float | None = None,
@@ -119,7 +120,13 @@ def resolve_topology(name: str, device_memory_gib: float | None = None,
     # The compiler rematerialises against the memory it is told: an override reaches it too.
     gpu = None if cpu_estimate else gpu_targets.devices(name, memory=None if override is None else int(override))
     if gpu is not None:
-      return Target(name, gpu, override or chip.nominal, "gpu", False)
+      if gpu_targets.cudnn_installed():
+        return Target(name, gpu, override or chip.nominal, "gpu", False, "cuDNN")
+      # The engine would trace cuDNN attention, fail and compile blockwise: say so, not silently.
+      print(f"preflight: cuDNN is not installed, so attention is compiled blockwise, not as a GPU "
+            f"run with cuDNN runs it; for cuDNN: {gpu_targets.CUDNN_HINT}", file=sys.stderr)
+      return Target(name, gpu, override or chip.nominal, "gpu", False,
+                    "blockwise (cuDNN not installed)")
     if not cpu_estimate:
       print(f"preflight: {name} sized by the CPU compiler (an estimate); for the real GPU compiler: "
             f"pip install -e '.[gpu-aot]'", file=sys.stderr)
@@ -276,7 +283,7 @@ def _plan(config, target: Target, log, only: str | None, algorithm: str, jobs: i
   return {
     "topology": target.name, "devices": len(target.devices), "algorithm": algorithm,
     "device_kind": getattr(target.devices[0], "device_kind", "cpu"),
-    "compiler": target.compiler, "estimate": target.estimate,
+    "compiler": target.compiler, "estimate": target.estimate, "attention": target.attention,
     "mesh": dict(mesh.shape), "device_memory_bytes": int(target.device_memory),
     "peak_bytes_per_device": int(peak), "per_device": per_device,
     "peak_program": worst.name, "live_versions": versions, "only": only,
@@ -336,6 +343,8 @@ def _render_one(report: dict, headroom: float) -> tuple[list[str], bool]:
   fits = peak <= headroom * memory and not remat
   kind = ("estimate: CPU compiler, bf16 widened to f32 on CPU" if report["estimate"] else
           f"real {report['compiler'].upper()} compiler")
+  if report.get("attention"):
+    kind += f", attention {report['attention']}"
   lines = [f"{report.get('algorithm', 'es').upper()} on {report['topology']}: {report['devices']} x {report['device_kind']} ({kind}), "
            f"mesh {report['mesh']}, {_gib(memory).strip()} per device, "
            f"{report['live_versions']} live parameter version(s)"]
@@ -381,7 +390,7 @@ def summary(report: dict, fits: bool, headroom: float = 0.9) -> dict:
          "device_memory_bytes": report["device_memory_bytes"], "fits": fits,
          "peak_bytes_per_device": report["peak_bytes_per_device"],
          "per_device": report["per_device"], "programs": len(report["programs"]),
-         "mesh": report["mesh"], "estimate": report["estimate"], "compiler": report["compiler"],
+         "mesh": report["mesh"], "estimate": report["estimate"], "compiler": report["compiler"], "attention": report.get("attention"),
          "algorithm": report.get("algorithm", "es"), "compile": report.get("compile"),
          "remat_failures": len(report.get("remat_failures", []))}
   if "es" in report:

@@ -42,7 +42,30 @@ def test_gpu_compiler_sizes_8xH100_from_a_cpu_machine(no_persistent_cache):
   assert report["remat_failures"] == [] and report["compile"]["jobs"] == 2
   assert all(p["seconds"] > 0 for p in report["programs"])
   lines, fits = preflight.render(report, 0.9)
-  assert fits and "(real GPU compiler)" in lines[0] and "at 2 job(s)" in "\n".join(lines)
+  assert fits and "(real GPU compiler, attention " in lines[0] and "at 2 job(s)" in "\n".join(lines)
+
+
+@needs_plugin
+@pytest.mark.skipif(gpu_targets.cudnn_installed(), reason="cuDNN is installed here")
+def test_without_cudnn_the_gpu_report_says_its_attention_is_blockwise(capsys):
+  target = preflight.resolve_topology("8xH100")
+  assert target.attention == "blockwise (cuDNN not installed)"
+  assert "cuDNN is not installed, so attention is compiled blockwise" in capsys.readouterr().err
+
+
+@needs_plugin
+@pytest.mark.skipif(not gpu_targets.cudnn_installed(),
+                    reason=f"cuDNN is not installed ({gpu_targets.CUDNN_HINT})")
+def test_cudnn_attention_compiles_deviceless_for_an_h100():
+  from jax.sharding import NamedSharding, PartitionSpec
+  from jaxes import sharding
+  target = preflight.resolve_topology("8xH100")
+  mesh = sharding.make_mesh(2, 1, 4, devices=target.devices)
+  x = jax.ShapeDtypeStruct((2, 128, 8, 64), jax.numpy.bfloat16,
+                           sharding=NamedSharding(mesh, PartitionSpec("data", None, "tensor")))
+  attend = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                                                implementation="cudnn"))
+  assert target.attention == "cuDNN" and "__cudnn" in attend.lower(x, x, x).compile().as_text()
 
 
 @needs_plugin

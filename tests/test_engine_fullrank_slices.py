@@ -147,15 +147,18 @@ def test_noiser_holds_one_copy_per_shard_and_its_matmuls_gather_nothing(model):
   biggest_layer = cfg.hidden_size * cfg.intermediate_size // mesh.shape["tensor"]
   for engine, copies in ((per_slot, SLOTS // 4), (sliced, 1)):
     programs = engine.programs()
-    for name in ("step[w=8,span=64]", "step[b=4,w=1,span=64]"):
+    # The decode buckets (all rows, a quarter): the prefill bucket's portable attention
+    # gathers key blocks per token, a gather that is not of weights.
+    for name in ("step[t=8,span=64]", "step[t=4,span=64]"):
       compiled = programs[name].compile()
       # The cache and the noiser's copies (+ small per-row arguments); in full mode the step
       # reads no parameter (unused arguments are dropped), the noiser holds every weight.
       args = compiled.memory_analysis().argument_size_in_bytes - cache_bytes
       if copies == 1:
-        # The w=1 program is a decode loop (``decode_loop``): its while loop keeps the unused
-        # parameters as an argument, buffers that are resident anyway (no memory of its own).
-        unused = param_bytes if ",w=1," in name else 0
+        # Every step program ends in a decode loop (``decode_loop``): its while loop keeps the
+        # unused parameters as an argument, buffers that are resident anyway (no memory of
+        # their own).
+        unused = param_bytes
         assert noiser_bytes <= args < noiser_bytes + unused + 4096, name
       else:
         assert args > copies * copy_bytes, name

@@ -219,8 +219,8 @@ def test_admission_waits_for_pages_and_an_outgrowing_episode_ends_truncated(mode
 
 
 def test_paged_engine_compiles_the_dense_engines_programs(model):
-  """The same programs as the dense engine (names: the same ladder of batches x widths x
-  spans), and run twice over, no compilation past that bound and none the second time."""
+  """The same programs as the dense engine (names: the same token buckets x spans), and run
+  twice over, no compilation past that bound and none the second time."""
   _, _, params = model
   strategy = es.Strategy(population=POP, sigma=0.3, learning_rate=0.1, mode="lowrank", rank=2)
   run_key = jax.random.key(0)
@@ -236,7 +236,7 @@ def test_paged_engine_compiles_the_dense_engines_programs(model):
       warm = engine.compilations()
   assert engine.compilations() == warm      # the same shapes again: nothing new compiles
   # step programs and the reset
-  assert warm <= len(engine.batches) * len(engine.widths) * len(engine.spans) + 1
+  assert warm <= len(engine.buckets) * len(engine.spans) + 1
 
 
 def test_bad_page_arguments_are_clear_errors(model):
@@ -303,15 +303,17 @@ def test_runner_waits_for_pages_and_ends_an_outgrowing_episode_as_truncated(runn
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (tests/conftest.py)")
 def test_compiled_paged_steps_update_the_pages_in_place(model):
   """On data=4 x tensor=2 the donated pages are aliased to the step's output and the
-  temporaries stay below one copy of the keys' pages (full batch and compacted, the widest and
-  the narrowest call)."""
+  temporaries stay below one copy of the keys' pages (the decode buckets: at most a token
+  per row; the prefill bucket's portable path gathers key blocks per token, see
+  docs/engine.md)."""
   mesh = sharding.make_mesh(data=4, tensor=2)
   engine = _engine(model, mesh=mesh, max_len=4096, abstract=True, page_size=64,
                    num_pages=SLOTS * 4096 // 64 // 2)
   cache_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(engine.cache)) // 8
   key_bytes = engine.cache.k.size * engine.cache.k.dtype.itemsize // 8
   programs = engine.programs()
-  for name in ("step[w=8,span=4096]", "step[b=4,w=1,span=4096]"):
+  for t in engine.buckets[:-1]:
+    name = f"step[t={t * 4},span=4096]"
     stats = programs[name].compile().memory_analysis()
     assert stats.alias_size_in_bytes >= cache_bytes, name
     assert stats.temp_size_in_bytes < key_bytes, (name, stats.temp_size_in_bytes, key_bytes)

@@ -32,11 +32,11 @@ def _delta(engine, params_by_version):
 
 
 def _parked(model, **kw):
-  """An engine of 16 slots (batches of 4, 8, 16 rows) whose rows have each decoded a first turn
+  """An engine of 16 slots (token buckets of 4, 16, 24) whose rows have each decoded a first turn
   and are parked."""
   _, _, params = model
   engine = _engine(model, max_new_tokens=24, num_slots=16, **kw)
-  assert engine.batches == [4, 8, 16]
+  assert engine.buckets == [4, 16, 24]
   for slot in range(16):
     assert engine.start(slot, [5 + slot, 6, 7], version=0, member=-1, stream=slot)
   engine.max_new_tokens = 1
@@ -57,8 +57,10 @@ def test_held_prefills_decode_the_same_tokens(model):
   state1, _ = strategy.update(state0, [(0, m, float(m)) for m in range(8)])
   params_by_version = {0: state0.params, 1: state1.params}
   versions = [0, 1, 0, 1, 0, 1, 0]
-  now = _engine(model, strategy, state0.run_key, max_new_tokens=6, prefill_hold=0)
-  held = _engine(model, strategy, state0.run_key, max_new_tokens=6, prefill_hold=3)
+  # One token per call, so that rows still decode when observations come back (8 per call
+  # would end each 6-token turn in the call that feeds its observation).
+  now = _engine(model, strategy, state0.run_key, max_new_tokens=6, prefill_hold=0, decode_steps=1)
+  held = _engine(model, strategy, state0.run_key, max_new_tokens=6, prefill_hold=3, decode_steps=1)
   want = ragged_turns(now, params_by_version, versions, turns=3)
   got = ragged_turns(held, params_by_version, versions, turns=3)
   assert_same_turns(got, want)
@@ -111,7 +113,7 @@ def test_prefills_arriving_apart_share_one_call(model):
   assert engine.stats.prefill_held == 3
 
 
-def test_held_prefills_go_when_they_fill_the_smallest_batch_or_nothing_decodes(model):
+def test_held_prefills_go_when_they_fill_the_smallest_bucket_or_nothing_decodes(model):
   _, _, params = model
   engine = _parked(model, prefill_hold=100)
   engine.continue_turn(15, [9])
@@ -121,7 +123,7 @@ def test_held_prefills_go_when_they_fill_the_smallest_batch_or_nothing_decodes(m
     engine.continue_turn(slot, [9])
   _delta(engine, {0: params})
   assert engine.slots[0].state == PREFILL and engine.stats.prefill_held == 3
-  engine.continue_turn(3, [9])                         # four waiting: the smallest batch is full
+  engine.continue_turn(3, [9])                         # four waiting: the smallest bucket's rows
   d = _delta(engine, {0: params})
   assert d["prefill_calls"] == 1 and engine.stats.prefill_held == 3
   assert [engine.slots[s].state for s in (0, 1, 2, 3)] == [DECODE] * 4
@@ -147,13 +149,13 @@ def test_a_new_prefill_joins_a_row_mid_prefill_at_once(model):
 
 def test_holding_compiles_no_new_programs(model):
   """A held engine runs the programs an engine that feeds at once runs (same shapes), so the
-  compile count stays that of batches x widths x spans (plus reset and noiser)."""
+  compile count stays that of buckets x spans (plus reset and noiser)."""
   _, _, params = model
   strategy = es.Strategy(population=8, sigma=0.3, learning_rate=0.1, mode="lowrank", rank=2)
   state0 = strategy.init(params, jax.random.key(1))
   held = _engine(model, strategy, state0.run_key, max_new_tokens=6, prefill_hold=3)
   ragged_turns(held, {0: state0.params}, [0] * 7, turns=3)
-  bound = len(held.batches) * len(held.widths) * len(held.spans) + 2
+  bound = len(held.buckets) * len(held.spans) + 2
   assert held.compilations() <= bound
   warm = held.compilations()
   for slot in range(7):
@@ -181,7 +183,8 @@ def test_noisers_are_rebuilt_only_for_a_call_with_a_row_started_since(model):
 
   cfg, graphdef, _ = model
   engine = Engine(graphdef, cfg, num_slots=16, max_len=64, prefill_chunk=8, max_new_tokens=24,
-                  stop_ids=[], im_end_id=IM_END, make_noiser=make_noiser, prefill_hold=2)
+                  stop_ids=[], im_end_id=IM_END, make_noiser=make_noiser, prefill_hold=2,
+                  decode_steps=1)   # rows 0-2 still decode while slot 3 is held
   pbv = {0: state0.params}
   for slot in range(4):
     assert engine.start(slot, [5 + slot, 6, 7], version=0, member=slot, stream=slot)

@@ -74,8 +74,6 @@ def test_sharded_engine_decodes_the_single_device_tokens(model, mode, mesh_name)
   engine = _engine(model, mesh, strategy, state0.run_key)
   sharded = _decode(engine, params_by_version, jobs)
   assert sharded == single
-  if len(engine.batches) > 1:  # data4: some calls ran compacted (data8: one slot per shard)
-    assert engine.stats.rows_computed < engine.stats.rows_total
   assert len({tuple(t[0]) for t in single.values()}) > 2  # the members decode different text
 
 
@@ -103,7 +101,8 @@ def test_sharded_engine_runs_both_versions_in_one_call_with_the_single_device_to
                      version_steps=steps)
   cache_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract.cache)) // 8
   programs = abstract.programs()
-  for name in ("step[w=8,span=4096,steps=1]", "step[b=4,w=1,span=4096,steps=1]"):
+  # The decode buckets (the prefill bucket's portable path gathers key blocks per token).
+  for name in ("step[t=8,span=4096,steps=1]", "step[t=4,span=4096,steps=1]"):
     stats = programs[name].compile().memory_analysis()
     assert stats.alias_size_in_bytes >= cache_bytes, name
     assert stats.temp_size_in_bytes < cache_bytes / 4, (name, stats.temp_size_in_bytes, cache_bytes)
@@ -131,10 +130,14 @@ def test_compiled_step_updates_the_cache_in_place(model):
   engine = _engine(model, mesh, max_len=max_len, abstract=True)
   cache_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(engine.cache)) // 8
   programs = engine.programs()
-  # Full batch, and the compacted batch (one row per data shard: 4 of 8) that writes its new
-  # tokens into the cache and reads its key blocks in place.
-  for name in ("step[w=8,span=4096]", "step[w=1,span=4096]", "step[b=4,w=8,span=4096]",
-               "step[b=4,w=1,span=4096]"):
+  # The decode buckets (per data shard: 1 of its 2 rows, both), each writing its new tokens
+  # into the cache and reading its key blocks in place; the prefill bucket (both + a chunk of
+  # 8) writes in place too, but its portable path gathers key blocks per token (its
+  # temporaries: docs/engine.md).
+  assert engine.buckets == [1, 2, 10]
+  for name in ("step[t=4,span=4096]", "step[t=8,span=4096]", "step[t=40,span=4096]"):
+    assert programs[name].compile().memory_analysis().alias_size_in_bytes >= cache_bytes, name
+  for name in ("step[t=4,span=4096]", "step[t=8,span=4096]"):
     stats = programs[name].compile().memory_analysis()
     assert stats.alias_size_in_bytes >= cache_bytes, name
     assert stats.temp_size_in_bytes < cache_bytes / 4, (name, stats.temp_size_in_bytes, cache_bytes)
@@ -149,8 +152,8 @@ def test_abstract_engine_allocates_nothing_and_lowers_every_program(model):
     if leaf.shape[0] == SLOTS:  # per-slot noise factors live with their rows
       assert sh.spec[0] == "data"
   programs = engine.programs()
-  assert engine.batches == [1, 2]  # rows per data shard: compacted (1 of 2), full
-  steps = len(engine.batches) * len(engine.widths) * len(engine.spans)
+  assert engine.buckets == [1, 2, 10]  # tokens per data shard: 1 of its 2 rows, both, + a chunk
+  steps = len(engine.buckets) * len(engine.spans)
   assert len(programs) == steps + 2  # + reset, noiser build
   with pytest.raises(RuntimeError, match="abstract engine"):
     engine.start(0, [5, 6], version=0, member=-1, stream=0)
@@ -173,8 +176,8 @@ def test_sharded_compile_count_is_bounded(model):
 
   rounds()
   warm = engine.compilations()
-  # one step per (batch, width, span), reset
-  assert warm <= len(engine.batches) * len(engine.widths) * len(engine.spans) + 1
+  # one step per (token bucket, span), reset
+  assert warm <= len(engine.buckets) * len(engine.spans) + 1
   rounds()  # the same shapes again: nothing new compiles
   assert engine.compilations() == warm
 

@@ -60,7 +60,7 @@ def test_compaction_decodes_the_full_batch_tokens_and_logprobs(model):
   before = _schedule(full, params_by_version)
   after = _schedule(compact, params_by_version)
   assert_same_turns(after, before)
-  assert full.batches == [SLOTS] and compact.batches == [2, 4, 8]
+  assert full.buckets == [SLOTS + 8] and compact.buckets == [2, SLOTS, SLOTS + 8]
   # Compaction computes fewer positions for the same tokens.
   assert compact.stats.positions_computed < full.stats.positions_computed
   assert compact.stats.tokens_decoded == full.stats.tokens_decoded
@@ -81,44 +81,42 @@ def test_a_call_runs_only_its_working_rows(model):
     engine.step({0: params})
     return {k: v - before[k] for k, v in vars(engine.stats).items()}
 
-  # A short observation into one of 8 rows: 2 rows (the smallest batch) x its width, not 8.
+  # A short observation into one of 8 rows: the smallest token bucket that holds it.
   engine.continue_turn(0, [9])
   pending = len(engine.slots[0].pending)         # the turn's last token, im_end, the observation
-  width = next(w for w in engine.widths if w >= pending)
   d = one_step()
-  assert (d["rows_computed"], d["positions_computed"], d["tokens_prefilled"]) == (2, 2 * width, pending)
+  bucket = next(t for t in engine.buckets if t >= pending)
+  assert (d["positions_computed"], d["tokens_prefilled"]) == (bucket, pending)
   assert engine.slots[0].state == DECODE
-  d = one_step()                                   # it decodes alone: 2 rows x 1
-  assert (d["rows_computed"], d["positions_computed"], d["tokens_decoded"]) == (2, 2, 1)
-  # Four more rows decoding and one prefilling a full chunk: the decoding rows run apart at
-  # width 1 (4 x 1) and the prefilling row at width 8 (2 x 8) instead of 8 x 8 together.
+  d = one_step()                                   # it decodes alone: the smallest bucket, 2
+  assert (d["positions_computed"], d["tokens_decoded"]) == (2, 1)
+  # Four more rows decoding and one prefilling a chunk: one call of 4 + 8 tokens in the bucket
+  # of 16, not 8 rows x 8 positions (the chunk's last token goes next call).
   for slot in (1, 2, 3):
     engine.continue_turn(slot, [9])
   one_step()
   engine.continue_turn(4, list(range(10, 17)))
   assert [s.state for s in engine.slots[:5]] == [DECODE] * 4 + [PREFILL]
   d = one_step()
-  assert d["prefill_calls"] + d["decode_calls"] == 2
-  assert (d["rows_computed"], d["positions_computed"]) == (4 + 2, 4 * 1 + 2 * 8)
+  assert d["prefill_calls"] + d["decode_calls"] == 1
+  assert (d["positions_computed"], d["tokens_prefilled"], d["tokens_decoded"]) == (16, 8, 4)
 
 
-def test_program_count_is_batches_x_widths_x_spans(model):
+def test_program_count_is_buckets_x_spans(model):
   """The paper config's engine shape (240 slots over data=2, 16384 tokens, chunk 512; a tiny
-  model, built abstract: nothing allocated): 3 batches per shard (a quarter, a half, all 120
-  rows) x 4 widths x 1 span (attention reads key blocks up to the call's furthest token, so
-  off GPU one span serves every length) = 12 step programs; 4 without compaction. The
-  full-batch programs keep their names."""
+  model, built abstract: nothing allocated): 3 token buckets per shard (a quarter of its 120
+  rows, all of them, all plus a chunk) x 1 span (attention reads key blocks up to the call's
+  furthest token, so off GPU one span serves every length) = 3 step programs; 1 without
+  compaction, the largest bucket's."""
   cfg, graphdef, _ = model
   mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
   args = dict(num_slots=240, max_len=16384, prefill_chunk=512, max_new_tokens=1024, stop_ids=[],
               im_end_id=IM_END, mesh=mesh, abstract=True)
   engine = Engine(graphdef, cfg, **args)
-  assert engine.batches == [30, 60, 120] and engine.widths == [1, 128, 256, 512]
-  assert engine.spans == [16384]
+  assert engine.buckets == [30, 120, 632] and engine.spans == [16384]
   steps = [name for name in engine.programs() if name.startswith("step[")]
-  assert len(steps) == len(engine.batches) * len(engine.widths) * len(engine.spans) == 12
-  assert "step[w=512,span=16384]" in steps and "step[b=120,w=512,span=16384]" in steps
+  assert sorted(steps) == ["step[t=1264,span=16384]", "step[t=240,span=16384]",
+                           "step[t=60,span=16384]"]
   full = Engine(graphdef, cfg, compact=False, **args)
-  assert full.batches == [120]
-  assert sorted(n for n in full.programs() if n.startswith("step[")) == \
-         sorted(n for n in steps if "b=" not in n)
+  assert full.buckets == [632]
+  assert [n for n in full.programs() if n.startswith("step[")] == ["step[t=1264,span=16384]"]

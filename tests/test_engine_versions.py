@@ -123,7 +123,7 @@ def test_one_call_for_a_chain_of_versions_decodes_the_per_version_calls_tokens(m
   assert merged.stats.tokens_decoded == per_version.stats.tokens_decoded
   # Programs: step programs with and without steps, reset, the noiser build, the step build,
   # the stack and the noiser merge — whatever the schedule.
-  per_call = len(merged.batches) * len(merged.widths) * len(merged.spans)
+  per_call = len(merged.buckets) * len(merged.spans)
   assert merged.compilations() <= 2 * per_call + 5
 
 
@@ -150,7 +150,9 @@ def test_the_base_moves_on_and_unregistered_or_distant_versions_get_their_own_ca
   every = {v: s.params for v, s in enumerate(states)}
   run_key = states[0].run_key
   make = strategy.version_step(params, run_key)
-  engine = _engine(model, strategy, run_key, version_steps=VersionSteps(make, POP, 1))
+  # One token per call: each step after the prompts' is one decode call per group.
+  engine = _engine(model, strategy, run_key, version_steps=VersionSteps(make, POP, 1),
+                   decode_steps=1)
   assert engine.add_step(2, *cohorts[1])
   assert not engine.add_step(1, *(x[:2] for x in cohorts[0][:3]), cohorts[0][3])  # wrong length
   # 1 -> 2 registered, 0 -> 1 not: {0} alone, {1, 2} together.
@@ -161,7 +163,8 @@ def test_the_base_moves_on_and_unregistered_or_distant_versions_get_their_own_ca
   # back apart.
   assert _calls_per_step(engine, {1: every[1], 2: every[2]}, [1, 2]) == (1, 1)
   assert _calls_per_step(engine, every, [0, 1]) == (2, 0)
-  wide = _engine(model, strategy, run_key, version_steps=VersionSteps(make, POP, 2))
+  wide = _engine(model, strategy, run_key, version_steps=VersionSteps(make, POP, 2),
+                 decode_steps=1)
   for v, cohort in enumerate(cohorts, start=1):
     assert wide.add_step(v, *cohort)
   assert _calls_per_step(wide, every, [0, 1, 2]) == (1, 1)
@@ -195,8 +198,8 @@ def test_optimizers_that_break_the_structure_fall_back_to_a_call_per_version(mod
 
 
 def test_program_count_with_version_steps_is_twice_the_step_programs(model):
-  """The paper config's engine shape (abstract): the 36 step programs, 36 more with K = 2 step
-  slots, and the step build, the stack and the noiser merge."""
+  """The paper config's engine shape (abstract): a step program per token bucket, as many more
+  with K = 2 step slots, and the step build, the stack and the noiser merge."""
   cfg, graphdef, params = model
   strategy = es.Strategy(population=POP, sigma=0.3, learning_rate=0.1, mode="lowrank", rank=1)
   mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
@@ -205,11 +208,12 @@ def test_program_count_with_version_steps_is_twice_the_step_programs(model):
               make_noiser=engine_noiser(strategy, jax.random.key(0)))
   engine = Engine(graphdef, cfg, **args, version_steps=VersionSteps(
       strategy.version_step(params, jax.random.key(0)), POP, 2))
-  per_call = len(engine.batches) * len(engine.widths) * len(engine.spans)
-  assert per_call == 12
+  assert engine.buckets == [30, 120, 632]   # a quarter of a shard's rows, all, all + a chunk
+  per_call = len(engine.buckets) * len(engine.spans)
+  assert per_call == 3
   names = engine.programs()
   steps = [n for n in names if n.startswith("step[")]
   assert len(steps) == 2 * per_call
   assert len([n for n in steps if n.endswith(",steps=2]")]) == per_call
-  assert "step[w=512,span=16384]" in steps and "step[b=120,w=512,span=16384,steps=2]" in steps
+  assert "step[t=1264,span=16384]" in steps and "step[t=60,span=16384,steps=2]" in steps
   assert {"version_step", "stack_steps", "merge_noisers", "noiser", "reset"} <= set(names)

@@ -31,7 +31,7 @@ def get_config(arg=""):
   c.es.population = 8
   c.rollout.num_slots = 8
   c.rollout.max_len = 64
-  c.rollout.prefill_chunk = 2   # widths 1, 2: few programs to compile
+  c.rollout.prefill_chunk = 2   # a small largest token bucket: cheap programs to compile
   c.rollout.max_new_tokens = 16
   return c
 '''
@@ -58,7 +58,7 @@ def test_report_matches_the_real_arrays_on_8_cpu_devices():
   # the longest span (one version and merged versions), the noiser and the ES update, not all
   # 30 programs; every program's name is checked below (lowered, not compiled).
   report = preflight.plan(config, target, log=lambda *_: None,
-                          only=r"^(step\[w=2,span=64(,steps=1)?\]|noiser|es_update)$")
+                          only=r"^(step\[t=16,span=64(,steps=1)?\]|noiser|es_update)$")
   per_device = report["per_device"]
 
   # The same run, allocated for real on the same mesh.
@@ -88,12 +88,12 @@ def test_report_matches_the_real_arrays_on_8_cpu_devices():
   assert step_bytes > 0 and per_device["version_steps"] == 4 * step_bytes
   assert per_device["temporaries"] > 0
   assert sorted(p["name"] for p in report["programs"]) == [
-      "es_update", "noiser", "step[w=2,span=64,steps=1]", "step[w=2,span=64]"]
+      "es_update", "noiser", "step[t=16,span=64,steps=1]", "step[t=16,span=64]"]
   # Every program of the run: the names an --only that matches none of them lists.
   with pytest.raises(preflight.NoProgramMatches) as unmatched:
     preflight.plan(config, target, log=lambda *_: None, only="^nothing$")
   names = str(unmatched.value).split("programs: ", 1)[1].split(", ")
-  steps = len(engine.batches) * len(engine.widths) * len(engine.spans)
+  steps = len(engine.buckets) * len(engine.spans)
   # Per-version steps and merged-versions steps; reset, noiser, es_update; a step's build, its
   # stacking and the merged noiser.
   assert len(names) == 2 * steps + 6 and sum("steps=1" in n for n in names) == steps
@@ -111,10 +111,10 @@ def _run(tmp_path, *flags):
 
 def test_a_config_that_cannot_fit_fails_naming_its_biggest_consumer(tmp_path):
   # The widest step at the longest span and the ES update, the programs whose sizes decide the
-  # peak: compiling all 30 programs of the config (at max_len 512) adds nothing to the verdict.
+  # peak: compiling every program of the config (at max_len 512) adds nothing to the verdict.
   out = _run(tmp_path, "--topology=cpu:8", "--device_memory_gib=0.0001",
              "--config.rollout.max_len=512", "--config.rollout.prefill_chunk=2",
-             r"--only=^(step\[w=2,span=512\]|es_update)$")
+             r"--only=^(step\[t=16,span=512\]|es_update)$")
   assert out.returncode == 1, out.stderr[-2000:]
   lines = out.stdout.strip().splitlines()
   verdict = next(line for line in lines if line.startswith("does not fit"))

@@ -120,9 +120,9 @@ def test_fixed_shapes_compile_once(model):
 
   episodes(4)
   warm = engine.compilations()
-  assert engine.widths == [1, 2, 4] and engine.spans == [64] and engine.batches == [1, 3]
-  # One step per (batch, width, span), row reset.
-  assert warm - before <= len(engine.batches) * len(engine.widths) * len(engine.spans) + 1
+  assert engine.buckets == [1, 3, 7] and engine.spans == [64]
+  # One step per (token bucket, span), row reset.
+  assert warm - before <= len(engine.buckets) * len(engine.spans) + 1
   episodes(6)
   assert engine.compilations() == warm
 

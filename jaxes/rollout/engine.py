@@ -7,35 +7,35 @@ and the slot is *parked* (its cache row kept) while the caller runs the command 
 ``continue_turn`` closes the assistant turn and queues the observation for prefill, and decoding
 resumes.
 
-Each step makes one call per live policy version, covering all of that version's working slots:
-decoding rows feed one token, prefilling rows their next chunk. Shapes are fixed — ``[B, w]``
-for w in a short ladder ``1 … prefill_chunk`` (``Engine.widths``), the narrowest that holds the
-longest pending chunk — and attention reads key blocks up to the call's furthest token only
-(one span, the whole row; on GPU, where cuDNN takes the whole span, the shortest of three
-prefixes of the cache rows that holds every row of the call, ``Engine.spans``). A width-1 call
-runs up to ``decode_steps`` decode steps on the device (``jaxes.rollout.decode_loop``), the host
-reading the sampled tokens once per call. Rows of other versions, parked or free
-rows are marked invalid, which leaves their cache rows untouched. A slot's policy is its
-member's perturbation of that version's parameters, applied in-graph by the noiser
-(``make_noiser``), rebuilt only when a call has a row started since it was built.
+Each step makes one call per live policy version (per group of versions, below), covering all
+of that version's working slots, as one flat buffer of tokens (``jaxes.rollout.step_program``):
+decoding rows feed their last token, prefilling rows their next chunk, each token naming its
+cache row and its offset in the row (the ragged ``qwen2.forward(token_offsets=)``). A data
+shard's tokens are padded to the smallest of a few token buckets (``Engine.buckets``: a quarter
+of the shard's ``B / D`` rows, all of them, all plus a chunk); a call's prefill is cut to fit the
+largest (``_pack``), the rest going next call. One program per bucket serves every call — decode
+only, prefill only or both — so the shapes are set by the buckets, not by widths x batch sizes.
+After the first step each row whose prompt is done decodes on in an on-device loop, up to
+``decode_steps`` tokens per call (``jaxes.rollout.decode_loop``), the host reading the sampled
+tokens once per call. Attention reads key blocks up to the call's furthest token only (one span,
+the whole row; on GPU, where cuDNN takes the whole span, the shortest of three prefixes of the
+cache rows that holds every row of the call, ``Engine.spans``). Rows not in the call are
+untouched. A slot's policy is its member's perturbation of that version's parameters, applied
+in-graph by the noiser (``make_noiser``), rebuilt only when a call has a row started since it
+was built.
 
-Row compaction (``compact=True``, the default): a call whose working rows fit in a quarter or a
-half of each data shard's ``B / D`` rows (``Engine.batches``) runs on those rows only, a batch
-of ``b`` rows per shard: the step reads each key block of just those cache rows and writes their
-new tokens' keys and values into the donated cache in place (``attention.Rows``), so parked,
-free and other-version rows cost nothing and no cache row is copied. A call that needs more
-rows runs the full-batch program above, unchanged. A version whose decoding and prefilling rows
-together would widen every decoding row is run as two calls (decoding at width 1, prefilling at
-its width) when that at least halves the positions computed. The step compiles at most
-``len(batches) * len(widths) * len(spans)`` programs for the life of the engine (12 for the
-paper config off GPU: 3 batches x 4 widths x 1 span; 4 without compaction).
+Compaction's effect (``compact=True``, the default): a call costs its bucket's tokens, so
+parked, free and other-version rows cost nothing; each token reads the key blocks of its own
+cache row and writes its keys and values into the donated cache in place (``attention.Rows``).
+The step compiles ``len(buckets) * len(spans)`` programs for the life of the engine (3 for the
+paper config off GPU); ``compact=False`` keeps the largest bucket only.
 
 Prefill coalescing (``prefill_hold=H``, default 8): a new prefill (a prompt at ``start``, an
-observation at ``continue_turn``) that would run as a call of its own beside decoding rows waits up
-to H steps, so that prefills arriving a few steps apart share one call instead of each paying for
-the smallest compiled batch at its width. It goes at once when nothing else decodes or a row of its
+observation at ``continue_turn``) that would start a call's prefill beside decoding rows waits up
+to H steps, so that prefills arriving a few steps apart share the larger bucket they move the
+call to instead of each paying for it. It goes at once when nothing else decodes or a row of its
 call group is mid-prefill (that call runs anyway), and all of a group's waiting prefills go when
-the first has waited H steps or they fill the smallest batch. The decision reads the slots' states
+the first has waited H steps or they are as many as the smallest bucket's rows. The decision reads the slots' states
 only, never the clock; the same programs run (no new shapes).
 
 All live versions in one call (``version_steps=``, see ``VersionSteps``): when version v is
@@ -88,10 +88,10 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxes import sharding
-from jaxes.models import attention, partition, qwen2
+from jaxes.models import partition, qwen2
 from jaxes.rollout import decode_loop
 from jaxes.rollout import pages as page_pool
-from jaxes.rollout import sampling
+from jaxes.rollout import step_program
 
 FREE, PREFILL, DECODE, PARKED = "free", "prefill", "decode", "parked"
 # Why a paged engine ended a turn or refused an observation: no free page in the slot's shard.
@@ -180,50 +180,6 @@ class EngineStats:
     return done / self.positions_computed if self.positions_computed else 0.0
 
 
-def _step(graphdef, attend_len, params, noiser, cache, tokens, positions, valid, base_key, streams,
-          counters, temperature, top_p, cache_rows=None, page_layout=None):
-  """``page_layout`` (static; a paged cache): ``attention.Pages``'s mesh and axes."""
-  last = jnp.maximum(valid.sum(axis=1) - 1, 0)
-  pages = None
-  if page_layout is not None:   # the batch rows' page tables (those of the compacted rows)
-    table = cache.table if cache_rows is None else cache_rows.take(cache.table)
-    pages = attention.Pages(table, *page_layout)
-  last_logits, cache = qwen2.forward(graphdef, params, tokens, positions, valid, cache=cache,
-                                     noiser=noiser, logits_at=last, attend_len=attend_len,
-                                     cache_rows=cache_rows, cache_pages=pages, bounded_keys=True)
-  keys = sampling.row_keys(base_key, streams, counters)
-  return sampling.sample_with_logprob(last_logits, keys, temperature, top_p), cache
-
-
-def _rows_step(graphdef, layout, attend_len, params, noiser, cache, index, *per_row_and_sampling,
-               paged=False):
-  """``_step`` over some rows of the cache: ``index [n]`` (shard-local, see ``attention.Rows``;
-  ``layout`` its static mesh and axes); the per-row arguments are the batch's n rows.
-  ``paged`` (static): the cache is a ``PagedKVCache`` laid out as the rows are."""
-  rows = attention.Rows(index, *layout)
-  if noiser is not None:
-    noiser = noiser.select_rows(rows.take)
-  return _step(graphdef, attend_len, params, noiser, cache, *per_row_and_sampling, cache_rows=rows,
-               page_layout=layout if paged else None)
-
-
-def _versions_step(graphdef, attend_len, params, noiser, steps, step_rows, cache, *per_row_and_sampling,
-                   page_layout=None):
-  """``_step`` for rows of several versions: ``steps`` (K stacked low-rank steps, shared) added on
-  top of ``params`` per row as ``step_rows [B, K]`` says (``PopulationNoiser.with_steps``)."""
-  return _step(graphdef, attend_len, params, noiser.with_steps(steps, step_rows), cache,
-               *per_row_and_sampling, page_layout=page_layout)
-
-
-def _versions_rows_step(graphdef, layout, attend_len, params, noiser, steps, step_rows, cache, index,
-                        *per_row_and_sampling, paged=False):
-  """``_rows_step`` for rows of several versions (``step_rows [n, K]``: the batch's rows)."""
-  rows = attention.Rows(index, *layout)
-  noiser = noiser.select_rows(rows.take).with_steps(steps, step_rows)
-  return _step(graphdef, attend_len, params, noiser, cache, *per_row_and_sampling, cache_rows=rows,
-               page_layout=layout if paged else None)
-
-
 def _stack_steps(*steps):
   return jax.tree.map(lambda *xs: jnp.stack(xs), *steps)
 
@@ -287,14 +243,14 @@ class Engine:
     self.decode_steps = int(decode_steps)
     self.shards, self.compact = data, compact
     per_shard = num_slots // data
-    # Compiled rows per data shard, the last the full batch: a call runs on the smallest that
-    # holds its working rows. Halving twice: below a quarter the weights, read once per call
-    # whatever its rows, are most of a decode step's cost on an accelerator.
-    self.batches = sorted({per_shard} | ({max(per_shard >> k, 1) for k in (1, 2)} if compact
-                                         else set()))
-    # Compiled call widths: a step whose longest pending chunk is short (an observation) runs
-    # narrow instead of paying for a full prefill chunk on every row.
-    self.widths = sorted({1} | {max(prefill_chunk >> k, 1) for k in range(3)})
+    # Token buckets: the flat tokens per data shard an engine call holds, padded up to the
+    # smallest that fits (one compiled program each). The largest holds every row's decode
+    # token plus a full prefill chunk (a call's prefill is cut to fit, the rest goes next call);
+    # the full rows and a quarter of them serve decode-only calls (compaction's effect: below a
+    # quarter the weights, read once per call whatever its tokens, are most of an accelerator's
+    # decode step).
+    self.buckets = sorted({per_shard + prefill_chunk} | (
+        {per_shard, max(per_shard >> 2, 1)} if compact else set()))
     # Attention spans. Blockwise attention reads key blocks up to the call's furthest token only
     # (a traced trip count, ``bounded_keys``), so one span, the whole row, serves every length.
     # cuDNN (GPU) is handed the whole span: there a step attends to the shortest of three
@@ -352,19 +308,12 @@ class Engine:
     rows = self.rows
     cache_spec = self.cache_shardings.k.spec
     layout = (mesh, cache_spec[1], cache_spec[3])  # attention.Rows: batch and KV-head axes
-    # A paged cache: the same jitted functions with its layout (static) bound.
-    self._paged = dict(page_layout=layout) if paged else {}
-    self._rows_paged = dict(paged=True) if paged else {}
+    self._layout = layout
     self._replicated = replicated
-    self._step, self._decode_step = self._jitted(
-        functools.partial(_step, graphdef, **self._paged), 2,
-        (self.param_shardings, self.noiser_shardings, self.cache_shardings, rows, rows, rows,
-         replicated, rows, rows, rows, rows))
-    self._rows_step, self._decode_rows_step = self._jitted(
-        functools.partial(_rows_step, graphdef, layout, **self._rows_paged), 2,
-        (self.param_shardings, self.noiser_shardings, self.cache_shardings, rows, rows, rows, rows,
-         replicated, rows, rows, rows, rows))
-    self._reset = jax.jit(_reset_rows, donate_argnames=("cache",),
+    self._call_fn = self._jitted(graphdef, with_steps=False)
+    # A partial of its own: jit objects over one function share their compiled programs, so
+    # ``compilations()`` would count those of other engines (other slot counts) too.
+    self._reset = jax.jit(functools.partial(_reset_rows), donate_argnames=("cache",),
                           in_shardings=(self.cache_shardings, rows),
                           out_shardings=self.cache_shardings)
     self.version_steps = version_steps
@@ -376,7 +325,7 @@ class Engine:
     if version_steps is not None:
       if make_noiser is None:
         raise ValueError("version_steps needs a noiser (make_noiser): the steps are added through it")
-      self._init_version_steps(graphdef, layout)
+      self._init_version_steps(graphdef)
     # version, or a call's versions (a tuple) -> (versions [B], members [B] built for, noiser)
     self._noisers: dict[Any, tuple] = {}
     self._steps: dict[int, Any] = {}     # version v -> the low-rank step from v - 1 to v
@@ -396,7 +345,7 @@ class Engine:
       raise ValueError(f"page_size={page_size} must divide every attention span {self.spans} "
                        f"(max_len={self.max_len} and its half and quarter); {bad} are not multiples")
 
-  def _init_version_steps(self, graphdef, layout) -> None:
+  def _init_version_steps(self, graphdef) -> None:
     vs, rows, replicated = self.version_steps, self.rows, self._replicated
     K, N = int(vs.max_steps), int(vs.cohort)
     cohort = (jax.ShapeDtypeStruct((N,), jnp.int32, sharding=replicated),) * 2 + (
@@ -415,28 +364,22 @@ class Engine:
     self._merge = jax.jit(_merge_noisers, in_shardings=(self.noiser_shardings,
                                                         (self.noiser_shardings,) * K, rows),
                           out_shardings=self.noiser_shardings)
-    self._versions_step, self._decode_versions_step = self._jitted(
-        functools.partial(_versions_step, graphdef, **self._paged), 4,
-        (self.param_shardings, self.noiser_shardings, replicated, rows, self.cache_shardings,
-         rows, rows, rows, replicated, rows, rows, rows, rows))
-    self._versions_rows_step, self._decode_versions_rows_step = self._jitted(
-        functools.partial(_versions_rows_step, graphdef, layout, **self._rows_paged), 4,
-        (self.param_shardings, self.noiser_shardings, replicated, rows, self.cache_shardings,
-         rows, rows, rows, rows, replicated, rows, rows, rows, rows))
+    self._versions_call_fn = self._jitted(graphdef, with_steps=True)
 
-  def _jitted(self, one_step, cache_at: int, in_shardings: tuple):
-    """``one_step`` (a step program: the static attention span, then its arguments, the
-    ``cache_at``-th the cache, donated) jitted as one step, and as a ``decode_loop`` of up to
-    ``decode_steps`` steps (width-1 calls; two more arguments: the rows' limits, the replicated
-    step count). Arguments are positional: jit with in_shardings takes no kwargs."""
-    outs = ((self.rows, self.rows), self.cache_shardings)
-    one = jax.jit(one_step, static_argnums=0, donate_argnums=(1 + cache_at,),
-                  in_shardings=in_shardings, out_shardings=outs)
-    loop = jax.jit(functools.partial(decode_loop.run, one_step, cache_at, self.decode_steps,
-                                     tuple(sorted(self.stop_ids))),
-                   static_argnums=0, donate_argnums=(1 + cache_at,),
-                   in_shardings=in_shardings + (self.rows, self._replicated), out_shardings=outs)
-    return one, loop
+  def _jitted(self, graphdef, with_steps: bool):
+    """``step_program.call`` jitted for this engine: the attention span static, the cache
+    donated and updated in place, every argument's sharding named (positional: jit with
+    in_shardings takes no kwargs)."""
+    rows, replicated = self.rows, self._replicated
+    per_token = (rows,) * 5                    # index, tokens, positions, valid, offsets
+    per_sample = (rows,)                       # sample_at
+    per_slot = (rows,) * 4                     # streams, counters, temperature, top_p
+    shardings = (self.param_shardings, self.noiser_shardings, self.cache_shardings, *per_token,
+                 *per_sample, replicated, *per_slot, rows) + ((replicated, rows) if with_steps else ())
+    fn = functools.partial(step_program.call, graphdef, self._layout, self.decode_steps,
+                           tuple(sorted(self.stop_ids)), self.page_size is not None)
+    return jax.jit(fn, static_argnums=0, donate_argnums=(3,), in_shardings=shardings,
+                   out_shardings=((rows, rows), self.cache_shardings))
 
   def abstract_version_steps(self) -> list:
     """A bound on the low-rank steps (abstract, with shardings) this engine holds at once, for
@@ -456,13 +399,12 @@ class Engine:
 
   def programs(self) -> dict[str, Any]:
     """Every program this engine runs, lowered over abstract arguments (nothing allocated):
-    ``step[w=W,span=A]`` (all B rows) and ``step[b=N,w=W,span=A]`` (a compacted batch of N rows
-    in all, ``batches`` x data shards) for each width and span, ``reset``, and ``noiser`` (its
-    build) when there is a noiser; with ``version_steps`` also ``step[w=W,span=A,steps=K]`` and
-    ``step[b=N,w=W,span=A,steps=K]`` (rows of several versions), ``version_step`` (a step's
-    build), ``stack_steps`` and ``merge_noisers``. ``.compile()`` each for its memory analysis."""
+    ``step[t=N,span=A]`` for each token bucket (N flat tokens in all, ``buckets`` x data
+    shards) and span, ``reset``, and ``noiser`` (its build) when there is a noiser; with
+    ``version_steps`` also ``step[t=N,span=A,steps=K]`` (rows of several versions),
+    ``version_step`` (a step's build), ``stack_steps`` and ``merge_noisers``. ``.compile()``
+    each for its memory analysis."""
     B = self.num_slots
-    out = {}
     def rows(shape, dtype):
       return jax.ShapeDtypeStruct(shape, dtype, sharding=self.rows)
     slot_ids = rows((B,), jnp.int32)
@@ -470,55 +412,35 @@ class Engine:
     key = self.base_key if self.abstract else jax.ShapeDtypeStruct(
         self.base_key.shape, self.base_key.dtype, sharding=self.base_key.sharding)
     cache = self.cache if self.abstract else sharding.abstract(self.cache, self.cache_shardings)
-    steps_count = jax.ShapeDtypeStruct((), jnp.int32, sharding=self._replicated)
-    def program(one, loop, w, n):   # width 1: the decode loop, with its rows' limits and count
-      return (one, ()) if w > 1 else (loop, (rows((n,), jnp.int32), steps_count))
-    for w in self.widths:
-      fn, more = program(self._step, self._decode_step, w, B)
-      for span in self.spans:
-        out[f"step[w={w},span={span}]"] = fn.lower(
-            span, self.abstract_params, self.abstract_noiser, cache, rows((B, w), jnp.int32),
-            rows((B, w), jnp.int32), rows((B, w), jnp.bool_), key, *per_slot, *more)
-    for b in self.batches[:-1]:
-      n = b * self.shards
-      per_row = (rows((n,), jnp.uint32), rows((n,), jnp.int32), rows((n,), jnp.float32),
-                 rows((n,), jnp.float32))
-      for w in self.widths:
-        fn, more = program(self._rows_step, self._decode_rows_step, w, n)
+    variants = [("", self._call_fn, ())]
+    if self.version_steps is not None:
+      K = int(self.version_steps.max_steps)
+      variants.append((f",steps={K}", self._versions_call_fn,
+                       (self._stacked_shapes, rows((B, K), jnp.float32))))
+    out = {}
+    for suffix, fn, steps in variants:
+      for t in self.buckets:
+        n, samples = t * self.shards, self._samples(t) * self.shards
+        flat = (rows((n,), jnp.int32), rows((n,), jnp.int32), rows((n,), jnp.int32),
+                rows((n,), jnp.bool_), rows((n,), jnp.int32))
         for span in self.spans:
-          out[f"step[b={n},w={w},span={span}]"] = fn.lower(
-              span, self.abstract_params, self.abstract_noiser, cache, rows((n,), jnp.int32),
-              rows((n, w), jnp.int32), rows((n, w), jnp.int32), rows((n, w), jnp.bool_), key,
-              *per_row, *more)
+          out[f"step[t={n},span={span}{suffix}]"] = fn.lower(
+              span, self.abstract_params, self.abstract_noiser, cache, *flat,
+              rows((samples,), jnp.int32), key, *per_slot, rows((samples,), jnp.int32), *steps)
     out["reset"] = self._reset.lower(cache, rows((B,), jnp.bool_))
     if self._make_noiser is not None:
       out["noiser"] = self._make_noiser.lower(self.abstract_params, *self._noiser_args)
     if self.version_steps is None:
       return out
-    K = int(self.version_steps.max_steps)
-    steps = self._stacked_shapes
-    for b in self.batches:
-      n = b * self.shards
-      full = b == self.batches[-1]
-      per_row = (rows((n,), jnp.uint32), rows((n,), jnp.int32), rows((n,), jnp.float32),
-                 rows((n,), jnp.float32))
-      for w in self.widths:
-        for span in self.spans:
-          tokens = (rows((n, w), jnp.int32), rows((n, w), jnp.int32), rows((n, w), jnp.bool_), key)
-          head = (span, self.abstract_params, self.abstract_noiser, steps,
-                  rows((n, K), jnp.float32), cache)
-          if full:
-            fn, more = program(self._versions_step, self._decode_versions_step, w, n)
-            out[f"step[w={w},span={span},steps={K}]"] = fn.lower(*head, *tokens, *per_row, *more)
-          else:
-            fn, more = program(self._versions_rows_step, self._decode_versions_rows_step, w, n)
-            out[f"step[b={n},w={w},span={span},steps={K}]"] = fn.lower(
-                *head, rows((n,), jnp.int32), *tokens, *per_row, *more)
     out["version_step"] = self._make_step.lower(*self._cohort_shapes)
     out["stack_steps"] = self._stack.lower(*(self._step_shapes,) * K)
     out["merge_noisers"] = self._merge.lower(self.abstract_noiser, (self.abstract_noiser,) * K,
                                              slot_ids)
     return out
+
+  def _samples(self, bucket: int) -> int:
+    """Samples per data shard of a call in ``bucket``: one per row it can hold."""
+    return min(bucket, self.num_slots // self.shards)
 
   # -- slot management (host) -------------------------------------------------------------------
   def free_slots(self) -> list[int]:
@@ -782,116 +704,88 @@ class Engine:
       groups.append((v,))
     return groups
 
-  def _batch(self, rows: list[Slot]) -> int:
-    """Rows per data shard of the call over ``rows``: the smallest compiled batch that holds
-    every shard's rows (data shard d holds slots ``d * B/D ...``)."""
-    if not self.compact:
-      return self.batches[-1]
-    per_shard = self.num_slots // self.shards
-    counts = np.bincount([s.index // per_shard for s in rows], minlength=self.shards)
-    return next(b for b in self.batches if b >= counts.max())
+  def _pack(self, rows: list[Slot]) -> dict[int, int]:
+    """Tokens each row feeds in one call: a decoding row its last token, a prefilling row its
+    next chunk (at most ``prefill_chunk``), cut so that no data shard's tokens exceed the
+    largest bucket (decoding rows first, then prefills in slot order; a prefill cut to nothing
+    waits for the next call). Every shard has room for a whole chunk beside its decode tokens."""
+    room = np.full(self.shards, self.buckets[-1])
+    fed = {}
+    for s in sorted(rows, key=lambda s: (s.state != DECODE, s.index)):
+      d = self._shard(s.index)
+      n = 1 if s.state == DECODE else min(len(s.pending), self.chunk, room[d])
+      if n:
+        fed[s.index], room[d] = n, room[d] - n
+    return fed
 
-  def _layout(self, rows: list[Slot], b: int) -> tuple[np.ndarray, list[int]]:
-    """A compacted call's ``(index [D * b], batch position of each row)``: shard d's rows fill
-    batch positions ``d * b ...`` in slot order, ``index`` holding each one's row within its
-    shard (``attention.Rows``); padding positions read row 0 of their shard and write nothing."""
-    per_shard = self.num_slots // self.shards
-    index = np.zeros(self.shards * b, np.int32)
-    filled = np.zeros(self.shards, int)
-    where = []
-    for s in rows:
-      d = s.index // per_shard
-      i = d * b + filled[d]
-      index[i], filled[d] = s.index - d * per_shard, filled[d] + 1
-      where.append(i)
-    return index, where
-
-  def _call(self, params_by_version: dict, group: tuple, rows: list[Slot], width: int,
-            limits: list[int] | None = None) -> list[tuple]:
-    """One engine call over ``rows`` (of the versions ``group``, the first the base) at
-    ``width``: the full-batch program when they need every row of a shard, else the compacted
-    one; rows of newer versions add their steps (``_versions_step``). Each row's sampled token
-    and its log-prob; with ``limits`` (width 1: each row's ``_limit``) the call is a decode
-    loop and each row gets its ``[decode_steps]`` tokens and log-probs (``decode_loop``)."""
+  def _call(self, params_by_version: dict, group: tuple, rows: list[Slot],
+            fed: dict[int, int]) -> list[tuple]:
+    """One engine call over ``rows`` (of the versions ``group``, the first the base), each
+    feeding ``fed[row]`` tokens, as a flat buffer in the smallest bucket that holds every data
+    shard's tokens (``step_program.call``); rows of newer versions add their steps. Each row's
+    sampled tokens and their log-probs: none for a row still mid-prefill, else up to its
+    ``_limit`` (the device loop's)."""
     version = group[0]
-    params = params_by_version[version]
-    b = self._batch(rows)
-    full = b == self.batches[-1]
-    n = self.num_slots if full else b * self.shards
-    where = [s.index for s in rows] if full else None
-    if not full:
-      index, where = self._layout(rows, b)
-    tokens = np.zeros((n, width), np.int32)
-    valid = np.zeros((n, width), bool)
-    positions = np.zeros((n, width), np.int32)
-    streams, counters = np.zeros(n, np.uint32), np.zeros(n, np.int32)
-    temperature, top_p = np.zeros(n, np.float32), np.ones(n, np.float32)
-    if full:  # every slot's sampling state, as the full-batch engine always passed it
-      for s in self.slots:
-        streams[s.index], counters[s.index] = s.stream, s.sampled
-        temperature[s.index], top_p[s.index] = s.temperature, s.top_p
-    for s, i in zip(rows, where):
-      chunk = s.pending[:width] if s.state == PREFILL else s.generated[-1:]
-      tokens[i, :len(chunk)] = chunk
-      valid[i, :len(chunk)] = True
-      positions[i] = s.length + np.arange(width)
-      streams[i], counters[i], temperature[i], top_p[i] = s.stream, s.sampled, s.temperature, s.top_p
-    params = self._place(version, params)
-    need = (max(s.length + k for s, k in zip(rows, limits)) if limits is not None
-            else max(s.length for s in rows) + width)
+    per_shard = self.num_slots // self.shards
+    counts = np.bincount([self._shard(s.index) for s in rows],
+                         weights=[fed[s.index] for s in rows], minlength=self.shards)
+    bucket = next(t for t in self.buckets if t >= counts.max())
+    samples = self._samples(bucket)
+    n = bucket * self.shards
+    index, tokens, positions, offsets = (np.zeros(n, np.int32) for _ in range(4))
+    valid = np.zeros(n, bool)
+    sample_at, limit = np.zeros(samples * self.shards, np.int32), np.zeros(samples * self.shards, np.int32)
+    used, sampled = np.zeros(self.shards, int), np.zeros(self.shards, int)
+    where, limits = [], []
+    for s in rows:
+      d, k = self._shard(s.index), fed[s.index]
+      chunk = s.pending[:k] if s.state == PREFILL else s.generated[-1:]
+      at = slice(d * bucket + used[d], d * bucket + used[d] + k)
+      index[at], tokens[at], valid[at] = s.index - d * per_shard, chunk, True
+      positions[at], offsets[at] = s.length + np.arange(k), np.arange(k)
+      j = d * samples + sampled[d]
+      sample_at[j], limit[j] = used[d] + k - 1, self._limit(s, k)
+      used[d], sampled[d] = used[d] + k, sampled[d] + 1
+      where.append(j)
+      limits.append(int(limit[j]))
+    # The furthest position the call writes: its tokens, then each row's loop tokens.
+    need = max(s.length + fed[s.index] + max(k - 1, 0) for s, k in zip(rows, limits))
     span = next((a for a in self.spans if a >= need), self.max_len)
-    per_row = self._placed(tokens, positions, valid)
-    sampling_state = self._placed(streams, counters, temperature, top_p)
-    loop = limits is not None
-    if loop:   # each row's limit, and the loop's step count (the largest)
-      limit = np.zeros(n, np.int32)
-      for k, i in zip(limits, where):
-        limit[i] = k
-      sampling_state += (*self._placed(limit),
-                         *self._on_every_device(np.asarray(max(limits), np.int32)))
+    streams, counters = np.zeros(self.num_slots, np.uint32), np.zeros(self.num_slots, np.int32)
+    temperature, top_p = np.zeros(self.num_slots, np.float32), np.ones(self.num_slots, np.float32)
+    for s in self.slots:
+      streams[s.index], counters[s.index] = s.stream, s.sampled
+      temperature[s.index], top_p[s.index] = s.temperature, s.top_p
+    params = self._place(version, params_by_version[version])
+    args = (*self._placed(index, tokens, positions, valid, offsets, sample_at), self.base_key,
+            *self._placed(streams, counters, temperature, top_p, limit))
     newest = max(s.version for s in rows)
     if newest > version:   # rows of several versions: the base's weights plus each row's steps
-      step_rows = np.zeros((n, int(self.version_steps.max_steps)), np.float32)
-      for s, i in zip(rows, where):
-        step_rows[i, :s.version - version] = 1.0
+      step_rows = np.zeros((self.num_slots, int(self.version_steps.max_steps)), np.float32)
+      for s in rows:
+        step_rows[s.index, :s.version - version] = 1.0
       noiser = self._versions_noiser(version, group, params_by_version, rows)
-      head = (span, params, noiser, self._stacked_steps(version, newest),
-              *self._placed(step_rows), self.cache)
-      if full:
-        fn = self._decode_versions_step if loop else self._versions_step
-        (next_tokens, logprobs), self.cache = fn(*head, *per_row, self.base_key, *sampling_state)
-      else:
-        fn = self._decode_versions_rows_step if loop else self._versions_rows_step
-        (next_tokens, logprobs), self.cache = fn(
-            *head, *self._placed(index), *per_row, self.base_key, *sampling_state)
+      (out_tokens, out_logprobs), self.cache = self._versions_call_fn(
+          span, params, noiser, self.cache, *args, self._stacked_steps(version, newest),
+          *self._placed(step_rows))
       self.stats.multi_version_calls += 1
-    elif full:
-      noiser = self._noiser(version, params, rows)
-      fn = self._decode_step if loop else self._step
-      (next_tokens, logprobs), self.cache = fn(
-          span, params, noiser, self.cache, *per_row, self.base_key, *sampling_state)
     else:
       noiser = self._noiser(version, params, rows)
-      fn = self._decode_rows_step if loop else self._rows_step
-      (next_tokens, logprobs), self.cache = fn(
-          span, params, noiser, self.cache, *self._placed(index), *per_row, self.base_key,
-          *sampling_state)
+      (out_tokens, out_logprobs), self.cache = self._call_fn(span, params, noiser, self.cache, *args)
+    self.stats.host_syncs += 1
+    if not out_tokens.is_fully_addressable:   # multi-process: every process reads every row
+      out_tokens, out_logprobs = multihost_utils.process_allgather((out_tokens, out_logprobs),
+                                                                   tiled=True)
+      self.stats.host_exchanges += 1
+    out_tokens, out_logprobs = np.asarray(out_tokens), np.asarray(out_logprobs)
+    taken = [decode_loop.tokens_taken(out_tokens[j], k, self.stop_ids) for j, k in zip(where, limits)]
+    loop = max(taken) - 1 if taken else 0   # decode steps after the first
     self.stats.rows_busy += len(rows)
     self.stats.rows_total += self.num_slots
-    self.stats.rows_computed += n
-    self.stats.host_syncs += 1
-    if not next_tokens.is_fully_addressable:   # multi-process: every process reads every row
-      next_tokens, logprobs = multihost_utils.process_allgather((next_tokens, logprobs), tiled=True)
-      self.stats.host_exchanges += 1
-    next_tokens, logprobs = np.asarray(next_tokens), np.asarray(logprobs)
-    if not loop:
-      self.stats.positions_computed += n * width
-      return [(next_tokens[i], logprobs[i]) for i in where]
-    taken = [decode_loop.tokens_taken(next_tokens[i], k, self.stop_ids)
-             for i, k in zip(where, limits)]
-    self.stats.positions_computed += n * max(taken)   # the loop's steps
+    self.stats.rows_computed += samples * self.shards
+    self.stats.positions_computed += n + max(loop, 0) * samples * self.shards
     self.stats.loop_steps += max(taken)
-    return [(next_tokens[i, :t], logprobs[i, :t]) for i, t in zip(where, taken)]
+    return [(out_tokens[j, :t], out_logprobs[j, :t]) for j, t in zip(where, taken)]
 
   def _sampled(self, slot: Slot, token: int, logprob: float, finished: list) -> None:
     slot.generated.append(int(token))
@@ -902,33 +796,12 @@ class Engine:
       slot.state = PARKED
       finished.append(Turn(slot.index, list(slot.generated), list(slot.logprobs), stopped, slot.tag))
 
-  def _width(self, rows: list[Slot]) -> int:
-    """The narrowest compiled width that takes every row's next chunk (1 when all decode)."""
-    need = max([min(len(s.pending), self.chunk) for s in rows if s.state == PREFILL] or [1])
-    return next(w for w in self.widths if w >= need)
-
-  def _positions(self, rows: list[Slot], width: int) -> int:
-    """Token positions a call over ``rows`` at ``width`` computes."""
-    return self._batch(rows) * self.shards * width
-
-  def _calls(self, rows: list[Slot]) -> list[list[Slot]]:
-    """One version's working rows as the calls that run them: all in one call, or (compacting)
-    the decoding rows apart from the prefilling ones when that at least halves the positions
-    computed."""
-    decoding = [s for s in rows if s.state == DECODE]
-    prefilling = [s for s in rows if s.state == PREFILL]
-    if not (self.compact and decoding and prefilling):
-      return [rows]
-    merged = self._positions(rows, self._width(rows))
-    split = self._positions(decoding, 1) + self._positions(prefilling, self._width(prefilling))
-    return [decoding, prefilling] if 2 * split <= merged else [rows]
-
   def _held(self, working: list[Slot]) -> list[Slot]:
     """The new prefills (not yet fed a chunk) that wait this step: while other rows decode, a
     prompt or observation that would need a call of its own (none of its group's rows is
     mid-prefill) waits up to ``prefill_hold`` steps for others to share that call with; all of
-    a group's go once the first has waited that long or they fill the smallest compiled batch
-    in some data shard. A function of the slots' states only (no clock): every process of a
+    a group's go once the first has waited that long or they are as many as the rows of the
+    smallest bucket in some data shard. A function of the slots' states only (no clock): every process of a
     multi-host run holds the same rows."""
     if not self.prefill_hold or not any(s.state == DECODE for s in working):
       return []   # nothing else to run: a held row would idle the whole step
@@ -940,12 +813,12 @@ class Engine:
       if not new or len(new) < len(rows):   # a row mid-prefill: the call runs anyway
         continue
       fill = np.bincount([s.index // per_shard for s in new], minlength=self.shards).max()
-      if max(s.held for s in new) < self.prefill_hold and fill < self.batches[0]:
+      if max(s.held for s in new) < self.prefill_hold and fill < self._samples(self.buckets[0]):
         held += new
     return held
 
   def step(self, params_by_version: dict) -> list[Turn]:
-    """Advances every working slot once: per live version one call (or two, see ``_calls``) in
+    """Advances every working slot once: per live version one call (``_pack``, ``_call``) in
     which decoding rows feed their last token and prefilling rows their next prompt chunk
     (ragged rows in one batch, as the cache allows); with ``version_steps``, per group of
     versions a step apart (``_groups``). Returns the turns that finished."""
@@ -973,45 +846,47 @@ class Engine:
       self._steps = {v: x for v, x in self._steps.items() if v > oldest}
       self._stacked = {k: x for k, x in self._stacked.items() if k[0] >= oldest}
     for group in self._groups(sorted({s.version for s in working})):
-      for rows in self._calls([s for s in working if s.version in group]):
-        width = self._width(rows)
-        limits = [self._limit(s) for s in rows] if width == 1 else None
-        out = self._call(params_by_version, group, rows, width, limits)
-        if any(s.state == PREFILL for s in rows):
-          self.stats.prefill_calls += 1
-        else:
-          self.stats.decode_calls += 1
-        for s, (tokens, logprobs) in zip(rows, out):
-          if limits is None:   # one token per row
-            tokens, logprobs = [tokens], [logprobs]
-          for token, logprob in zip(tokens, logprobs):
-            self._fed(s, width, token, logprob, finished)
+      rows = [s for s in working if s.version in group]
+      fed = self._pack(rows)
+      rows = [s for s in rows if s.index in fed]
+      prefill = any(s.state == PREFILL for s in rows)
+      out = self._call(params_by_version, group, rows, fed)
+      self.stats.prefill_calls += prefill
+      self.stats.decode_calls += not prefill
+      for s, (tokens, logprobs) in zip(rows, out):
+        self._fed(s, fed[s.index], tokens, logprobs, finished)
     return finished
 
-  def _fed(self, s: Slot, width: int, token: int, logprob: float, finished: list) -> None:
-    """The host's side of a row's step at ``width``: its chunk (or last token) is in the cache
-    and ``token`` was sampled from its last position."""
-    if s.state == DECODE:
+  def _fed(self, s: Slot, n: int, tokens, logprobs, finished: list) -> None:
+    """The host's side of a row's part in a call: its ``n`` tokens (a chunk, or its last
+    token) are in the cache, then ``tokens`` were sampled, each fed back on the device but the
+    last."""
+    if s.state == PREFILL:
+      s.pending, s.length, s.held = s.pending[n:], s.length + n, None
+      self.stats.tokens_prefilled += n
+      if s.pending:   # mid-prefill: nothing sampled
+        return
+      # Prompt done: its last logits gave the turn's first token.
+      s.state, s.max_new = DECODE, min(self.max_new_tokens, self.max_len - s.length)
+      self._sampled(s, tokens[0], logprobs[0], finished)
+      tokens, logprobs = tokens[1:], logprobs[1:]
+    for token, logprob in zip(tokens, logprobs):
       s.length += 1
       self.stats.tokens_decoded += 1
       self._sampled(s, token, logprob, finished)
-      return
-    n = min(width, len(s.pending))
-    s.pending, s.length, s.held = s.pending[n:], s.length + n, None
-    self.stats.tokens_prefilled += n
-    if not s.pending:  # prompt done: its last logits gave the turn's first token
-      s.state, s.max_new = DECODE, min(self.max_new_tokens, self.max_len - s.length)
-      self._sampled(s, token, logprob, finished)
 
-  def _limit(self, s: Slot) -> int:
-    """Tokens a row of a width-1 call may sample in its device loop: ``decode_steps``, its
-    turn's remaining budget, and (paged) the positions its pages hold (``_page_decoding_rows``
-    takes the loop's pages where free)."""
+  def _limit(self, s: Slot, n: int) -> int:
+    """Tokens a row feeding ``n`` tokens may sample in a call: none while its prefill goes on
+    after this call, else ``decode_steps``, its turn's remaining budget, and (paged) the
+    positions its pages hold (``_page_decoding_rows`` takes the loop's pages where free; the
+    last sampled token is not written)."""
+    if s.state == PREFILL and n < len(s.pending):
+      return 0
+    end = s.length + n   # the row's length once its tokens are in
     budget = (s.max_new - len(s.generated) if s.state == DECODE
-              else min(self.max_new_tokens, self.max_len - s.length - 1))
-    room = (len(s.pages) * self.page_size - s.length if self.page_size is not None
-            else self.max_len - s.length)
-    return max(1, min(self.decode_steps, budget, room))
+              else min(self.max_new_tokens, self.max_len - end))
+    held = len(s.pages) * self.page_size if self.page_size is not None else self.max_len
+    return max(1, min(self.decode_steps, budget, held - end + 1))
 
   def _page_decoding_rows(self, finished: list) -> None:
     """A paged cache: every decoding row whose next token starts a page takes one; a row whose
@@ -1024,9 +899,16 @@ class Engine:
                              PAGES_EXHAUSTED))
     # The pages of the tokens a device loop may decode this step, where free (after every
     # row's next token has its page): without them a row's loop stops at its page's end.
+    # So does a prefill that may end in this step's call (its chunk is all that is left).
     for s in self.slots:
-      if s.state == DECODE and self.decode_steps > 1:
+      if self.decode_steps == 1:
+        break
+      if s.state == DECODE:
         self._take_pages(s, s.length + min(self.decode_steps, s.max_new - len(s.generated)))
+      elif s.state == PREFILL and len(s.pending) <= self.chunk:
+        end = s.length + len(s.pending)
+        k = min(self.decode_steps, self.max_new_tokens, self.max_len - end)
+        self._take_pages(s, end + k - 1)
     if self._table_changed:
       sh = self.cache_shardings.table
       table = (jax.device_put(self._table, sh) if sh.is_fully_addressable else
@@ -1037,9 +919,7 @@ class Engine:
 
   def compilations(self) -> int:
     """Programs compiled so far by this engine's jitted functions (fixed shapes: stays small)."""
-    fns = [self._step, self._rows_step, self._decode_step, self._decode_rows_step, self._reset] + (
-        [self._make_noiser] if self._make_noiser else [])
+    fns = [self._call_fn, self._reset] + ([self._make_noiser] if self._make_noiser else [])
     if self.version_steps is not None:
-      fns += [self._versions_step, self._versions_rows_step, self._decode_versions_step,
-              self._decode_versions_rows_step, self._make_step, self._stack, self._merge]
+      fns += [self._versions_call_fn, self._make_step, self._stack, self._merge]
     return sum(f._cache_size() for f in fns)

@@ -247,6 +247,14 @@ class _PlainDecode:
                         donate_argnums=(4,))
 
   def step(self, tokens: int = 1, loop: bool = False) -> bool:
+    """``tokens`` tokens per row: the first by the prompt's prefill if it is not done (as the
+    engine's first call samples), the rest by decode steps (``_decode``). True when it compiled."""
+    fresh = False
+    if self.tokens.shape[1] > 1:
+      fresh, tokens = self._decode(1), tokens - 1
+    return (self._decode(tokens, loop) if tokens else False) or fresh
+
+  def _decode(self, tokens: int, loop: bool = False) -> bool:
     """The prompt's prefill (one token sampled), or ``tokens`` decode steps: dispatched one by
     one (``loop`` False), or as one jitted ``lax.fori_loop`` of them (the device loop: no host
     work between steps); waited for. True when it compiled."""
@@ -292,7 +300,9 @@ def engine_vs_plain(args, cfg, graphdef, make_noiser, params):
     # im_end_id out of the vocabulary: no turn ends while timing, every live row decodes.
     engine = Engine(graphdef, cfg, num_slots=B, max_len=args.max_len, prefill_chunk=args.chunk,
                     max_new_tokens=args.max_len // 2, stop_ids=[], im_end_id=cfg.vocab_size,
-                    make_noiser=make_noiser, decode_steps=K)
+                    make_noiser=make_noiser, decode_steps=K,
+                    # every prompt in the first call, as the plain reference prefills them
+                    prefill_tokens=max(B * args.prompt, args.chunk))
     rng = np.random.default_rng(0)
     for i in range(0, B, B // working):
       engine.start(i, list(rng.integers(4, cfg.vocab_size, size=args.prompt)), version=0,
@@ -329,7 +339,7 @@ def engine_vs_plain(args, cfg, graphdef, make_noiser, params):
   for w, (engine, plain, loop) in groups.items():
     e, p, d = (float(np.median(times[w, side])) for side in sides)
     live = [s for s in engine.slots if s.state != FREE]
-    assert all(s.state == FREE or (s.state == DECODE and len(s.generated) == 1 + K * (1 + timed))
+    assert all(s.state == FREE or (s.state == DECODE and len(s.generated) == K * (2 + timed))
                for s in engine.slots)   # every live row decoded at every step: no turn ended
     got = np.array([s.generated for s in live])
     out["all_rows" if w == args.slots else "quarter_rows"] = {

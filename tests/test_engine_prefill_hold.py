@@ -169,6 +169,12 @@ def test_prefill_hold_must_not_be_negative(model):
     _engine(model, prefill_hold=-1)
 
 
+def test_prefill_tokens_set_the_largest_bucket_and_hold_a_chunk(model):
+  assert _engine(model, prefill_tokens=32).buckets == [2, SLOTS, SLOTS + 32]
+  with pytest.raises(ValueError, match="prefill_tokens=4 must be >= prefill_chunk=8"):
+    _engine(model, prefill_tokens=4)
+
+
 def test_noisers_are_rebuilt_only_for_a_call_with_a_row_started_since(model):
   """A release costs no noiser build; a start costs one when its row joins a call (held, it
   costs none yet). Builds are counted as they run (``jax.debug.callback``)."""

@@ -215,7 +215,9 @@ class Engine:
   with it (``PopulationNoiser.in_slices`` / ``slice_shardings``): one perturbed weight copy per
   device instead of one per slot; ``start`` refuses a slot whose shard runs another member.
   ``prefill_hold``: steps a new prefill (a prompt, an observation) may wait while other rows
-  decode, so that prefills arriving a few steps apart share one call (``_held``); 0: none waits."""
+  decode, so that prefills arriving a few steps apart share one call (``_held``); 0: none waits.
+  ``prefill_tokens``: prefill tokens per data shard a call may hold beside its decode tokens
+  (the largest bucket; default ``prefill_chunk``), a row still taking at most a chunk."""
 
   def __init__(self, graphdef, model_config: qwen2.Qwen2Config, *, num_slots: int, max_len: int,
                prefill_chunk: int, max_new_tokens: int, stop_ids, im_end_id: int,
@@ -223,7 +225,7 @@ class Engine:
                rules=sharding.LOGICAL_RULES, abstract: bool = False, compact: bool = True,
                version_steps: VersionSteps | None = None, page_size: int | None = None,
                num_pages: int | None = None, member_slices: bool = False, prefill_hold: int = 8,
-               decode_steps: int = 8):
+               decode_steps: int = 8, prefill_tokens: int | None = None):
     if max_len <= max_new_tokens:
       raise ValueError(f"max_len={max_len} must exceed max_new_tokens={max_new_tokens}")
     if (page_size is None) != (num_pages is None):
@@ -249,7 +251,11 @@ class Engine:
     # the full rows and a quarter of them serve decode-only calls (compaction's effect: below a
     # quarter the weights, read once per call whatever its tokens, are most of an accelerator's
     # decode step).
-    self.buckets = sorted({per_shard + prefill_chunk} | (
+    prefill_tokens = prefill_chunk if prefill_tokens is None else int(prefill_tokens)
+    if prefill_tokens < prefill_chunk:
+      raise ValueError(f"prefill_tokens={prefill_tokens} must be >= prefill_chunk={prefill_chunk}: "
+                       f"the largest bucket holds a whole chunk beside the decode tokens")
+    self.buckets = sorted({per_shard + prefill_tokens} | (
         {per_shard, max(per_shard >> 2, 1)} if compact else set()))
     # Attention spans. Blockwise attention reads key blocks up to the call's furthest token only
     # (a traced trip count, ``bounded_keys``), so one span, the whole row, serves every length.

@@ -719,7 +719,7 @@ class Engine:
     fed = {}
     for s in sorted(rows, key=lambda s: (s.state != DECODE, s.index)):
       d = self._shard(s.index)
-      n = 1 if s.state == DECODE else min(len(s.pending), self.chunk, room[d])
+      n = 1 if s.state == DECODE else min(len(s.pending), self.chunk, int(room[d]))
       if n:
         fed[s.index], room[d] = n, room[d] - n
     return fed

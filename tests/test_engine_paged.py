@@ -120,7 +120,6 @@ def test_paged_cache_on_a_data4_tensor2_mesh_decodes_the_one_device_dense_tokens
   # The same tokens; the log-probs within the default 1e-4, not 1e-5 as on one device: the
   # tensor-sharded projections sum in another order (a CI run measured 1.2e-5 at a log-prob of -4.57).
   assert_same_turns(got, want)
-  assert paged.stats.rows_computed < paged.stats.rows_total
 
 
 @settings(max_examples=60, deadline=None)

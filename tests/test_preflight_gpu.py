@@ -26,10 +26,15 @@ QUICK = r"^(reset|stack_steps|merge_noisers)$"
 @pytest.fixture
 def no_persistent_cache():
   """As the preflight program runs: a compile read from the suite's cache logs no warning."""
+  from jax.experimental.compilation_cache import compilation_cache
   before = jax.config.jax_enable_compilation_cache
   jax.config.update("jax_enable_compilation_cache", False)
   yield
   jax.config.update("jax_enable_compilation_cache", before)
+  # JAX decides once per process whether the cache is used: if the first compile came while it
+  # was off, it would stay off for every later test of this worker (tests/test_precompile.py's
+  # warm-up checks would then see nothing written). Let the next compile decide again.
+  compilation_cache.reset_cache()
 
 
 @needs_plugin
@@ -43,6 +48,17 @@ def test_gpu_compiler_sizes_8xH100_from_a_cpu_machine(no_persistent_cache):
   assert all(p["seconds"] > 0 for p in report["programs"])
   lines, fits = preflight.render(report, 0.9)
   assert fits and "(real GPU compiler, attention " in lines[0] and "at 2 job(s)" in "\n".join(lines)
+
+
+@needs_plugin
+def test_the_es_update_keeps_its_parameters_sharded_on_the_gpu_compiler():
+  # Left to its sharding propagation, the GPU compiler replicated the update's new parameters
+  # over the tensor axis (this config: 2x the arguments; Qwen2.5-7B on 8xH100: 14.2 GiB more).
+  target = preflight.resolve_topology("8xH100")
+  report = preflight.plan(tiny_config(), target, log=lambda *_: None, only="^es_update$")
+  (update,) = report["programs"]
+  params = report["per_device"]["parameters"]
+  assert params <= update["outputs"] < 1.5 * params   # the new parameters (+ a few scalars), sharded
 
 
 @needs_plugin

@@ -103,12 +103,9 @@ def test_the_start_up_compile_warms_the_first_grpo_step():
   assert step[0] not in _compiled(first), first.programs
 
 
-# Until Engine._placed / _on_every_device place one process's host arrays in the rows' (and the
-# replicated) sharding, as programs() lowers them: numpy arguments trace with avals of another
-# mesh, the call's lowering differs (inner helpers deduplicated otherwise), and it compiles again
-# (issue 32; the two-line fix is with the engine's owner, see docs/preflight.md). Strict: the
-# commit that fixes it removes this mark.
-@pytest.mark.xfail(strict=True, reason="engine call arguments not placed as programs() lowers them")
+# Engine._placed / _on_every_device place one process's host arrays as programs() lowers them:
+# numpy arguments traced with avals of another mesh, and the call's program text differed
+# (inner helpers deduplicated otherwise), so it compiled again (issue 32).
 def test_every_warmed_engine_program_is_read_back_at_its_real_call():
   from helpers_models import engine_noiser, ragged_turns, tiny_model
   from jaxes import es

@@ -585,18 +585,19 @@ class Engine:
 
   # -- device steps -----------------------------------------------------------------------------
   def _placed(self, *arrays: np.ndarray) -> tuple:
-    """Per-slot host arrays as arguments of the jitted programs: as they are on one process; on
-    a multi-process mesh (where jit refuses sharded numpy inputs) global arrays, each process
-    filling its own shards from its copy (identical on every process: the host state is)."""
-    if self.rows.is_fully_addressable:
-      return arrays
+    """Per-slot host arrays as arguments of the jitted programs, in the rows' sharding as
+    ``programs()`` lowers them (numpy arguments trace to programs of another text, which the
+    persistent cache keys apart); on a multi-process mesh global arrays, each process filling its
+    own shards from its copy (identical on every process: the host state is)."""
+    if self.rows.is_fully_addressable:   # placed as programs() lowers them: one cache entry
+      return tuple(jax.device_put(arrays, self.rows))
     return tuple(jax.make_array_from_callback(x.shape, self.rows, lambda index, x=x.copy(): x[index])
                  for x in arrays)
 
   def _on_every_device(self, *arrays: np.ndarray) -> tuple:
     """Host arrays as replicated arguments (``_placed``'s counterpart for arrays without rows)."""
     if self._replicated.is_fully_addressable:
-      return arrays
+      return tuple(jax.device_put(arrays, self._replicated))
     return tuple(jax.make_array_from_callback(x.shape, self._replicated,
                                               lambda index, x=x.copy(): x[index]) for x in arrays)
 

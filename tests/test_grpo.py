@@ -460,17 +460,16 @@ def test_engine_logprobs_equal_a_teacher_forced_forward(tokenizer, temperature, 
   for s in range(3):
     assert engine.start(s, prompts[s], version=0, member=-1, stream=7 + s, temperature=temperature,
                         top_p=top_p)
-  for turn_index in range(3):
-    done = 0
-    while done < 3:
-      for t in engine.step({0: params}):
-        turns[t.slot].append(tuple(t.tokens))
-        logprobs[t.slot].append(tuple(t.logprobs))
-        if turn_index < 2:
-          obs = chat.observation_ids(tok, f"(exit_code={turn_index}) out {t.slot}")
-          assert engine.continue_turn(t.slot, obs)
-          observations[t.slot].append(tuple(obs))
-        done += 1
+  # Three turns per slot, each slot at its own pace (slots prefill in turn, not in lockstep).
+  while sum(map(len, turns)) < 3 * 3:
+    for t in engine.step({0: params}):
+      turns[t.slot].append(tuple(t.tokens))
+      logprobs[t.slot].append(tuple(t.logprobs))
+      turn_index = len(turns[t.slot]) - 1
+      if turn_index < 2:
+        obs = chat.observation_ids(tok, f"(exit_code={turn_index}) out {t.slot}")
+        assert engine.continue_turn(t.slot, obs)
+        observations[t.slot].append(tuple(obs))
   streams = [EpisodeStream(tuple(prompts[s]), tuple(turns[s]), tuple(logprobs[s]),
                            tuple(observations[s])) for s in range(3)]
   batch = build_batch([episode_from_stream(x, im_end) for x in streams], [0.0] * 3, [0] * 3, seq_len=256)

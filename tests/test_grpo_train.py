@@ -41,7 +41,11 @@ def _train_lines(workdir):
 
 def test_grpo_async_consumes_stale_groups_keeps_episodes_across_checkpoints_and_loads(tokenizer_dir, tmp_path):
   run = tmp_path / "async"
-  first = _run(tokenizer_dir, run, 1)
+  # One decode step per engine call, four updates: the token-bucket engine prefills about a chunk
+  # per shard per call and decodes 8 tokens per call by default, so a group's episodes end nearly
+  # together; one step per call spreads them over the schedule, so the first checkpoint holds
+  # finished episodes of unconsumed groups and a later update consumes a stale group.
+  first = _run(tokenizer_dir, run, 1, **{"rollout.decode_steps": 1})
   assert first["version"] == 1 and first["algorithm"] == "grpo"
   ckpt = checkpoint.Checkpointer(str(run / "checkpoints"))
   try:
@@ -49,10 +53,10 @@ def test_grpo_async_consumes_stale_groups_keeps_episodes_across_checkpoints_and_
   finally:
     ckpt.close()
   assert kept[-1], f"no finished episode of an unconsumed group in the checkpoint ({kept}): resume path untested"
-  resumed = _run(tokenizer_dir, run, 3)   # restores them, and the jobs in flight are reissued
-  assert resumed["updates_this_run"] == 2
+  resumed = _run(tokenizer_dir, run, 4, **{"rollout.decode_steps": 1})   # restores them, and the jobs in flight are reissued
+  assert resumed["updates_this_run"] == 3
   lines = _train_lines(run)
-  assert [r["version"] for r in lines] == [1, 2, 3]
+  assert [r["version"] for r in lines] == [1, 2, 3, 4]
   for r in lines:
     g = r["grpo"]
     assert sum(r["staleness_hist"]) == r["num_results"] <= 2

@@ -114,6 +114,9 @@ def test_one_call_for_a_chain_of_versions_decodes_the_per_version_calls_tokens(m
                    version_steps=VersionSteps(strategy.version_step(params, run_key), POP, 2))
   for v, cohort in enumerate(cohorts, start=1):
     assert merged.add_step(v, *cohort)
+  # Jitted functions can be shared by engines of the same shapes: count what this test adds
+  # (the CI worker's earlier tests had left one more program in them).
+  compiled_before = merged.compilations()
   want = ragged_turns(per_version, params_by_version, versions)
   got = ragged_turns(merged, params_by_version, versions)
   assert_same_turns(got, want)
@@ -124,7 +127,7 @@ def test_one_call_for_a_chain_of_versions_decodes_the_per_version_calls_tokens(m
   # Programs: step programs with and without steps, reset, the noiser build, the step build,
   # the stack and the noiser merge — whatever the schedule.
   per_call = len(merged.buckets) * len(merged.spans)
-  assert merged.compilations() <= 2 * per_call + 5
+  assert merged.compilations() - compiled_before <= 2 * per_call + 5
 
 
 def _calls_per_step(engine, params_by_version, versions):

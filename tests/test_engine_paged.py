@@ -14,6 +14,7 @@ from hypothesis import given, settings, strategies as st
 
 from helpers_models import assert_same_turns, engine_noiser, ragged_turns, tiny_model
 from jaxes import es, sharding, tokenization
+from jaxes.models import qwen2
 from jaxes.envs import generator, protocol
 from jaxes.envs.local_sandbox import LocalSandbox
 from jaxes.rollout import pages
@@ -316,3 +317,42 @@ def test_compiled_paged_steps_update_the_pages_in_place(model):
     stats = programs[name].compile().memory_analysis()
     assert stats.alias_size_in_bytes >= cache_bytes, name
     assert stats.temp_size_in_bytes < key_bytes, (name, stats.temp_size_in_bytes, key_bytes)
+
+
+def _libtpu():
+  try:
+    import libtpu  # noqa: F401
+    return True
+  except ImportError:
+    return False
+
+
+def test_the_cache_is_split_off_tpu_and_an_interleaved_one_counts_the_same_bytes(model):
+  cfg, _, _ = model
+  paged = _engine(model, page_size=4, num_pages=32, abstract=True)
+  assert paged.cache.v.shape[3] == cfg.num_kv_heads   # CPU: keys and values apart, as before
+  assert paged.cache.k.dtype == np.uint32
+  split, mixed = (jax.eval_shape(lambda i=i: qwen2.PagedKVCache.init(cfg, SLOTS, 64, 4, 32,
+                                                                     interleaved=i))
+                  for i in (False, True))
+  assert mixed.v.shape[3] == 0 and mixed.k.shape[3] == 2 * cfg.num_kv_heads
+  per_token = qwen2.cache_bytes_per_token(split)
+  assert qwen2.cache_bytes_per_token(mixed) == per_token == (
+      2 * 4 * cfg.num_layers * cfg.num_kv_heads * cfg.head_size)
+  assert paged.kv_bytes()["reserved"] == 32 * 4 * per_token
+
+
+@pytest.mark.skipif(not _libtpu(), reason="libtpu is not installed (pip install -e '.[tpu]')")
+def test_an_engine_for_a_v5p_mesh_keeps_its_pages_interleaved_with_the_same_kv_bytes(
+    model, monkeypatch):
+  """The layout ``ragged_paged_attention`` reads, so the TPU programs carry the kernel."""
+  monkeypatch.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # another process may hold libtpu's lock
+  from jax.experimental import topologies
+  cfg, _, _ = model
+  devices = topologies.get_topology_desc("v5p:2x2x1", "tpu").devices
+  tpu = _engine(model, mesh=sharding.make_mesh(data=2, tensor=2, devices=devices), page_size=4,
+                num_pages=32, abstract=True)
+  cpu = _engine(model, page_size=4, num_pages=32, abstract=True)
+  assert tpu.cache.k.shape[3] == 2 * cfg.num_kv_heads and tpu.cache.v.shape[3] == 0
+  assert tpu.cache.k.dtype == np.dtype(cfg.dtype)
+  assert tpu.kv_bytes() == cpu.kv_bytes()

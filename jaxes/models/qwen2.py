@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -196,6 +197,14 @@ class PagedKVCache:
   @property
   def page_size(self) -> int:
     return self.k.shape[2]
+
+
+def cache_bytes_per_token(cache: KVCache | PagedKVCache) -> int:
+  """Bytes one token's keys and values take in ``cache`` (arrays or shapes), over all layers:
+  the same for the split and the interleaved layouts (there ``v`` is empty and ``k`` holds both)."""
+  k, v = cache.k, cache.v
+  heads = math.prod(k.shape[3:]) + math.prod(v.shape[3:])
+  return jnp.dtype(k.dtype).itemsize * k.shape[0] * heads
 
 
 def _stack(layers: int, shape: tuple, axes: tuple) -> tuple[tuple, tuple]:

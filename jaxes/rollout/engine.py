@@ -88,7 +88,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxes import sharding
-from jaxes.models import partition, qwen2
+from jaxes.models import attention, partition, qwen2
 from jaxes.rollout import decode_loop
 from jaxes.rollout import pages as page_pool
 from jaxes.rollout import step_program
@@ -284,8 +284,11 @@ class Engine:
     self.abstract_params = sharding.abstract(partition.abstract_params(model_config), self.param_shardings)
     paged = page_size is not None
     self.cache_shardings = partition.cache_shardings(model_config, mesh, rules, paged=paged)
+    # On TPU the pages are kept in ragged_paged_attention's interleaved layout (the kernel reads
+    # it as is); elsewhere keys and values stay apart, for the portable blockwise path.
     init = (functools.partial(qwen2.PagedKVCache.init, model_config, num_slots, max_len,
-                              int(page_size), int(num_pages)) if paged else
+                              int(page_size), int(num_pages),
+                              interleaved=attention.interleave_pages(mesh)) if paged else
             functools.partial(qwen2.KVCache.init, model_config, num_slots, max_len))
     init_cache = jax.jit(init, out_shardings=self.cache_shardings)
     self.cache = (sharding.abstract(jax.eval_shape(init_cache), self.cache_shardings) if abstract
@@ -492,7 +495,7 @@ class Engine:
     """Bytes of cache memory: ``reserved`` (allocated), ``in_use`` (pages held by slots; dense:
     the tokens the slots hold), ``dense_reserved`` (a dense cache of ``max_len`` per slot)."""
     k = self.cache.k
-    per_token = 2 * k.dtype.itemsize * k.shape[0] * int(np.prod(k.shape[3:]))
+    per_token = qwen2.cache_bytes_per_token(self.cache)
     dense = self.num_slots * self.max_len * per_token
     if self.page_size is None:
       return dict(reserved=dense, in_use=sum(s.length for s in self.slots) * per_token,

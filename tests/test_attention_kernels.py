@@ -46,18 +46,25 @@ def paged_case(seed=0, dtype=jnp.float32):
   return q, pages_k, pages_v, table, jnp.asarray(valid), jnp.asarray(q_slots, jnp.int32), counts
 
 
-def test_ragged_lengths_pack_and_unpack():
-  # leading real tokens; padding at slot 0 (bounded) or repeating the last slot (unbounded)
-  q_slots = jnp.asarray([[5, 6, 7, 0], [9, 9, 9, 9], [0, 0, 0, 0], [2, 3, 3, 3]], jnp.int32)
-  q_lens, kv_lens, cu = jax.jit(kernels_tpu.ragged_lengths)(q_slots)
-  np.testing.assert_array_equal(q_lens, [3, 1, 1, 2])
-  np.testing.assert_array_equal(kv_lens, [8, 10, 1, 4])
-  np.testing.assert_array_equal(cu, [0, 3, 4, 5, 7])
-  x = jnp.arange(16.0).reshape(4, 4) + 1
-  flat = jax.jit(kernels_tpu.pack)(x, q_lens, cu)
-  np.testing.assert_array_equal(flat, [1, 2, 3, 5, 9, 13, 14] + [0] * 9)
-  back = jax.jit(kernels_tpu.unpack, static_argnums=3)(flat, q_lens, cu, 4)
-  np.testing.assert_array_equal(back, np.where(np.arange(4)[None] < np.asarray(q_lens)[:, None], x, 0))
+def test_ragged_runs_are_the_kernels_sequences():
+  # a padded batch [n, T]: a prefill of 3 after 5 slots, a decode token, an empty row; padding
+  # queries slot 0 (bounded) and is a run of its own
+  table = jnp.asarray([[3, 7, 1, 0], [5, 2, 9, 11], [4, 6, 8, 10]], jnp.int32)
+  q_slots = jnp.asarray([[5, 6, 7], [10, 0, 0], [0, 0, 0]], jnp.int32)
+  kv_lens, seq_rows, cu, num = jax.jit(kernels_tpu.ragged_runs)(q_slots, table)
+  assert int(num[0]) == 7
+  np.testing.assert_array_equal(cu, [0, 3, 4, 5, 6, 7, 8, 9, 9, 9])
+  np.testing.assert_array_equal(kv_lens, [8, 11, 1, 1, 1, 1, 1, 0, 0])
+  np.testing.assert_array_equal(seq_rows[:7], [0, 1, 1, 1, 2, 2, 2])
+  # the engine's flat buffer (one token per batch row): a row's chunk is one run across batch
+  # rows of an equal page table; the next slot of other pages, or a repeated slot, is not
+  flat_table = table[jnp.asarray([0, 0, 0, 1, 2, 0, 0])]
+  flat = jnp.asarray([[5], [6], [7], [8], [9], [8], [8]], jnp.int32)
+  kv_lens, seq_rows, cu, num = jax.jit(kernels_tpu.ragged_runs)(flat, flat_table)
+  assert int(num[0]) == 5
+  np.testing.assert_array_equal(cu[:6], [0, 3, 4, 5, 6, 7])
+  np.testing.assert_array_equal(kv_lens[:5], [8, 9, 10, 9, 9])
+  np.testing.assert_array_equal(seq_rows[:5], [0, 3, 4, 5, 6])
 
 
 def interleaved(pages_k, pages_v):
@@ -89,11 +96,25 @@ def test_write_kv_into_interleaved_pages_is_the_split_write_interleaved():
   assert mixed[1].shape[3] == 0
 
 
-def test_the_kernels_inputs_give_the_portable_paths_attention():
+def flat_case(q, table, q_slots, counts):
+  """``paged_case``'s real tokens as the engine's flat buffer: one token per batch row, each with
+  its row's page table (a row's chunk as consecutive tokens)."""
+  rows = np.concatenate([np.full(c, i) for i, c in enumerate(counts)])
+  at = np.concatenate([np.arange(c) for c in counts])
+  return (q[rows, at][:, None], table[rows], q_slots[rows, at][:, None],
+          np.ones(len(rows), int))
+
+
+@pytest.mark.parametrize("layout", ["padded", "flat"])
+def test_the_kernels_inputs_give_the_portable_paths_attention(layout):
   """Through ``ref_ragged_paged_attention`` (the kernel's layout in plain JAX): what the kernel
   would compute from the tables, lengths and interleaved pages built here is the portable path's
-  output, and the portable path reads interleaved pages as it reads split ones."""
+  output, and the portable path reads interleaved pages as it reads split ones; for a padded
+  batch and for the engine's flat one (a chunk's tokens one run across batch rows)."""
   q, pages_k, pages_v, table, valid, q_slots, counts = paged_case()
+  if layout == "flat":
+    q, table, q_slots, counts = flat_case(q, table, q_slots, counts)
+    valid = jnp.arange(WIDTH * PAGE)[None, :] <= q_slots
   layer = jnp.int32(1)
   attend = jax.jit(lambda *a: attention.Pages(table).attend(*a, WIDTH * PAGE, block=2 * PAGE,
                                                              bounded=True))
@@ -103,14 +124,13 @@ def test_the_kernels_inputs_give_the_portable_paths_attention():
   np.testing.assert_allclose(np.asarray(attend(q, combined, empty, layer, valid, q_slots))[real],
                              portable[real], rtol=1e-6, atol=1e-6)
   inputs = jax.jit(kernels_tpu.kernel_inputs)(q, combined, layer, q_slots, table)
-  flat, kv_pages, *lengths = inputs   # the lengths as constants: the reference loops over them
+  queries, kv_pages, *lengths = inputs   # the lengths as constants: the reference loops over them
   lengths = [np.asarray(x) for x in lengths]
-  out = jax.jit(lambda flat, kv_pages: kernels_tpu.reference(flat, kv_pages, *lengths,
-                                                             sm_scale=hd ** -0.5))(flat, kv_pages)
-  via_layout = np.asarray(jax.jit(kernels_tpu.kernel_outputs, static_argnums=2)(out, q_slots, q.shape))
-  np.testing.assert_allclose(via_layout[real], portable[real], rtol=1e-5, atol=1e-5)
-  computed = np.arange(q.shape[1])[None, :] < np.maximum(counts, 1)[:, None]  # an empty row: 1
-  assert not via_layout[~computed].any()   # the padding after a row's tokens: zeros
+  assert lengths[-1][0] == (7 if layout == "padded" else 2)   # runs: the prefill chunk is one
+  out = jax.jit(lambda queries, kv_pages: kernels_tpu.reference(queries, kv_pages, *lengths,
+                                                                sm_scale=hd ** -0.5))(queries, kv_pages)
+  np.testing.assert_allclose(np.asarray(out).reshape(q.shape)[real], portable[real],
+                             rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.skipif(jax.default_backend() != "tpu", reason=(

@@ -4,14 +4,18 @@ ragged_paged_attention`` (mixed prefill and decode tokens as one flat batch).
 What the kernel takes, and how an engine call's batch becomes it (per device, under the caller's
 ``shard_map``; every array here is one shard's):
 
-* ``queries [tokens, heads, hd]``: the batch's real tokens packed row after row (``cu_q_lens``
-  says where each row's start). A batch row's real tokens are its leading positions (the engine
-  left-aligns a prefill chunk; a decode row has one), at consecutive slots from its cache index;
-  padding after them is left out, and its outputs are zero.
-* ``kv_lens [rows]``: the slots a row's last token sees, ``index + real tokens``. The kernel sees
-  every slot below it, so a paged row's valid slots must be a prefix (the engine writes a row in
-  order from slot 0 and only a reset clears it). A row with no real token is given one query at
-  slot 0 (the kernel needs ``q_len <= kv_len``); its output is dropped.
+* ``queries [tokens, heads, hd]``: the batch's tokens in order, row after row, position after
+  position (``[n, T]`` flattened, padding included: a free reshape). The kernel's *sequences*
+  are runs of these tokens (``ragged_runs``): a token continues its predecessor's run when it
+  reads the same pages (an equal page table) at the next slot. The engine's flat buffer (one
+  token per batch row, ``step_program``) holds each row's chunk as consecutive tokens, so a
+  512-token prefill chunk is one sequence whose keys the kernel reads once per block of
+  ``QUERIES_PER_BLOCK`` queries, not once per token. Any batch gives the right attention this
+  way: a run's query j sees the slots up to its own, as each token alone would.
+* ``kv_lens [seqs]``: the slots a run's last token sees (its slot + 1). The kernel sees every
+  slot below it, so a paged row's valid slots must be a prefix (the engine writes a row in order
+  from slot 0 and only a reset clears it). Padding tokens query slot 0 (or repeat a slot), so
+  they form runs of their own; their outputs are the caller's to drop.
 * ``kv_pages [pages, page, 2 * K, hd]``, keys and values interleaved over the head axis, in the
   compute dtype: the cache's interleaved pages ``[L, P, page, 2K, hd]`` (``attention.
   interleaved``) seen as ``L * P`` pages, a free reshape (a layer's slice would be a copy of its
@@ -19,7 +23,10 @@ What the kernel takes, and how an engine call's batch becomes it (per device, un
   (1.1 GB of temporaries per device at the benchmark's v5p-64 shapes). ``combined_pages`` turns
   pages kept apart (``[L, P, page, K, hd]`` keys and values) into this layout; run at every call
   it would copy the pool every layer (``benchmarks/attention_kernels.py`` measures it).
-* ``page_indices``: the rows' page tables (shard-local page ids) plus ``layer * P``.
+* ``page_indices [seqs, S // page]``: each run's page table (shard-local page ids) plus
+  ``layer * P``. The kernel prefetches it into SMEM, 1 MiB on v5p: tokens x pages per row x 4
+  bytes must fit (542 tokens of 16,384-slot rows: pages of 64 tokens or more; of 16, the
+  compiler refuses 2.2 MB).
 
 The block sizes are passed explicitly (``kv_pages_per_block``): the kernel's tuned-size lookup
 reads the local device, which is a CPU in a deviceless compile for a TPU topology.
@@ -46,35 +53,26 @@ ragged_paged_attention = _rpa.ragged_paged_attention
 reference = _rpa.ref_ragged_paged_attention   # JAX's plain-JAX reference of the same layout
 
 
-def ragged_lengths(q_slots: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """``(q_lens, kv_lens, cu_q_lens)`` int32 of a batch whose row i's real tokens are its leading
-  positions at consecutive slots ``q_slots[i, 0] + t`` (``q_slots [n, T]``; padding after them
-  points elsewhere). A row without real tokens (all padding) counts one query at slot
-  ``max(q_slots[i, 0], 0)``."""
-  T = q_slots.shape[1]
-  start = jnp.maximum(q_slots[:, :1], 0)
-  in_run = q_slots == start + jnp.arange(T, dtype=q_slots.dtype)[None, :]
-  q_lens = jnp.maximum(jnp.cumprod(in_run, axis=1).sum(axis=1), 1).astype(jnp.int32)
-  kv_lens = (start[:, 0] + q_lens).astype(jnp.int32)
-  cu_q_lens = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(q_lens, dtype=jnp.int32)])
-  return q_lens, kv_lens, cu_q_lens
-
-
-def pack(x: jax.Array, q_lens: jax.Array, cu_q_lens: jax.Array) -> jax.Array:
-  """``x [n, T, ...]`` -> ``[n * T, ...]``: row i's first ``q_lens[i]`` positions at
-  ``cu_q_lens[i] ...``, zeros after the last row's."""
-  n, T = x.shape[:2]
-  t = jnp.arange(T)[None, :]
-  to = jnp.where(t < q_lens[:, None], cu_q_lens[:-1, None] + t, n * T)   # n * T: dropped
-  return jnp.zeros((n * T,) + x.shape[2:], x.dtype).at[to].set(x, mode="drop")
-
-
-def unpack(flat: jax.Array, q_lens: jax.Array, cu_q_lens: jax.Array, T: int) -> jax.Array:
-  """``pack``'s inverse: ``[n * T, ...]`` -> ``[n, T, ...]``, zeros at the positions left out."""
-  t = jnp.arange(T)[None, :]
-  keep = t < q_lens[:, None]
-  out = flat[jnp.where(keep, cu_q_lens[:-1, None] + t, 0)]
-  return jnp.where(keep.reshape(keep.shape + (1,) * (out.ndim - 2)), out, 0)
+def ragged_runs(q_slots: jax.Array, table: jax.Array) -> tuple[jax.Array, ...]:
+  """The kernel's sequences of a batch's ``n * T`` tokens in order (``q_slots [n, T]`` each
+  token's slot, ``table [n, W]`` each batch row's pages): ``(kv_lens [N], seq_rows [N],
+  cu_q_lens [N + 1], num_seqs [1])`` int32, N = n * T, where ``seq_rows`` is each run's batch
+  row (its page table). A token starts a run unless it is at the slot after its predecessor's,
+  in the same batch row or one with an equal page table. Runs past ``num_seqs`` are empty."""
+  n, T = q_slots.shape
+  N = n * T
+  slots = jnp.maximum(q_slots, 0).reshape(N)
+  token = jnp.arange(N)
+  row = token // T
+  same_pages = jnp.concatenate([jnp.zeros((1,), bool), jnp.all(table[1:] == table[:-1], axis=1)])
+  follows = (token > 0) & (slots == jnp.roll(slots, 1) + 1) & ((token % T > 0) | same_pages[row])
+  first = jnp.nonzero(~follows, size=N, fill_value=N)[0].astype(jnp.int32)   # each run's first token
+  cu_q_lens = jnp.concatenate([first, jnp.full((1,), N, jnp.int32)])
+  num_seqs = jnp.sum(~follows, dtype=jnp.int32)
+  last = jnp.clip(cu_q_lens[1:] - 1, 0, N - 1)
+  kv_lens = jnp.where(token < num_seqs, slots[last] + 1, 0).astype(jnp.int32)
+  seq_rows = row[jnp.minimum(first, N - 1)].astype(jnp.int32)
+  return kv_lens, seq_rows, cu_q_lens, num_seqs[None]
 
 
 def combined_pages(pages_k: jax.Array, pages_v: jax.Array) -> jax.Array:
@@ -89,23 +87,15 @@ def kernel_inputs(q: jax.Array, pages: jax.Array, layer: jax.Array, q_slots: jax
   """The kernel's positional arguments ``(queries, kv_pages, kv_lens, page_indices, cu_q_lens,
   num_seqs)`` for ``paged_attention``'s batch (see there)."""
   n, T, K, G, hd = q.shape
-  q_lens, kv_lens, cu_q_lens = ragged_lengths(q_slots)
-  flat = pack(q.reshape(n, T, K * G, hd), q_lens, cu_q_lens)   # q head k * G + g reads KV head k
+  kv_lens, seq_rows, cu_q_lens, num_seqs = ragged_runs(q_slots, table)
+  queries = q.reshape(n * T, K * G, hd)   # q head k * G + g reads KV head k
   if dtype is not None and pages.dtype != dtype:   # raw bits: a copy of the whole cache on TPU
     pages = jax.lax.bitcast_convert_type(pages, dtype)
   L, P = pages.shape[:2]
   kv_pages = pages.reshape(L * P, *pages.shape[2:]).astype(q.dtype)
   # A table entry past a row's valid slots may name any page; kept in range for the DMA.
-  page_indices = (jnp.clip(table, 0, P - 1) + layer * P).astype(jnp.int32)
-  return flat, kv_pages, kv_lens, page_indices, cu_q_lens, jnp.full((1,), n, jnp.int32)
-
-
-def kernel_outputs(out: jax.Array, q_slots: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-  """The kernel's ``[tokens, heads, hd]`` output (its first ``cu_q_lens[-1]`` rows at least) back
-  to the batch's ``[n, T, K, G, hd]``, zeros at the padding."""
-  q_lens, _, cu_q_lens = ragged_lengths(q_slots)
-  out = jnp.zeros((shape[0] * shape[1],) + out.shape[1:], out.dtype).at[:out.shape[0]].set(out)
-  return unpack(out, q_lens, cu_q_lens, shape[1]).reshape(shape)
+  page_indices = (jnp.clip(table[seq_rows], 0, P - 1) + layer * P).astype(jnp.int32)
+  return queries, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs
 
 
 def paged_attention(q: jax.Array, pages: jax.Array, layer: jax.Array, q_slots: jax.Array,
@@ -114,9 +104,9 @@ def paged_attention(q: jax.Array, pages: jax.Array, layer: jax.Array, q_slots: j
   pages ``table [n, S // page]`` of layer ``layer`` of interleaved ``pages [L, P, page, 2K, hd]``
   (values, or raw bits of ``dtype``) through ``ragged_paged_attention``, on one device."""
   args = kernel_inputs(q, pages, layer, q_slots, table, dtype)
-  n, T = q.shape[:2]
   out = ragged_paged_attention(
       *args, sm_scale=q.shape[-1] ** -0.5,
       num_kv_pages_per_block=kv_pages_per_block(pages.shape[2], table.shape[1]),
-      num_queries_per_block=min(QUERIES_PER_BLOCK, n * T), vmem_limit_bytes=VMEM_LIMIT_BYTES)
-  return kernel_outputs(out, q_slots, q.shape)
+      num_queries_per_block=min(QUERIES_PER_BLOCK, q.shape[0] * q.shape[1]),
+      vmem_limit_bytes=VMEM_LIMIT_BYTES)
+  return out.reshape(q.shape)

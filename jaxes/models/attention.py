@@ -26,6 +26,14 @@ at key 0, while a cache row here is a prefix of slots whose queries sit at a per
 ``pallas.ops.tpu.paged_attention`` takes one query per row (decode only), while an engine call
 mixes decode rows with prefill chunks; the unpaged cache (``Rows``, the ragged batch) stays on
 ``blockwise``, which bounds the memory the same way on every backend but does not fuse as well.
+
+Why a paged cache on GPU is read by ``blockwise``, not ``pallas.ops.gpu.paged_attention`` /
+``decode_attention``: those take one query per row (decode only) over heads-major pages of one
+layer (``[KVH, pages, page, hd]``), so the engine's ``[L, P, page, K, hd]`` pages would be
+relaid out every layer (on TPU the same relayout cost 9.9x the live keys and values against
+blockwise's 1.9x, benchmarks/RESULTS.md); and a deviceless H100 compile of the kernel (it does
+compile) gives no ``cost_analysis()`` to show it would read less. The GPU configs (``configs/paper.py``'s H100/H200
+targets) run unpaged, where attention is cuDNN's.
 """
 from __future__ import annotations
 

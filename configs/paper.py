@@ -82,10 +82,10 @@ def get_config(arg: str = "async1"):
     # KV per decode step at these shapes, blockwise over the unpaged cache 1.89x by its gathers:
     # benchmarks/RESULTS.md, issue 29). Pages of 128 tokens: the kernel prefetches every
     # sequence's page table into 1 MiB of SMEM (542 tokens per shard x 128 pages here; pages of
-    # 16 do not fit). The pool reserves
-    # every slot's whole row (as the dense cache would, 6.6 GiB per v5p-64 device), so no turn is
-    # ever cut short for a page; memory in use is the tokens held. GPU targets stay unpaged:
-    # there the unpaged cache gets cuDNN attention, paged reads are blockwise.
+    # 16 do not fit). The pool reserves every slot's whole row (as the dense cache would, 6.6 GiB
+    # per v5p-64 device), so no turn is ever cut short for a page; memory in use is the tokens
+    # held. GPU targets stay unpaged: there the unpaged cache gets cuDNN attention, paged reads
+    # are blockwise.
     c.rollout.page_size = 128
     c.rollout.num_pages = c.rollout.num_slots * c.rollout.max_len // c.rollout.page_size
 

@@ -31,8 +31,11 @@ Why a paged cache on GPU is read by ``blockwise``, not ``pallas.ops.gpu.paged_at
 ``decode_attention``: those take one query per row (decode only) over heads-major pages of one
 layer (``[KVH, pages, page, hd]``), so the engine's ``[L, P, page, K, hd]`` pages would be
 relaid out every layer (on TPU the same relayout cost 9.9x the live keys and values against
-blockwise's 1.9x, benchmarks/RESULTS.md); and a deviceless H100 compile of the kernel (it does
-compile) gives no ``cost_analysis()`` to show it would read less. The GPU configs (``configs/paper.py``'s H100/H200
+blockwise's 1.9x, benchmarks/RESULTS.md); and a deviceless H100 compile cannot show a gain: at
+a paper-config device's decode shapes (120 rows, 7 query heads over 1 KV head, 16,384 slots)
+``decode_attention.gqa`` compiles but the compiled program has no ``cost_analysis()``, and
+``paged_attention`` at its default blocks (128-token pages) asks 561 KB of the 232 KB of shared
+memory. The GPU configs (``configs/paper.py``'s H100/H200
 targets) run unpaged, where attention is cuDNN's.
 """
 from __future__ import annotations

@@ -5,6 +5,7 @@ read per call instead of per token. Full batches only (``compact=False``) to kee
 few: the loop wraps the compacted and version-steps programs the same way, and the other engine
 tests (which run with the default ``decode_steps``) compare those against each other."""
 import jax
+import numpy as np
 import pytest
 
 from helpers_models import assert_same_turns, engine_noiser, ragged_turns, tiny_model
@@ -22,9 +23,10 @@ def model():
 
 
 def test_tokens_taken_stops_at_the_first_stop_id_or_the_limit():
-  assert decode_loop.tokens_taken([5, 3, 7, 3], 4, {3}) == 2
-  assert decode_loop.tokens_taken([5, 6, 7, 3], 3, {3}) == 3
-  assert decode_loop.tokens_taken([3, 6], 1, {3}) == 1
+  tokens = np.array([[5, 3, 7, 3], [5, 6, 7, 3], [3, 6, 0, 0], [9, 0, 0, 0]], np.int32)
+  taken, last = decode_loop.tokens_taken(tokens, np.array([4, 3, 1, 0], np.int32), (3,))
+  assert taken.tolist() == [2, 3, 1, 0]   # a row mid-prefill (limit 0) sampled nothing
+  assert last.tolist() == [3, 7, 3, 0]
 
 
 def test_device_loop_decodes_the_single_step_tokens_with_pages(model):

@@ -6,9 +6,10 @@ before the call: the tokens it may sample in this call — at most ``max_steps``
 remaining token budget and, with a paged cache, the positions its pages already hold (pages are
 taken on the host between calls). A row stays alive until it samples a stop id or reaches its
 limit; a dead row is fed as invalid (its cache row untouched), and the loop ends when no row is
-alive. The host reads the ``[n, max_steps]`` tokens once per call and replays the same rule
-(``tokens_taken``), so it learns of stops one call late at most, with one device-to-host
-transfer per call instead of per token.
+alive. The program also returns each row's count of sampled tokens and the last of them
+(``tokens_taken``, replicated): the host reads them and its own rows' ``[n, max_steps]`` tokens
+once per call, so it learns of stops one call late at most, with one device-to-host transfer per
+call instead of per token, and a process of a multi-process run reads no other process's rows.
 
 A row's tokens are those of one step per call: its sampling key is ``(stream, counter)`` with
 the counter advanced per sampled token, and its cache row sees the same tokens at the same
@@ -16,7 +17,7 @@ positions (``tests/test_engine_decode_loop.py``).
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -60,10 +61,13 @@ def run(decode: Callable, cache, first: tuple, at: jax.Array, limit: jax.Array, 
   return (out_tokens, out_logprobs), cache
 
 
-def tokens_taken(tokens: Sequence[int], limit: int, stop_ids) -> int:
-  """How many of a row's call outputs it sampled: up to and including its first stop id, at most
-  ``limit`` (the device loop's rule, replayed on the host)."""
-  for i in range(limit):
-    if int(tokens[i]) in stop_ids:
-      return i + 1
-  return limit
+def tokens_taken(tokens: jax.Array, limit: jax.Array, stop_ids: tuple) -> tuple[jax.Array, jax.Array]:
+  """Per row of ``run``'s ``tokens [n, max_steps]``: how many it sampled (up to and including its
+  first stop id, at most ``limit``: the loop's rule) and the last of them (0 when none). Computed
+  in the program, so that every process learns them without reading the rows' tokens."""
+  stops = jnp.asarray(stop_ids, jnp.int32)
+  steps = jnp.arange(tokens.shape[1])
+  stop = (tokens[:, :, None] == stops).any(axis=2) & (steps[None, :] < limit[:, None])
+  taken = jnp.where(stop.any(axis=1), jnp.argmax(stop, axis=1) + 1, limit)
+  last = jnp.take_along_axis(tokens, jnp.maximum(taken - 1, 0)[:, None], axis=1)[:, 0]
+  return taken, jnp.where(taken > 0, last, 0)

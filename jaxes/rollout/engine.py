@@ -84,12 +84,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxes import sharding
 from jaxes.models import attention, partition, qwen2
-from jaxes.rollout import decode_loop
 from jaxes.rollout import pages as page_pool
 from jaxes.rollout import step_program
 
@@ -123,8 +121,9 @@ class Slot:
 @dataclasses.dataclass(frozen=True)
 class Turn:
   slot: int
-  tokens: list                   # sampled ids, stop id included when one ended the turn
-  logprobs: list                 # each sampled id's log-prob under the distribution it was drawn
+  tokens: list | None            # sampled ids, stop id included when one ended the turn; None:
+                                 # another process's row (``Engine.readable``), read there only
+  logprobs: list | None          # each sampled id's log-prob under the distribution it was drawn
                                  # from (``sampling.token_logprobs``; 0 when greedy)
   stopped: bool                  # True: a stop id ended it; False: the token budget did
   tag: Any
@@ -166,7 +165,8 @@ class EngineStats:
   multi_version_calls: int = 0   # calls whose rows belong to more than one version (steps)
   prefill_held: int = 0          # row-steps a new prefill was held back to share a call
   host_syncs: int = 0            # calls whose sampled tokens the host waited for (one each)
-  host_exchanges: int = 0        # ... and, multi-process, gathered across processes
+  tokens_read: int = 0           # sampled tokens whose ids this process read: its own rows'
+                                 # (multi-process: only they are read, nothing is exchanged)
   loop_steps: int = 0            # decode steps run by width-1 calls' device loops
 
   @property
@@ -190,6 +190,20 @@ def _merge_noisers(base, others, owner):
 
 def _in_slices(make_noiser, *args):
   return make_noiser(*args).in_slices()
+
+
+def _own_rows(x: jax.Array, fill) -> np.ndarray:
+  """``x`` (rows over ``data``) on the host: whole on one process; on several, the rows of this
+  process's shards only (the rest ``fill``), so no process reads, or waits for, another's."""
+  if x.is_fully_addressable:
+    return np.asarray(x)
+  out, seen = np.full(x.shape, fill, x.dtype), set()
+  for shard in x.addressable_shards:
+    rows = shard.index[0].indices(x.shape[0])
+    if rows not in seen:   # a shard's copies on this process's other devices (tensor, fsdp)
+      seen.add(rows)
+      out[shard.index] = np.asarray(shard.data)
+  return out
 
 
 def _reset_rows(cache: qwen2.KVCache, rows: jax.Array) -> qwen2.KVCache:
@@ -279,6 +293,11 @@ class Engine:
 
     mesh = self.mesh
     self.rows = NamedSharding(mesh, PartitionSpec("data"))  # per-slot arrays [B] and [B, w]
+    # The slots whose sampled tokens this process reads: those of its devices' data shards (all
+    # on one process). Another process's rows are known here by their counts and last tokens.
+    self.readable = frozenset(range(num_slots)) if abstract or self.rows.is_fully_addressable else (
+        frozenset(i for index in self.rows.addressable_devices_indices_map((num_slots,)).values()
+                  for i in range(num_slots)[index[0]]))
     replicated = NamedSharding(mesh, PartitionSpec())
     self.param_shardings = partition.param_shardings(model_config, mesh, rules)
     self.abstract_params = sharding.abstract(partition.abstract_params(model_config), self.param_shardings)
@@ -387,8 +406,10 @@ class Engine:
                  *per_sample, replicated, *per_slot, rows) + ((replicated, rows) if with_steps else ())
     fn = functools.partial(step_program.call, graphdef, self._layout, self.decode_steps,
                            tuple(sorted(self.stop_ids)), self.page_size is not None)
+    # Each row's count of sampled tokens and last token come back replicated (gathered in the
+    # program): every process takes the same decisions from them, reading its own rows' tokens.
     return jax.jit(fn, static_argnums=0, donate_argnums=(3,), in_shardings=shardings,
-                   out_shardings=((rows, rows), self.cache_shardings))
+                   out_shardings=((rows, rows, replicated, replicated), self.cache_shardings))
 
   def abstract_version_steps(self) -> list:
     """A bound on the low-rank steps (abstract, with shardings) this engine holds at once, for
@@ -775,27 +796,33 @@ class Engine:
       for s in rows:
         step_rows[s.index, :s.version - version] = 1.0
       noiser = self._versions_noiser(version, group, params_by_version, rows)
-      (out_tokens, out_logprobs), self.cache = self._versions_call_fn(
+      (out_tokens, out_logprobs, taken, last), self.cache = self._versions_call_fn(
           span, params, noiser, self.cache, *args, self._stacked_steps(version, newest),
           *self._placed(step_rows))
       self.stats.multi_version_calls += 1
     else:
       noiser = self._noiser(version, params, rows)
-      (out_tokens, out_logprobs), self.cache = self._call_fn(span, params, noiser, self.cache, *args)
+      (out_tokens, out_logprobs, taken, last), self.cache = self._call_fn(
+          span, params, noiser, self.cache, *args)
     self.stats.host_syncs += 1
-    if not out_tokens.is_fully_addressable:   # multi-process: every process reads every row
-      out_tokens, out_logprobs = multihost_utils.process_allgather((out_tokens, out_logprobs),
-                                                                   tiled=True)
-      self.stats.host_exchanges += 1
-    out_tokens, out_logprobs = np.asarray(out_tokens), np.asarray(out_logprobs)
-    taken = [decode_loop.tokens_taken(out_tokens[j], k, self.stop_ids) for j, k in zip(where, limits)]
+    counts, last = np.asarray(taken), np.asarray(last)   # replicated: on every process
+    out_tokens, out_logprobs = _own_rows(out_tokens, -1), _own_rows(out_logprobs, np.nan)
+    taken = [int(counts[j]) for j in where]
+    out = []
+    for s, j, t in zip(rows, where, taken):
+      tokens, logprobs = out_tokens[j, :t].copy(), out_logprobs[j, :t]
+      if s.index in self.readable:
+        self.stats.tokens_read += t
+      elif t:   # another process's row: its count and last token are all this one needs
+        tokens[-1] = last[j]
+      out.append((tokens, logprobs))
     loop = max(taken) - 1 if taken else 0   # decode steps after the first
     self.stats.rows_busy += len(rows)
     self.stats.rows_total += self.num_slots
     self.stats.rows_computed += samples * self.shards
     self.stats.positions_computed += n + max(loop, 0) * samples * self.shards
     self.stats.loop_steps += max(taken)
-    return [(out_tokens[j, :t], out_logprobs[j, :t]) for j, t in zip(where, taken)]
+    return out
 
   def _sampled(self, slot: Slot, token: int, logprob: float, finished: list) -> None:
     slot.generated.append(int(token))
@@ -804,7 +831,13 @@ class Engine:
     stopped = int(token) in self.stop_ids
     if stopped or len(slot.generated) >= slot.max_new:
       slot.state = PARKED
-      finished.append(Turn(slot.index, list(slot.generated), list(slot.logprobs), stopped, slot.tag))
+      finished.append(self._turn(slot, stopped))
+
+  def _turn(self, slot: Slot, stopped: bool, failure: str | None = None) -> Turn:
+    """``slot``'s finished turn; without its ids when another process reads its row."""
+    mine = slot.index in self.readable
+    return Turn(slot.index, list(slot.generated) if mine else None,
+                list(slot.logprobs) if mine else None, stopped, slot.tag, failure)
 
   def _held(self, working: list[Slot]) -> list[Slot]:
     """The new prefills (not yet fed a chunk) that wait this step: while other rows decode, a
@@ -905,8 +938,7 @@ class Engine:
     for s in self.slots:
       if s.state == DECODE and not self._take_pages(s, s.length + 1):
         s.state, s.failure = PARKED, PAGES_EXHAUSTED
-        finished.append(Turn(s.index, list(s.generated), list(s.logprobs), False, s.tag,
-                             PAGES_EXHAUSTED))
+        finished.append(self._turn(s, False, PAGES_EXHAUSTED))
     # The pages of the tokens a device loop may decode this step, where free (after every
     # row's next token has its page): without them a row's loop stops at its page's end.
     # So does a prefill that may end in this step's call (its chunk is all that is left).

@@ -20,8 +20,9 @@ engine, so its host bookkeeping (slots, the schedule, what each step computes) i
 a process runs the sandboxes of its ``owned`` slots only. The deterministic schedule is required:
 at each engine step every process knows which sandbox results are due; each waits for its own,
 the processes ``exchange`` them (an all-gather of small picklable values: prompt and observation
-token ids, done flags, outcomes, error texts) and all apply every due result in hand-out order,
-so they stay identical without reading the clock.
+token ids, done flags, outcomes, error texts, and the turn the owner's engine sampled: a process
+reads its own rows' tokens only, ``Engine.readable``) and all apply every due result in hand-out
+order, so they stay identical without reading the clock.
 
 Every sandbox handle the runner opened is closed by ``close()``, also after an exception.
 """
@@ -72,8 +73,8 @@ class EpisodeResult:
 class EpisodeStream:
   """An episode's token ids as the engine saw them: the prompt, then per assistant turn the
   sampled ids (with their behaviour log-probs) and, between turns, the observation that followed
-  (``chat.observation_ids``). Known on every process of a multi-process run (prompt and
-  observation ids travel in the exchange, sampled ids come from the replicated engine)."""
+  (``chat.observation_ids``). Known on every process of a multi-process run (prompt,
+  observation and sampled ids travel in the exchange, the sampled ones from the row's owner)."""
   prompt: tuple[int, ...]
   turns: tuple[tuple[int, ...], ...]
   logprobs: tuple[tuple[float, ...], ...]
@@ -274,11 +275,14 @@ class EpisodeRunner:
 
   def _payload(self, kind: str, live: _Live, fut: cf.Future) -> tuple:
     """What a finished piece of sandbox work means to the engine, as small picklable values:
-    ``(error text or None, value, env_s)``; value: the prompt ids (start), ``(done, observation
-    ids)`` (act) or the outcome (finish)."""
+    ``(error text or None, value, env_s, turn)``; value: the prompt ids (start), ``(done,
+    observation ids)`` (act) or the outcome (finish); turn: the episode's last ``(tokens,
+    log-probs)`` as this owner's engine sampled them (None before the first), which the other
+    processes' engines did not read."""
+    turn = (live.turns[-1], live.logprobs[-1]) if live.turns else None
     error = fut.exception()
     if error is not None:
-      return f"{SANDBOX_ERROR}: {type(error).__name__}: {error}", None, live.env_s
+      return f"{SANDBOX_ERROR}: {type(error).__name__}: {error}", None, live.env_s, turn
     if kind == "start":
       value = chat.prompt_ids(self.tok, live.episode.messages)
     elif kind == "act":
@@ -287,7 +291,7 @@ class EpisodeRunner:
           False, chat.observation_ids(self.tok, live.episode.messages[-1]["content"]))
     else:
       value = fut.result()
-    return None, value, live.env_s
+    return None, value, live.env_s, turn
 
   def _payloads(self, due: list) -> list[tuple]:
     """The payload of every due piece of work, in ``due``'s order: computed here for this
@@ -312,9 +316,11 @@ class EpisodeRunner:
     results = []
     due = self._ready(block, timeout)
     payloads = self._payloads(due) if due else []
-    for fut, (error, value, env_s) in zip(due, payloads):
+    for fut, (error, value, env_s, turn) in zip(due, payloads):
       kind, live, _ = self._futures.pop(fut)
       live.env_s = env_s
+      if turn is not None and not self._owns(live):   # the ids its owner's engine read
+        live.turns[-1], live.logprobs[-1] = turn
       if kind == "start":
         self._reserved.discard(live.slot)
         if error is not None:
@@ -360,8 +366,9 @@ class EpisodeRunner:
         self.prefill_step_s += dt
       for turn in turns:
         live = turn.tag
-        live.turns.append(tuple(turn.tokens))
-        live.logprobs.append(tuple(turn.logprobs))
+        # Another process's row: its ids come with its owner's next result (``_payload``).
+        live.turns.append(None if turn.tokens is None else tuple(turn.tokens))
+        live.logprobs.append(None if turn.logprobs is None else tuple(turn.logprobs))
         if turn.failure is not None:   # no free KV page for its next token: it ends here
           self._end(live, truncated=True, failure=turn.failure)
           continue

@@ -33,8 +33,9 @@ def call(graphdef, layout: tuple, max_steps: int, stop_ids: tuple, paged: bool, 
   ``valid``, ``offsets``. Per sample ``[D * S]``: ``sample_at`` (its token's place in its
   shard's T tokens) and ``limit``. Per slot ``[B]``: ``streams``, ``counters`` (tokens the slot
   has sampled), ``temperature``, ``top_p`` and, with ``steps``, ``step_rows [B, K]``. Returns
-  ``((tokens [D * S, max_steps], logprobs [D * S, max_steps]), cache)``; entries past a
-  sample's last sampled token are 0."""
+  ``((tokens [D * S, max_steps], logprobs [D * S, max_steps], taken [D * S], last [D * S]),
+  cache)``: entries past a sample's last sampled token are 0; ``taken`` and ``last`` are each
+  sample's count of sampled tokens and the last of them (``decode_loop.tokens_taken``)."""
   if steps is not None:
     noiser = noiser.with_steps(steps, step_rows)
   flat = attention.Rows(index, *layout)
@@ -68,5 +69,6 @@ def call(graphdef, layout: tuple, max_steps: int, stop_ids: tuple, paged: bool, 
     keys = sampling.row_keys(base_key, streams, counters + i)
     return sampling.sample_with_logprob(logits, keys, temperature, top_p), cache
 
-  return decode_loop.run(decode, cache, first, samples.take(positions) + 1, limit, max_steps,
-                         stop_ids)
+  (out_tokens, out_logprobs), cache = decode_loop.run(
+      decode, cache, first, samples.take(positions) + 1, limit, max_steps, stop_ids)
+  return (out_tokens, out_logprobs, *decode_loop.tokens_taken(out_tokens, limit, stop_ids)), cache

@@ -45,6 +45,7 @@ def test_unknown_paper_variant():
     ("rollout.top_p", 0.0, r"config\.rollout\.top_p"),
     ("rollout.max_len", 8, r"config\.rollout\.max_len"),
     ("rollout.prefill_hold", -1, r"config\.rollout\.prefill_hold: must be >= 0"),
+    ("rollout.prefill_tokens", 40, r"config\.rollout\.prefill_tokens: must be 0 \(prefill_chunk\) or >="),
     ("eval.num_tasks", 10_000, r"config\.eval\.num_tasks"),
     ("env.sandbox", "vm", r"config\.env\.sandbox"),
     ("env.parse_error_penalty", -0.5, r"config\.env\.parse_error_penalty"),

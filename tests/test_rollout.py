@@ -154,3 +154,13 @@ def test_sampling_greedy_top_p_and_reproducible_streams():
   again = sampling.sample(logits, sampling.row_keys(base, jnp.arange(4000, dtype=jnp.uint32),
                                                     jnp.zeros(4000, jnp.int32)), ones, ones)
   assert (np.asarray(again) == full).all()
+
+
+def test_the_config_key_prefill_tokens_sets_the_engines_largest_token_bucket():
+  from jaxes.train import builders, defaults
+  config = defaults.base_config()
+  config.rollout.update(num_slots=4, max_len=64, prefill_chunk=8, max_new_tokens=5)
+  model = builders.build_model(config, 64)
+  for tokens, largest in ((0, 4 + 8), (24, 4 + 24)):   # 0: a chunk beside the 4 decode tokens
+    config.rollout.prefill_tokens = tokens
+    assert builders.build_engine(config, model, None, abstract=True).buckets[-1] == largest

@@ -214,7 +214,8 @@ def build_engine(config, model: Model, tokenizer, strategy: es.Strategy | None =
                 seed=config.seed, mesh=mesh, abstract=abstract,
                 version_steps=version_steps(config, model, strategy, run_key),
                 member_slices=member_slices(strategy), prefill_hold=int(r.get("prefill_hold", 8)),
-                decode_steps=int(r.get("decode_steps", 8)), **paged_cache(config))
+                decode_steps=int(r.get("decode_steps", 8)),
+                prefill_tokens=int(r.get("prefill_tokens", 0)) or None, **paged_cache(config))
 
 
 def paged_cache(config) -> dict:

@@ -181,6 +181,10 @@ class _Checks:
     self.at_least("rollout.num_pages", 0)
     self.at_least("rollout.prefill_hold", 0)
     self.at_least("rollout.decode_steps", 1)
+    self.check("rollout.prefill_tokens", isinstance(r.prefill_tokens, int) and (
+        r.prefill_tokens == 0 or r.prefill_tokens >= r.prefill_chunk),
+        "must be 0 (prefill_chunk) or >= config.rollout.prefill_chunk (the largest token bucket "
+        "holds a whole chunk beside the decode tokens)")
     self.check("rollout.num_pages", (r.page_size == 0) == (r.num_pages == 0),
                "and rollout.page_size go together (both 0: the dense cache)")
     self.check("rollout.top_p", 0.0 < r.top_p <= 1.0, "must be in (0, 1]")

@@ -127,6 +127,10 @@ def base_config() -> config_dict.ConfigDict:
   # Decode steps per engine call, run on the device (Engine(decode_steps=)): the host reads the
   # sampled tokens once per call, and learns of a turn's end up to this many steps late.
   c.rollout.decode_steps = 8
+  # Prefill tokens per data shard an engine call may carry beside its decode tokens (the largest
+  # token bucket, Engine(prefill_tokens=)); 0: prefill_chunk. More: long prompts at start-up take
+  # fewer calls, at one larger program.
+  c.rollout.prefill_tokens = 0
   c.rollout.temperature = 0.0     # 0 = greedy (as Qiu et al.)
   c.rollout.top_p = 1.0
   # At temperature > 0: antithetic partners sample with the same random stream (common random

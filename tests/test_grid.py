@@ -212,11 +212,19 @@ def _grid_cmd(config, workdir, parallel):
           "--variants=sync,async1,grpo", "--seeds=0", f"--workdir={workdir}", f"--parallel={parallel}"]
 
 
-def test_grid_end_to_end_tiny(tiny_grid_config, tmp_path):
-  w = tmp_path / "grid"
+@pytest.fixture(scope="module")
+def grid_run(tiny_grid_config, tmp_path_factory):
+  """The tiny grid's workdir, run once 2 at a time. The SIGKILL test starts from a copy of its
+  finished sync run."""
+  w = tmp_path_factory.mktemp("grid_run") / "grid"
   done = subprocess.run(_grid_cmd(tiny_grid_config, w, 2), cwd=ROOT, capture_output=True, text=True,
                         timeout=900)
   assert done.returncode == 0, done.stderr[-3000:]
+  return w
+
+
+def test_grid_end_to_end_tiny(grid_run, tiny_grid_config):
+  w = grid_run
   table = json.load(open(w / "table.json"))
   by = {v["variant"]: v for v in table["variants"]}
   assert by["sync"]["status"] == by["async1"]["status"] == "finished"
@@ -236,8 +244,13 @@ def test_grid_end_to_end_tiny(tiny_grid_config, tmp_path):
   assert again.returncode == 0 and json.load(open(w / "table.json")) == table
 
 
-def test_killed_grid_rerun_skips_finished_runs(tiny_grid_config, tmp_path):
+def test_killed_grid_rerun_skips_finished_runs(grid_run, tiny_grid_config, tmp_path):
+  # The grid's workdir as a grid leaves it after finishing sync-s0 (the finished run copied from
+  # grid_run, rather than trained again here): the grid goes on to async1-s0, is killed in it, and
+  # its rerun must skip sync-s0 and complete async1-s0.
   w = tmp_path / "grid"
+  w.mkdir()
+  subprocess.run(["cp", "-a", str(grid_run / "sync-s0"), str(w / "sync-s0")], check=True)
   log = open(tmp_path / "grid.err", "w+")
   proc = subprocess.Popen(_grid_cmd(tiny_grid_config, w, 1), cwd=ROOT, stdout=subprocess.DEVNULL,
                           stderr=log)

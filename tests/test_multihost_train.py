@@ -25,6 +25,8 @@ LOCAL_SH = ROOT / "launch" / "local.sh"
 # otherwise be declared dead.
 HEARTBEAT_S = 10
 UPDATES = 3
+# The kill-and-resume run: killed after update 1, resumed through the update log to update 2.
+SYNC_UPDATES = 2
 # Records the engine's finished turns (slot, token ids) of every step, per process: the tokens
 # each process decoded, to compare across launches. Observes the engine; changes nothing.
 DRIVER = r'''
@@ -74,18 +76,21 @@ def setup(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def sync_setup(setup):
+def sync_setup(runs):
   """The same run in sync mode, without evaluation, a full checkpoint every 2 updates (a kill
   after update 1 resumes through the update log): the config whose resume must equal an
   uninterrupted run. In async mode it cannot: which results make the next cohort depends on how
-  far each in-flight episode had got, and a resume restarts them all from their first token."""
-  tmp, _ = setup
+  far each in-flight episode had got, and a resume restarts them all from their first token.
+  It starts from the 1-process run's warm start (``warmstart.init_from``; the same warm-start
+  settings): the warm start across process layouts is test_two_processes_match_...'s, and each
+  of the three launches here would otherwise spend ~14 s making it again."""
+  tmp, _, _ = runs
   config = tiny_config(str(tmp / "tok"), **{
       "rollout.num_slots": 8, "mesh.data": -1, "mesh.fsdp": 2, "rollout.sandbox_steps": 2,
       "controller.mode": "sync", "controller.max_staleness": 0, "eval.num_tasks": 0,
-      "warmstart.steps": 60, "warmstart.learning_rate": 1e-2, "env.partial_credit": True,
+      "warmstart.init_from": str(tmp / "one"), "env.partial_credit": True,
       "rollout.temperature": 0.4, "rollout.common_random_numbers": False,
-      "train.num_updates": UPDATES, "train.checkpoint_every": 2, "train.plot": False})
+      "train.num_updates": SYNC_UPDATES, "train.checkpoint_every": 2, "train.plot": False})
   return tmp, write_config_file(config, tmp / "sync_config.py")
 
 
@@ -199,7 +204,7 @@ def test_sigkill_one_process_stops_the_other_then_rerun_resumes(sync_setup):
       time.sleep(0.05)
     assert all(p.poll() is None for p in procs), "a process ended before the kill:\n" + \
         "".join((tmp / f"killed-{i}.log").read_text()[-2000:] for i in range(2))
-    assert _train_lines(workdir) < UPDATES
+    assert _train_lines(workdir) < SYNC_UPDATES
     procs[1].send_signal(signal.SIGKILL)
     killed_at = time.monotonic()
     procs[0].wait(timeout=HEARTBEAT_S * 6)
@@ -220,7 +225,7 @@ def test_sigkill_one_process_stops_the_other_then_rerun_resumes(sync_setup):
   assert "resumed from checkpoint" in again.stdout
   assert compare.param_differences(_params(workdir), _params(tmp / "sync")) == {}
   versions = [r["version"] for r in metrics.read_metrics(str(workdir / "metrics.jsonl")) if "train" in r]
-  assert versions == list(range(1, UPDATES + 1))
+  assert versions == list(range(1, SYNC_UPDATES + 1))
 
 
 def test_runner_split_needs_an_exchange_and_the_deterministic_schedule():

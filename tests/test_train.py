@@ -106,7 +106,9 @@ def test_sigkill_at_random_moments_then_rerun_equals_uninterrupted(tokenizer_dir
   """`python -m jaxes.train` SIGKILLed twice at random moments during training (mid-rollout,
   mid-update or mid-checkpoint), then the same command again: the same parameters as a run
   never interrupted, every version's metrics line once, no episode directory left behind."""
-  base = {"controller.mode": "sync", "controller.max_staleness": 0, "warmstart.steps": 40,
+  # 60 warm-start steps: members then solve different tasks, so theta moves (update 2; with 40
+  # every fitness was 0 and the parameter check below compared two unmoved runs).
+  base = {"controller.mode": "sync", "controller.max_staleness": 0, "warmstart.steps": 60,
           "warmstart.learning_rate": 1e-2, "env.partial_credit": True, "eval.num_tasks": 0,
           "rollout.temperature": 0.4, "rollout.common_random_numbers": False,
           "train.num_updates": 5, "train.plot": False,   # two kills near updates 1-3, two ahead
@@ -114,6 +116,8 @@ def test_sigkill_at_random_moments_then_rerun_equals_uninterrupted(tokenizer_dir
           "rollout.num_slots": 8}        # the other tests' programs (the compile cache)
   config = tiny_config(tokenizer_dir, **base)
   whole = Trainer(config, str(tmp_path / "a"), log=lambda s: None).run()
+  norms = [r["update_norm"] for r in metrics.read_metrics(str(tmp_path / "a" / "metrics.jsonl")) if "train" in r]
+  assert max(norms) > 0, f"theta never moved: the resumed-parameters check would be vacuous ({norms})"
   config_file = write_config_file(config, tmp_path / "sigkill_config.py")
   workdir = tmp_path / "b"
   cmd = [sys.executable, "-m", "jaxes.train", f"--config={config_file}", f"--workdir={workdir}"]

@@ -242,7 +242,7 @@ class NoProgramMatches(ValueError):
 def _plan(config, target: Target, log, only: str | None, algorithm: str, jobs: int = 1) -> dict:
   """One algorithm's report: the run built abstractly by the trainer's own builders and the
   algorithm's (``jaxes.train.algorithms``), on a mesh over the target's devices."""
-  from jaxes.models import qwen2
+  from jaxes.models import attention, qwen2
   from jaxes.train import algorithms, builders
   from jaxes.train.state import Parts
   preset = qwen2.PRESETS.get(config.model.preset, {})
@@ -280,10 +280,14 @@ def _plan(config, target: Target, log, only: str | None, algorithm: str, jobs: i
   worst = max(programs, key=lambda p: peaks[p.name])
   peak = peaks[worst.name]
   per_device = {**resident, "temporaries": peak - total}
+  attention_path = target.attention
+  if target.compiler == "tpu":   # the engine reads an interleaved paged cache with the kernel
+    attention_path = ("ragged_paged_attention" if attention.interleaved(engine.cache.v) else
+                      "blockwise (unpaged cache; rollout.page_size for ragged_paged_attention)")
   return {
     "topology": target.name, "devices": len(target.devices), "algorithm": algorithm,
     "device_kind": getattr(target.devices[0], "device_kind", "cpu"),
-    "compiler": target.compiler, "estimate": target.estimate, "attention": target.attention,
+    "compiler": target.compiler, "estimate": target.estimate, "attention": attention_path,
     "mesh": dict(mesh.shape), "device_memory_bytes": int(target.device_memory),
     "peak_bytes_per_device": int(peak), "per_device": per_device,
     "peak_program": worst.name, "live_versions": versions, "only": only,

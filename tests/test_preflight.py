@@ -154,3 +154,4 @@ def test_tpu_compiler_sizes_a_v5e_slice_from_a_cpu_machine(monkeypatch):
   assert report["device_kind"].startswith("TPU v5")
   assert all(p["required"] == 0 for p in report["programs"])  # everything compiled
   assert report["per_device"]["temporaries"] > 0
+  assert report["attention"].startswith("blockwise (unpaged cache")   # a paged one: the kernel

@@ -1,5 +1,10 @@
 """Slot-based continuous batching over a KV cache, every slot with its own (version, member).
 
+This module is the device-facing part: the cache, the compiled step programs
+(``jaxes.rollout.step_program``), the noisers and version steps, and each call's arrays. The
+host's side — slots, pages, the prefill hold, version groups, what each row feeds and samples —
+is ``jaxes.rollout.scheduler`` (plain Python, no JAX), whose decisions ``step`` turns into calls.
+
 ``B`` slots share one cache ``[L, B, S, ...]``. A slot holds one episode: its prompt is prefilled
 in chunks of at most ``prefill_chunk`` tokens, then tokens are decoded one per step until
 ``<|im_end|>`` (or another stop id) or the turn's token budget; the finished turn is handed back
@@ -88,48 +93,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxes import sharding
 from jaxes.models import attention, partition, qwen2
-from jaxes.rollout import pages as page_pool
 from jaxes.rollout import step_program
-
-FREE, PREFILL, DECODE, PARKED = "free", "prefill", "decode", "parked"
-# Why a paged engine ended a turn or refused an observation: no free page in the slot's shard.
-PAGES_EXHAUSTED = "kv_pages_exhausted"
-
-
-@dataclasses.dataclass
-class Slot:
-  index: int
-  state: str = FREE
-  version: int = 0
-  member: int = -1               # -1: unperturbed policy
-  stream: int = 0                # sampling stream (one per job), see sampling.row_keys
-  temperature: float = 0.0
-  top_p: float = 1.0
-  length: int = 0                # tokens in this slot's cache row
-  pending: list = dataclasses.field(default_factory=list)    # tokens waiting for prefill
-  generated: list = dataclasses.field(default_factory=list)  # this turn's sampled tokens
-  logprobs: list = dataclasses.field(default_factory=list)   # ... and each one's log-prob
-  max_new: int = 0
-  sampled: int = 0               # tokens sampled in this episode (the sampling counter)
-  tag: Any = None                # the caller's handle for this episode
-  pages: list = dataclasses.field(default_factory=list)      # paged cache: its pages, in order
-  failure: str | None = None     # why the engine ended or refused this episode (PAGES_EXHAUSTED)
-  held: int | None = None        # steps its prefill (a prompt or observation not yet fed) has
-                                 # been held back (``prefill_hold``); None once a chunk is fed
-
-
-@dataclasses.dataclass(frozen=True)
-class Turn:
-  slot: int
-  tokens: list | None            # sampled ids, stop id included when one ended the turn; None:
-                                 # another process's row (``Engine.readable``), read there only
-  logprobs: list | None          # each sampled id's log-prob under the distribution it was drawn
-                                 # from (``sampling.token_logprobs``; 0 when greedy)
-  stopped: bool                  # True: a stop id ended it; False: the token budget did
-  tag: Any
-  failure: str | None = None     # PAGES_EXHAUSTED: cut short for lack of a KV page (the episode
-                                 # cannot go on; the caller ends it as truncated)
-
+# The host side's types and states, part of the engine's API (``Engine.slots``, ``step``'s turns).
+from jaxes.rollout.scheduler import (DECODE, FREE, PAGES_EXHAUSTED, PARKED, PREFILL,  # noqa: F401
+                                     EngineStats, Scheduler, Slot, Turn)
 
 @dataclasses.dataclass(frozen=True)
 class VersionSteps:
@@ -149,35 +116,6 @@ class VersionSteps:
     if int(self.cohort) < 1 or int(self.max_steps) < 1:
       raise ValueError(f"VersionSteps needs cohort >= 1 and max_steps >= 1, got cohort="
                        f"{self.cohort}, max_steps={self.max_steps}")
-
-
-@dataclasses.dataclass
-class EngineStats:
-  prefill_calls: int = 0
-  decode_calls: int = 0
-  rows_busy: int = 0             # sum over calls of rows doing work
-  rows_total: int = 0            # sum over calls of B
-  tokens_prefilled: int = 0
-  tokens_decoded: int = 0
-  busy_steps: int = 0            # Engine.step calls that ran at least one engine call
-  rows_computed: int = 0         # sum over calls of the compiled batch (compaction: <= B)
-  positions_computed: int = 0    # sum over calls of batch x width: the token positions run
-  multi_version_calls: int = 0   # calls whose rows belong to more than one version (steps)
-  prefill_held: int = 0          # row-steps a new prefill was held back to share a call
-  host_syncs: int = 0            # calls whose sampled tokens the host waited for (one each)
-  tokens_read: int = 0           # sampled tokens whose ids this process read: its own rows'
-                                 # (multi-process: only they are read, nothing is exchanged)
-  loop_steps: int = 0            # decode steps run by width-1 calls' device loops
-
-  @property
-  def utilisation(self) -> float:
-    return self.rows_busy / self.rows_total if self.rows_total else 0.0
-
-  @property
-  def useful_fraction(self) -> float:
-    """Tokens fed (prefilled or decoded) per position computed."""
-    done = self.tokens_prefilled + self.tokens_decoded
-    return done / self.positions_computed if self.positions_computed else 0.0
 
 
 def _stack_steps(*steps):
@@ -281,14 +219,8 @@ class Engine:
     self.page_size = None if page_size is None else int(page_size)
     if page_size is not None:
       self._check_pages(int(page_size), int(num_pages), data)
-      self.pool = page_pool.PagePool(data, int(num_pages) // data)
-      self._table = np.zeros((num_slots, max_len // int(page_size)), np.int32)
-      self._table_changed = False
     self.max_new_tokens = max_new_tokens
     self.stop_ids = frozenset(int(i) for i in stop_ids) | {int(im_end_id)}
-    self.im_end_id = int(im_end_id)
-    self.slots = [Slot(i) for i in range(num_slots)]
-    self.stats = EngineStats()
     self.abstract = abstract
 
     mesh = self.mesh
@@ -298,6 +230,13 @@ class Engine:
     self.readable = frozenset(range(num_slots)) if abstract or self.rows.is_fully_addressable else (
         frozenset(i for index in self.rows.addressable_devices_indices_map((num_slots,)).values()
                   for i in range(num_slots)[index[0]]))
+    self.scheduler = Scheduler(
+        num_slots=num_slots, shards=data, max_len=max_len, prefill_chunk=prefill_chunk,
+        max_new_tokens=max_new_tokens, stop_ids=self.stop_ids, im_end_id=im_end_id,
+        buckets=self.buckets, decode_steps=self.decode_steps, prefill_hold=self.prefill_hold,
+        max_steps=None if version_steps is None else int(version_steps.max_steps),
+        page_size=self.page_size, num_pages=None if num_pages is None else int(num_pages),
+        member_slices=member_slices, readable=self.readable)
     replicated = NamedSharding(mesh, PartitionSpec())
     self.param_shardings = partition.param_shardings(model_config, mesh, rules)
     self.abstract_params = sharding.abstract(partition.abstract_params(model_config), self.param_shardings)
@@ -359,7 +298,19 @@ class Engine:
     self._steps: dict[int, Any] = {}     # version v -> the low-rank step from v - 1 to v
     self._stacked: dict[tuple, Any] = {}  # the steps a call adds, stacked
     self._in_place: dict[int, tuple] = {}  # version -> (params as given, params in place)
-    self._to_reset = np.zeros(num_slots, bool)
+
+  # The scheduler's state, read by callers and tests.
+  @property
+  def slots(self) -> list[Slot]:
+    return self.scheduler.slots
+
+  @property
+  def pool(self):
+    return self.scheduler.pool
+
+  @property
+  def stats(self) -> EngineStats:
+    return self.scheduler.stats
 
   def _check_pages(self, page_size: int, num_pages: int, data: int) -> None:
     if page_size < 1 or num_pages < 1:
@@ -450,7 +401,7 @@ class Engine:
     out = {}
     for suffix, fn, steps in variants:
       for t in self.buckets:
-        n, samples = t * self.shards, self._samples(t) * self.shards
+        n, samples = t * self.shards, self.scheduler.samples(t) * self.shards
         flat = (rows((n,), jnp.int32), rows((n,), jnp.int32), rows((n,), jnp.int32),
                 rows((n,), jnp.bool_), rows((n,), jnp.int32))
         for span in self.spans:
@@ -468,49 +419,15 @@ class Engine:
                                              slot_ids)
     return out
 
-  def _samples(self, bucket: int) -> int:
-    """Samples per data shard of a call in ``bucket``: one per row it can hold."""
-    return min(bucket, self.num_slots // self.shards)
-
   # -- slot management (host) -------------------------------------------------------------------
   def free_slots(self) -> list[int]:
     """Free slots; with a paged cache, only those of data shards that have a free page."""
-    free = [s.index for s in self.slots if s.state == FREE]
-    if self.page_size is None:
-      return free
-    return [i for i in free if self.pool.free(self._shard(i))]
-
-  def _shard(self, index: int) -> int:
-    return index // (self.num_slots // self.shards)
-
-  def _pages_short(self, slot: Slot, tokens: int) -> int | None:
-    """Pages ``slot`` must take to hold ``tokens`` tokens in all: 0 (dense, or enough held), a
-    positive count, or None when its shard has fewer free."""
-    if self.page_size is None:
-      return 0
-    need = page_pool.pages_for(tokens, self.page_size) - len(slot.pages)
-    return max(need, 0) if need <= self.pool.free(self._shard(slot.index)) else None
-
-  def _take_pages(self, slot: Slot, tokens: int) -> bool:
-    """Take the pages ``slot`` lacks to hold ``tokens`` tokens (into the host table); False
-    (nothing taken) when its shard has too few free."""
-    n = self._pages_short(slot, tokens)
-    if n is None:
-      return False
-    if n:
-      first = len(slot.pages)
-      slot.pages += self.pool.take(self._shard(slot.index), n)
-      self._table[slot.index, first:len(slot.pages)] = slot.pages[first:]
-      self._table_changed = True
-    return True
+    return self.scheduler.free_slots()
 
   def can_start(self, index: int, prompt_len: int) -> bool:
     """False when ``start`` would have to wait: a paged cache whose slot's shard has too few
     free pages for the prompt right now (it would fit in the shard's pages once some return)."""
-    if self.page_size is None:
-      return True
-    need = page_pool.pages_for(prompt_len, self.page_size)
-    return need > self.pool.pages_per_shard or need <= self.pool.free(self._shard(index))
+    return self.scheduler.can_start(index, prompt_len)
 
   def kv_bytes(self) -> dict[str, int]:
     """Bytes of cache memory: ``reserved`` (allocated), ``in_use`` (pages held by slots; dense:
@@ -525,68 +442,29 @@ class Engine:
     return dict(reserved=k.shape[1] * page, in_use=self.pool.in_use() * page, dense_reserved=dense)
 
   def busy(self) -> bool:
-    return any(s.state in (PREFILL, DECODE) for s in self.slots)
+    return self.scheduler.busy()
 
   def live_versions(self) -> set[int]:
-    return {s.version for s in self.slots if s.state != FREE}
+    return self.scheduler.live_versions()
 
   def slice_members(self) -> list:
     """Each data shard's ``(version, member)``: that of its slots' episodes, None when all its
     slots are free (with ``member_slices`` a shard holds one at a time)."""
-    per_shard = self.num_slots // self.shards
-    held = [None] * self.shards
-    for s in self.slots:
-      if s.state != FREE:
-        held[s.index // per_shard] = (s.version, s.member)
-    return held
+    return self.scheduler.slice_members()
 
   def start(self, index: int, prompt: list[int], *, version: int, member: int, stream: int,
             temperature: float = 0.0, top_p: float = 1.0, tag: Any = None) -> bool:
     """Begin an episode in a free slot; False (slot untouched) if the prompt leaves no room (in
     a cache row, or in all of a paged shard's pages). A paged cache takes the prompt's pages now;
     when too few are free (``can_start`` is False) the caller must wait: an error."""
-    slot = self.slots[index]
-    if slot.state != FREE:
-      raise ValueError(f"slot {index} is {slot.state}, not free")
-    if len(prompt) + 1 > self.max_len:
-      return False
-    if self.page_size is not None and (
-        page_pool.pages_for(len(prompt), self.page_size) > self.pool.pages_per_shard):
-      return False
-    if not self.can_start(index, len(prompt)):
-      raise ValueError(f"slot {index}: its shard has {self.pool.free(self._shard(index))} free "
-                       f"pages, fewer than the prompt's {len(prompt)} tokens need (check can_start)")
-    if self.member_slices:
-      held = self.slice_members()[index // (self.num_slots // self.shards)]
-      if held not in (None, (version, member)):
-        raise ValueError(f"slot {index}: its data shard runs (version, member) {held}, not "
-                         f"{(version, member)} (member_slices: one member per shard at a time)")
-    self.slots[index] = Slot(index, PREFILL, version, member, stream, temperature, top_p,
-                             pending=list(prompt), tag=tag, held=0)
-    self._take_pages(self.slots[index], len(prompt))
-    self._to_reset[index] = True
-    return True
+    return self.scheduler.start(index, prompt, version=version, member=member, stream=stream,
+                                temperature=temperature, top_p=top_p, tag=tag)
 
   def continue_turn(self, index: int, observation: list[int]) -> bool:
     """Close the parked slot's assistant turn and queue the observation; False if the cache row
     cannot hold it plus one new token, or (paged) its shard has too few free pages for it
     (``Slot.failure`` is then ``PAGES_EXHAUSTED``); the caller then ends the episode."""
-    slot = self.slots[index]
-    if slot.state != PARKED:
-      raise ValueError(f"slot {index} is {slot.state}, not parked")
-    if slot.failure is not None:   # cut short for lack of pages: it cannot go on
-      return False
-    last = slot.generated[-1]
-    closing = [last] if last == self.im_end_id else [last, self.im_end_id]
-    tokens = closing + list(observation)
-    if slot.length + len(tokens) + 1 > self.max_len:
-      return False
-    if not self._take_pages(slot, slot.length + len(tokens)):
-      slot.failure = PAGES_EXHAUSTED
-      return False
-    slot.pending, slot.generated, slot.logprobs, slot.state = tokens, [], [], PREFILL
-    slot.held = 0
-    return True
+    return self.scheduler.continue_turn(index, observation)
 
   def add_step(self, version: int, versions, members, weights, count) -> bool:
     """Register that ``version`` is ``version - 1`` plus the low-rank step of the update that
@@ -602,10 +480,7 @@ class Engine:
     return True
 
   def release(self, index: int) -> None:
-    if self.slots[index].state != FREE:
-      if self.slots[index].pages:
-        self.pool.give(self._shard(index), self.slots[index].pages)
-      self.slots[index] = Slot(index)   # the noisers stay: a free row is in no call
+    self.scheduler.release(index)   # the noisers stay: a free row is in no call
 
   # -- device steps -----------------------------------------------------------------------------
   def _placed(self, *arrays: np.ndarray) -> tuple:
@@ -720,48 +595,17 @@ class Engine:
                                          else self._zero_step for k in range(1, K + 1)))
     return self._stacked[key]
 
-  def _groups(self, versions: list[int]) -> list[tuple[int, ...]]:
-    """Live versions (sorted) as the groups whose rows share calls: a version joins the group of
-    the oldest one before it when every step between them is registered and there are at most
-    ``max_steps`` of them."""
-    groups: list[tuple[int, ...]] = []
-    for v in versions:
-      if groups and self.version_steps is not None:
-        base = groups[-1][0]
-        if v - base <= self.version_steps.max_steps and all(
-            u in self._steps for u in range(base + 1, v + 1)):
-          groups[-1] += (v,)
-          continue
-      groups.append((v,))
-    return groups
-
-  def _pack(self, rows: list[Slot]) -> dict[int, int]:
-    """Tokens each row feeds in one call: a decoding row its last token, a prefilling row its
-    next chunk (at most ``prefill_chunk``), cut so that no data shard's tokens exceed the
-    largest bucket (decoding rows first, then prefills in slot order; a prefill cut to nothing
-    waits for the next call). Every shard has room for a whole chunk beside its decode tokens."""
-    room = np.full(self.shards, self.buckets[-1])
-    fed = {}
-    for s in sorted(rows, key=lambda s: (s.state != DECODE, s.index)):
-      d = self._shard(s.index)
-      n = 1 if s.state == DECODE else min(len(s.pending), self.chunk, int(room[d]))
-      if n:
-        fed[s.index], room[d] = n, room[d] - n
-    return fed
-
   def _call(self, params_by_version: dict, group: tuple, rows: list[Slot],
             fed: dict[int, int]) -> list[tuple]:
     """One engine call over ``rows`` (of the versions ``group``, the first the base), each
     feeding ``fed[row]`` tokens, as a flat buffer in the smallest bucket that holds every data
     shard's tokens (``step_program.call``); rows of newer versions add their steps. Each row's
     sampled tokens and their log-probs: none for a row still mid-prefill, else up to its
-    ``_limit`` (the device loop's)."""
-    version = group[0]
+    ``Scheduler.limit`` (the device loop's)."""
+    version, sched = group[0], self.scheduler
     per_shard = self.num_slots // self.shards
-    counts = np.bincount([self._shard(s.index) for s in rows],
-                         weights=[fed[s.index] for s in rows], minlength=self.shards)
-    bucket = next(t for t in self.buckets if t >= counts.max())
-    samples = self._samples(bucket)
+    bucket = sched.bucket(fed)
+    samples = sched.samples(bucket)
     n = bucket * self.shards
     index, tokens, positions, offsets = (np.zeros(n, np.int32) for _ in range(4))
     valid = np.zeros(n, bool)
@@ -769,13 +613,13 @@ class Engine:
     used, sampled = np.zeros(self.shards, int), np.zeros(self.shards, int)
     where, limits = [], []
     for s in rows:
-      d, k = self._shard(s.index), fed[s.index]
+      d, k = sched.shard(s.index), fed[s.index]
       chunk = s.pending[:k] if s.state == PREFILL else s.generated[-1:]
       at = slice(d * bucket + used[d], d * bucket + used[d] + k)
       index[at], tokens[at], valid[at] = s.index - d * per_shard, chunk, True
       positions[at], offsets[at] = s.length + np.arange(k), np.arange(k)
       j = d * samples + sampled[d]
-      sample_at[j], limit[j] = used[d] + k - 1, self._limit(s, k)
+      sample_at[j], limit[j] = used[d] + k - 1, sched.limit(s, k)
       used[d], sampled[d] = used[d] + k, sampled[d] + 1
       where.append(j)
       limits.append(int(limit[j]))
@@ -824,62 +668,22 @@ class Engine:
     self.stats.loop_steps += max(taken)
     return out
 
-  def _sampled(self, slot: Slot, token: int, logprob: float, finished: list) -> None:
-    slot.generated.append(int(token))
-    slot.logprobs.append(float(logprob))
-    slot.sampled += 1
-    stopped = int(token) in self.stop_ids
-    if stopped or len(slot.generated) >= slot.max_new:
-      slot.state = PARKED
-      finished.append(self._turn(slot, stopped))
-
-  def _turn(self, slot: Slot, stopped: bool, failure: str | None = None) -> Turn:
-    """``slot``'s finished turn; without its ids when another process reads its row."""
-    mine = slot.index in self.readable
-    return Turn(slot.index, list(slot.generated) if mine else None,
-                list(slot.logprobs) if mine else None, stopped, slot.tag, failure)
-
-  def _held(self, working: list[Slot]) -> list[Slot]:
-    """The new prefills (not yet fed a chunk) that wait this step: while other rows decode, a
-    prompt or observation that would need a call of its own (none of its group's rows is
-    mid-prefill) waits up to ``prefill_hold`` steps for others to share that call with; all of
-    a group's go once the first has waited that long or they are as many as the rows of the
-    smallest bucket in some data shard. A function of the slots' states only (no clock): every process of a
-    multi-host run holds the same rows."""
-    if not self.prefill_hold or not any(s.state == DECODE for s in working):
-      return []   # nothing else to run: a held row would idle the whole step
-    per_shard = self.num_slots // self.shards
-    held = []
-    for group in self._groups(sorted({s.version for s in working})):
-      rows = [s for s in working if s.version in group and s.state == PREFILL]
-      new = [s for s in rows if s.held is not None]
-      if not new or len(new) < len(rows):   # a row mid-prefill: the call runs anyway
-        continue
-      fill = np.bincount([s.index // per_shard for s in new], minlength=self.shards).max()
-      if max(s.held for s in new) < self.prefill_hold and fill < self._samples(self.buckets[0]):
-        held += new
-    return held
-
   def step(self, params_by_version: dict) -> list[Turn]:
-    """Advances every working slot once: per live version one call (``_pack``, ``_call``) in
-    which decoding rows feed their last token and prefilling rows their next prompt chunk
-    (ragged rows in one batch, as the cache allows); with ``version_steps``, per group of
-    versions a step apart (``_groups``). Returns the turns that finished."""
+    """Advances every working slot once (``Scheduler.working``: less the held prefills): per
+    live version one call (``Scheduler.pack``, ``_call``) in which decoding rows feed their last
+    token and prefilling rows their next prompt chunk (ragged rows in one batch, as the cache
+    allows); with ``version_steps``, per group of versions a step apart
+    (``Scheduler.groups``). Returns the turns that finished."""
     if self.abstract:
       raise RuntimeError("an abstract engine has no arrays to run; lower its programs() instead")
-    if self._to_reset.any():
-      self.cache = self._reset(self.cache, *self._placed(self._to_reset))
-      self._to_reset[:] = False
+    sched = self.scheduler
+    if sched.to_reset.any():
+      self.cache = self._reset(self.cache, *self._placed(sched.to_reset))
+      sched.to_reset[:] = False
     finished: list[Turn] = []
     if self.page_size is not None:
       self._page_decoding_rows(finished)
-    working = [s for s in self.slots if s.state in (PREFILL, DECODE)]
-    held = {s.index for s in self._held(working)}
-    for s in working:
-      if s.index in held:
-        s.held += 1
-    self.stats.prefill_held += len(held)
-    working = [s for s in working if s.index not in held]
+    working = sched.working(self._steps)
     self.stats.busy_steps += bool(working)
     live = self.live_versions()   # noisers of versions no slot holds go
     self._noisers = {k: x for k, x in self._noisers.items()
@@ -888,76 +692,31 @@ class Engine:
       oldest = min(params_by_version)
       self._steps = {v: x for v, x in self._steps.items() if v > oldest}
       self._stacked = {k: x for k, x in self._stacked.items() if k[0] >= oldest}
-    for group in self._groups(sorted({s.version for s in working})):
+    for group in sched.groups(sorted({s.version for s in working}), self._steps):
       rows = [s for s in working if s.version in group]
-      fed = self._pack(rows)
+      fed = sched.pack(rows)
       rows = [s for s in rows if s.index in fed]
       prefill = any(s.state == PREFILL for s in rows)
       out = self._call(params_by_version, group, rows, fed)
       self.stats.prefill_calls += prefill
       self.stats.decode_calls += not prefill
       for s, (tokens, logprobs) in zip(rows, out):
-        self._fed(s, fed[s.index], tokens, logprobs, finished)
+        sched.fed(s, fed[s.index], tokens, logprobs, finished)
     return finished
 
-  def _fed(self, s: Slot, n: int, tokens, logprobs, finished: list) -> None:
-    """The host's side of a row's part in a call: its ``n`` tokens (a chunk, or its last
-    token) are in the cache, then ``tokens`` were sampled, each fed back on the device but the
-    last."""
-    if s.state == PREFILL:
-      s.pending, s.length, s.held = s.pending[n:], s.length + n, None
-      self.stats.tokens_prefilled += n
-      if s.pending:   # mid-prefill: nothing sampled
-        return
-      # Prompt done: its last logits gave the turn's first token.
-      s.state, s.max_new = DECODE, min(self.max_new_tokens, self.max_len - s.length)
-      self._sampled(s, tokens[0], logprobs[0], finished)
-      tokens, logprobs = tokens[1:], logprobs[1:]
-    for token, logprob in zip(tokens, logprobs):
-      s.length += 1
-      self.stats.tokens_decoded += 1
-      self._sampled(s, token, logprob, finished)
-
-  def _limit(self, s: Slot, n: int) -> int:
-    """Tokens a row feeding ``n`` tokens may sample in a call: none while its prefill goes on
-    after this call, else ``decode_steps``, its turn's remaining budget, and (paged) the
-    positions its pages hold (``_page_decoding_rows`` takes the loop's pages where free; the
-    last sampled token is not written)."""
-    if s.state == PREFILL and n < len(s.pending):
-      return 0
-    end = s.length + n   # the row's length once its tokens are in
-    budget = (s.max_new - len(s.generated) if s.state == DECODE
-              else min(self.max_new_tokens, self.max_len - end))
-    held = len(s.pages) * self.page_size if self.page_size is not None else self.max_len
-    return max(1, min(self.decode_steps, budget, held - end + 1))
-
   def _page_decoding_rows(self, finished: list) -> None:
-    """A paged cache: every decoding row whose next token starts a page takes one; a row whose
-    shard has none free ends its turn here, cut short (``Turn.failure``), and the slot is parked
-    for the caller to end. Then the device's page table is made the host's, if it changed."""
-    for s in self.slots:
-      if s.state == DECODE and not self._take_pages(s, s.length + 1):
-        s.state, s.failure = PARKED, PAGES_EXHAUSTED
-        finished.append(self._turn(s, False, PAGES_EXHAUSTED))
-    # The pages of the tokens a device loop may decode this step, where free (after every
-    # row's next token has its page): without them a row's loop stops at its page's end.
-    # So does a prefill that may end in this step's call (its chunk is all that is left).
-    for s in self.slots:
-      if self.decode_steps == 1:
-        break
-      if s.state == DECODE:
-        self._take_pages(s, s.length + min(self.decode_steps, s.max_new - len(s.generated)))
-      elif s.state == PREFILL and len(s.pending) <= self.chunk:
-        end = s.length + len(s.pending)
-        k = min(self.decode_steps, self.max_new_tokens, self.max_len - end)
-        self._take_pages(s, end + k - 1)
-    if self._table_changed:
+    """A paged cache: the host's pages for this step's rows (``Scheduler.page_decoding_rows``;
+    a row without a page ends its turn into ``finished``), then the device's page table is made
+    the host's, if it changed."""
+    sched = self.scheduler
+    sched.page_decoding_rows(finished)
+    if sched.table_changed:
       sh = self.cache_shardings.table
-      table = (jax.device_put(self._table, sh) if sh.is_fully_addressable else
-               jax.make_array_from_callback(self._table.shape, sh,
-                                            lambda index, x=self._table.copy(): x[index]))
+      table = (jax.device_put(sched.table, sh) if sh.is_fully_addressable else
+               jax.make_array_from_callback(sched.table.shape, sh,
+                                            lambda index, x=sched.table.copy(): x[index]))
       self.cache = dataclasses.replace(self.cache, table=table)
-      self._table_changed = False
+      sched.table_changed = False
 
   def compilations(self) -> int:
     """Programs compiled so far by this engine's jitted functions (fixed shapes: stays small)."""

@@ -35,11 +35,27 @@ from absl import app
 from jaxes.rollout import engine
 from jaxes.train import __main__ as cli
 
-turns = []
+from jax.experimental import multihost_utils
+from jaxes import distributed
+
+turns, exchanges, stepping = [], [], []
+def counted(fn):
+  def call(*args, **kwargs):
+    if stepping:   # a host-side cross-process exchange inside an engine step
+      exchanges.append(fn.__name__)
+    return fn(*args, **kwargs)
+  return call
+multihost_utils.process_allgather = counted(multihost_utils.process_allgather)
+distributed.allgather_host = counted(distributed.allgather_host)
 step = engine.Engine.step
 def logged_step(self, params_by_version):
-  out = step(self, params_by_version)
-  turns.extend([t.slot, [int(x) for x in t.tokens]] for t in out)
+  stepping.append(True)
+  try:
+    out = step(self, params_by_version)
+  finally:
+    stepping.clear()
+  # Each process reads its own rows' tokens only (the others' turns come without ids).
+  turns.extend([t.slot, [int(x) for x in t.tokens]] for t in out if t.tokens is not None)
   return out
 engine.Engine.step = logged_step
 
@@ -48,6 +64,8 @@ def main(argv):
   import jax
   with open(os.path.join(os.environ["TURNS_DIR"], f"turns-{jax.process_index()}.json"), "w") as f:
     json.dump(turns, f)
+  with open(os.path.join(os.environ["TURNS_DIR"], f"exchanges-{jax.process_index()}.json"), "w") as f:
+    json.dump(exchanges, f)
 
 app.run(main)
 '''
@@ -153,7 +171,11 @@ def test_two_processes_match_one_process_of_eight_devices(runs):
   turns = [json.loads((tmp / d / f).read_text())
            for d, f in [("two-turns", "turns-0.json"), ("two-turns", "turns-1.json"),
                         ("one-turns", "turns-0.json")]]
-  assert turns[0] and turns[0] == turns[1] == turns[2]
+  # Each process read the turns of its own slots (its 4 of 8: data 4 over 2 processes).
+  assert turns[0] and turns[1]
+  assert turns[0] == [t for t in turns[2] if t[0] < 4] and turns[1] == [t for t in turns[2] if t[0] >= 4]
+  exchanges = [json.loads((tmp / "two-turns" / f"exchanges-{i}.json").read_text()) for i in range(2)]
+  assert exchanges == [[], []]   # no host-side exchange inside any engine step
 
 
 def test_metrics_and_run_files_are_written_once(runs):

@@ -1,9 +1,14 @@
 """A tiny training config, its tokenizer and a config file for `python -m jaxes.train`."""
 import os
 import pathlib
+import signal
+import subprocess
+import sys
+import time
 
 from jaxes import tokenization
 from jaxes.envs import generator
+from jaxes.train import metrics
 from jaxes.train.config import load_config_file
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -67,3 +72,28 @@ def launch_env(tmp, **extra) -> dict:
   env.update(JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=cache,
              JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", PYTHONUNBUFFERED="1", **extra)
   return env
+
+
+def train_records(workdir) -> list[dict]:
+  """The metrics lines of ``workdir``'s updates (none before its first)."""
+  path = os.path.join(workdir, "metrics.jsonl")
+  return [r for r in metrics.read_metrics(path) if "train" in r] if os.path.exists(path) else []
+
+
+def sigkill_after_first_update(config, workdir, config_path) -> list[str]:
+  """Launches ``python -m jaxes.train`` on ``config`` in ``workdir``, SIGKILLs it as soon as its
+  first update's metrics line is written (mid-run: fails if the run ended first) and returns the
+  command, to rerun it. The kill lands wherever the run is then (engine step, sandbox, checkpoint
+  write), which is what a resume must survive."""
+  cmd = [sys.executable, "-m", "jaxes.train", f"--config={write_config_file(config, config_path)}",
+         f"--workdir={workdir}"]
+  proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+  deadline = time.monotonic() + 300
+  while not train_records(workdir) and proc.poll() is None and time.monotonic() < deadline:
+    time.sleep(0.05)
+  assert proc.poll() is None, f"the run ended before it could be killed:\n{proc.stderr.read().decode()[-2000:]}"
+  os.kill(proc.pid, signal.SIGKILL)
+  proc.wait()
+  proc.stderr.close()
+  assert 1 <= len(train_records(workdir)) < config.train.num_updates
+  return cmd

@@ -2,21 +2,17 @@
 is its member's context, the parents change across updates, and a run SIGKILLed mid-run and
 resumed ends with the parameters and contexts of a run never interrupted. The run uses the
 ``baseline_only`` stale-result policy, so the resume also covers a second policy through the
-trainer (tests/test_staleness_train.py covers ``weight``)."""
+trainer (tests/test_staleness_train.py covers ``weight``, ``pace`` and ``wait``)."""
 import json
 import os
-import signal
-import subprocess
-import sys
-import time
 
 import jax
 import numpy as np
 import pytest
 
-from helpers_train import ROOT, SYSTEM, build_tiny_tokenizer, tiny_config, write_config_file
+from helpers_train import (SYSTEM, build_tiny_tokenizer, sigkill_after_first_update, tiny_config,
+                           train_records)
 from jaxes.controller.coevolve import Coevolution
-from jaxes.train import metrics
 from jaxes.train.coevolution import ContextEpisodes, from_config
 from jaxes.train.errors import ConfigError
 from jaxes.train.trainer import Trainer
@@ -24,11 +20,6 @@ from jaxes.train.transcripts import read_episodes
 
 # Short pieces: a context must leave the tiny model's 192-token row room for two turns.
 PIECES = "Be brief.\nCheck paths.\nOne command.\nRead first."
-
-
-def _train_records(workdir):
-  path = os.path.join(workdir, "metrics.jsonl")
-  return [r for r in metrics.read_metrics(path) if "train" in r] if os.path.exists(path) else []
 
 
 def _config(tmp_path, **overrides):
@@ -45,7 +36,7 @@ def _config(tmp_path, **overrides):
 def test_contexts_coevolve_and_resume_exactly_after_sigkill(tmp_path):
   config = _config(tmp_path)
   whole = Trainer(config, str(tmp_path / "a"), log=lambda s: None).run()
-  lines = _train_records(tmp_path / "a")
+  lines = train_records(tmp_path / "a")
   parents = {0: [[]], **{r["version"]: r["context_parents"] for r in lines}}
   assert len({json.dumps(p) for p in parents.values()}) > 1, parents   # the parents moved
   # Every sampled episode's prompt is the run's system prompt plus its member's context.
@@ -60,24 +51,14 @@ def test_contexts_coevolve_and_resume_exactly_after_sigkill(tmp_path):
   assert len({e["transcript"][0]["text"].split("\nuser")[0] for e in episodes}) > 1
 
   workdir = tmp_path / "b"
-  cmd = [sys.executable, "-m", "jaxes.train", f"--config={write_config_file(config, tmp_path / 'c.py')}",
-         f"--workdir={workdir}"]
-  proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-  deadline = time.monotonic() + 300
-  while not _train_records(workdir) and proc.poll() is None and time.monotonic() < deadline:
-    time.sleep(0.05)
-  assert proc.poll() is None, f"the run ended before it could be killed:\n{proc.stderr.read().decode()[-2000:]}"
-  os.kill(proc.pid, signal.SIGKILL)
-  proc.wait()
-  proc.stderr.close()
-  assert 1 <= len(_train_records(workdir)) < 4
+  sigkill_after_first_update(config, workdir, tmp_path / "c.py")
   resumed = Trainer(config, str(workdir), log=lambda s: None).run()   # restores, replays, finishes
   assert resumed["version"] == 4
   for x, y in zip(jax.tree.leaves(resumed["params"]), jax.tree.leaves(whole["params"]), strict=True):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
   strip = lambda r: {k: r[k] for k in ("version", "context_parents", "staleness_hist", "weight_sum",
                                        "update_norm")}
-  assert [strip(r) for r in _train_records(workdir)] == [strip(r) for r in lines]
+  assert [strip(r) for r in train_records(workdir)] == [strip(r) for r in lines]
 
 
 def test_the_demo_tokenizer_is_built_from_the_pieces(tmp_path):

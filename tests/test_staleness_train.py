@@ -1,24 +1,22 @@
-"""A stale-result policy through the real trainer: async ES under the ``weight`` policy on the
-deterministic schedule, SIGKILLed mid-run and rerun, ends with the parameters of a run never
-interrupted; its metrics lines carry generation/waiting staleness and the policy's weights."""
-import os
-import signal
+"""Stale-result policies through the real trainer, on the deterministic schedule: a run
+SIGKILLed mid-run and resumed ends with the parameters, staleness and policy decisions of a run
+never interrupted -- ``weight`` (rerun from the command line), ``pace`` and ``wait`` (resumed in
+process); the metrics lines carry generation/waiting staleness and the policy's weights.
+``baseline_only`` is resumed in tests/test_coevolve_train.py."""
 import subprocess
-import sys
-import time
 
 import jax
 import numpy as np
 import pytest
 
-from helpers_train import ROOT, build_tiny_tokenizer, tiny_config, write_config_file
-from jaxes.train import metrics
+from helpers_train import (ROOT, build_tiny_tokenizer, sigkill_after_first_update, tiny_config,
+                           train_records)
 from jaxes.train.trainer import Trainer
 
 
-def _train_records(workdir):
-  path = os.path.join(workdir, "metrics.jsonl")
-  return [r for r in metrics.read_metrics(path) if "train" in r] if os.path.exists(path) else []
+def _params_equal(a, b):
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 @pytest.mark.slow
@@ -32,30 +30,65 @@ def test_weight_policy_sigkill_then_rerun_equals_uninterrupted(tmp_path):
       "eval.num_tasks": 0, "rollout.temperature": 0.4, "rollout.common_random_numbers": False,
       "train.num_updates": 4, "train.plot": False, "train.checkpoint_every": 2})
   whole = Trainer(config, str(tmp_path / "a"), log=lambda s: None).run()
-  lines = _train_records(tmp_path / "a")
+  lines = train_records(tmp_path / "a")
   for r in lines:
     assert sum(r["generation_staleness_hist"]) == sum(r["waiting_staleness_hist"]) == r["num_results"]
   # Not vacuous: some stale result was down-weighted in an update that moved θ.
   assert any(r["weight_sum"] < r["num_results"] and r["update_norm"] > 0 for r in lines), lines
 
   workdir = tmp_path / "b"
-  cmd = [sys.executable, "-m", "jaxes.train", f"--config={write_config_file(config, tmp_path / 'c.py')}",
-         f"--workdir={workdir}"]
-  proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-  deadline = time.monotonic() + 300
-  while not _train_records(workdir) and proc.poll() is None and time.monotonic() < deadline:
-    time.sleep(0.05)
-  assert proc.poll() is None, f"the run ended before it could be killed:\n{proc.stderr.read().decode()[-2000:]}"
-  os.kill(proc.pid, signal.SIGKILL)
-  proc.wait()
-  proc.stderr.close()
-  assert 1 <= len(_train_records(workdir)) < 4
+  cmd = sigkill_after_first_update(config, workdir, tmp_path / 'c.py')
   done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert done.returncode == 0, done.stderr[-3000:]
   resumed = Trainer(config, str(workdir), log=lambda s: None).run()   # finished: restores
   assert resumed["version"] == 4
-  for x, y in zip(jax.tree.leaves(resumed["params"]), jax.tree.leaves(whole["params"]), strict=True):
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  _params_equal(resumed["params"], whole["params"])
   strip = lambda r: {k: r[k] for k in ("version", "staleness_hist", "generation_staleness_hist",
                                        "waiting_staleness_hist", "weight_sum", "update_norm")}
-  assert [strip(r) for r in _train_records(workdir)] == [strip(r) for r in lines]
+  assert [strip(r) for r in train_records(workdir)] == [strip(r) for r in lines]
+
+
+@pytest.fixture(scope="module")
+def warm_start(tmp_path_factory):
+  """A tokenizer and a warm-started version 0 that the pace and wait runs start from
+  (``warmstart.init_from``: one warm start for the module; the weight test warm-starts on its
+  own, in its launched process too)."""
+  root = tmp_path_factory.mktemp("warm")
+  config = _policy_config(build_tiny_tokenizer(str(root / "tok")), "", "drop", **{
+      "warmstart.steps": 60, "warmstart.learning_rate": 1e-2, "train.num_updates": 0})
+  Trainer(config, str(root / "init"), log=lambda s: None).run()
+  return config.tokenizer.path, str(root / "init")
+
+
+def _policy_config(tokenizer_dir, init_from, overage, **overrides):
+  # The weight test's schedule (4 slots, one cohort): every cohort finishes in one poll, so no job
+  # is in flight at an update. A resume reissues in-flight jobs from their first token, which
+  # equals the uninterrupted run only then (docs/controller.md, "Resume through the trainer"); on
+  # this schedule PACE's pool never outgrows N and wait never has to wait, so both take drop's
+  # decisions here: their decisions are tests/test_staleness_policies.py's and
+  # tests/test_controller.py's, exactly.
+  return tiny_config(tokenizer_dir, **{
+      "controller.mode": "async", "controller.max_staleness": 1, "controller.overage": overage,
+      "controller.pace_pool_capacity": 0, "rollout.sandbox_steps": 2,
+      "warmstart.init_from": init_from, "env.partial_credit": True, "eval.num_tasks": 0,
+      "rollout.temperature": 0.4, "rollout.common_random_numbers": False, "train.num_updates": 4,
+      "train.plot": False, "train.checkpoint_every": 2, **overrides})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overage", ["pace", "wait"])
+def test_policy_sigkill_then_resume_equals_uninterrupted(overage, warm_start, tmp_path):
+  config = _policy_config(*warm_start, overage)
+  whole = Trainer(config, str(tmp_path / "a"), log=lambda s: None).run()
+  lines = train_records(tmp_path / "a")
+  assert all(r["dropped"] == 0 for r in lines), lines
+  assert any(r["update_norm"] > 0 for r in lines[1:]), lines   # θ moved after the kill point
+
+  workdir = tmp_path / "b"
+  sigkill_after_first_update(config, workdir, tmp_path / "c.py")
+  resumed = Trainer(config, str(workdir), log=lambda s: None).run()   # restores, replays, finishes
+  assert resumed["version"] == 4
+  _params_equal(resumed["params"], whole["params"])
+  strip = lambda r: {k: r[k] for k in ("version", "staleness_hist", "generation_staleness_hist",
+                                       "waiting_staleness_hist", "dropped", "rejected", "update_norm")}
+  assert [strip(r) for r in train_records(workdir)] == [strip(r) for r in lines]

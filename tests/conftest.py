@@ -22,8 +22,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Backend optimisation off for the suite's own processes: the tests check what programs compute
 # (tokens, bits across layouts, shapes, memory), not how fast; at level 0 XLA:CPU compiles the
 # engine tests' programs with ~35% less CPU (tests/test_engine_paged.py: 150 vs 235 CPU-s). The
-# multi-process launches (helpers_train.launch_env) set their own flags and keep XLA's default
-# level, so the runs that must agree bit for bit across process layouts compile as users' do.
+# processes the tests launch inherit these flags (helpers_train.launch_env keeps them and sets
+# its own device count): test_multihost_train + test_grpo_multihost 457 -> 262 CPU-s. Both sides
+# of a process-layout comparison compile the same per-device program with the same flags.
 # XLA:CPU's older loop emitters instead of its MLIR fusion emitters, likewise for the suite alone:
 # the same programs compile with ~40% less CPU (tests/test_engine_paged.py: 142 vs 83 CPU-s,
 # tests/test_grpo.py -k teacher_forced: 34 vs 19), and every test passes either way.
@@ -46,10 +47,11 @@ from helpers_timings import (pytest_configure, pytest_runtest_protocol,  # noqa:
 # The files that took longest in CI (benchmarks of the suite: `--durations` at the end of a run).
 # A scheduling hint only: a name missing here just runs in its usual place.
 LONGEST_FILES = ("test_multihost_train.py", "test_train.py", "test_preflight.py",
-                 "test_engine_paged.py", "test_staleness_train.py", "test_engine_sharded.py",
-                 "test_grpo_multihost.py", "test_run_dir.py", "test_task_images.py",
-                 "test_grid.py", "test_preflight_gpu.py", "test_docker_sandbox.py",
-                 "test_engine_fullrank_slices.py", "test_engine_versions.py")
+                 "test_staleness_train.py", "test_grid.py", "test_preflight_gpu.py",
+                 "test_docker_sandbox.py", "test_engine_sharded.py", "test_grpo_multihost.py",
+                 "test_engine_paged.py", "test_run_state.py", "test_engine_versions.py",
+                 "test_engine_multiprocess.py", "test_grpo.py", "test_run_dir.py",
+                 "test_coevolve_train.py", "test_grpo_train.py", "test_engine_fullrank_slices.py")
 
 
 def pytest_collection_modifyitems(config, items):

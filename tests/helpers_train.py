@@ -66,6 +66,13 @@ def launch_env(tmp, **extra) -> dict:
   (later launches load their programs instead of compiling them)."""
   env = {k: v for k, v in os.environ.items()
          if not k.startswith(("JAX_", "SLURM_", "JAXES_", "XLA_FLAGS"))}
+  # The suite's compile flags (tests/conftest.py: optimisation level 0, XLA:CPU's older emitters;
+  # ~40% less CPU per launch), not its device count, which each launch sets. Both sides of a
+  # cross-layout comparison compile the same per-device program with the same flags, so the
+  # bits a comparison checks do not depend on them.
+  compile_flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+                   if not f.startswith("--xla_force_host_platform_device_count")]
+  extra["XLA_FLAGS"] = " ".join(compile_flags + extra.get("XLA_FLAGS", "").split())
   # The suite's cache (tests/conftest.py) where there is one: launches of other tests with the
   # same shapes and device counts then load their programs too.
   cache = os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(pathlib.Path(tmp) / "jax-cache")

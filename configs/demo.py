@@ -5,8 +5,9 @@ sandboxes, asynchronous low-rank ES. Runs in <= 15 minutes on 2 CPU cores.
 
 Outcome (benchmarks/RESULTS.md, "The CPU demo"; 3 seeds, 20 updates): held-out success rose by
 +35 +- 6 points async and +43 +- 2 points sync (mean +- s.e. over seeds), from 5-13% to 38-55%
-(on the previous engine, 7 minutes a run); on the current engine the README run alone takes
-3 min 33 s on 2 cores (seed 0: +34.4 points), 41 s of it the start-up compile.
+(on an earlier engine, 7 minutes a run); the README run took 3 min 33 s alone on 2 cores on the
+previous engine (seed 0: +34.4 points) and 5 min 36 s beside another job on the current one
+(+40.6 points), 22 s of it the start-up compile of 12 programs.
 
 What ES has to learn here: the warm start (a stand-in for an Instruct checkpoint) was taught on
 oracle transcripts 62% of which write the command as a fenced code block, which the agent

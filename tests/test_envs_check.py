@@ -132,3 +132,36 @@ def test_local_backend_refuses_up_front_when_its_verifier_lacks_pytest(tmp_path)
       sandbox.check_verifier([light, needs])
   finally:
     sandbox.shutdown()
+
+
+def test_leaks_count_what_the_check_started_not_the_callers_children(monkeypatch):
+  """A process that calls the check (a test worker, a notebook) may have children of its own:
+  they are not the check's leaks; a process its episodes leave behind is."""
+  import subprocess
+  from jaxes.envs import make_sandbox
+  from jaxes.envs.task import Task
+  own = subprocess.Popen(["sleep", "30"])
+  left = []
+
+  class Leaky:   # an agent whose episode starts a process and never reaps it
+    def __init__(self, task):
+      pass
+
+    def __call__(self, observation):
+      if not left:
+        left.append(subprocess.Popen(["sleep", "30"]))
+      return "<action>done</action>"
+
+  task = Task(name="t", instruction="x", solution="true", final_tests="def test_x():\n  pass\n")
+  sandbox = make_sandbox("local")
+  try:
+    _, leaked = check.run_checks(sandbox, [task], "oracle", progress=False)
+    assert leaked == 0
+    monkeypatch.setattr(check, "make_agent", lambda spec: Leaky)
+    _, leaked = check.run_checks(sandbox, [task], "leaky", progress=False)
+    assert leaked == 1
+  finally:
+    sandbox.shutdown()
+    for p in [own, *left]:
+      p.kill()
+      p.wait()

@@ -70,6 +70,11 @@ def make_agent(spec: str) -> Callable[[Task], Callable[[list], str] | None]:
 
 def descendant_processes() -> int:
   """Live processes descended from this one (leaks of a sandbox that forgot to reap)."""
+  return len(descendant_pids())
+
+
+def descendant_pids() -> set[int]:
+  """The process ids descended from this one (zombies included: a child not yet reaped)."""
   children = collections.defaultdict(list)
   for entry in os.listdir("/proc"):
     if not entry.isdigit():
@@ -80,12 +85,12 @@ def descendant_processes() -> int:
     except OSError:
       continue
     children[int(fields[1])].append(int(entry))
-  todo, count = [os.getpid()], 0
+  todo, found = [os.getpid()], set()
   while todo:
     for child in children.get(todo.pop(), ()):
-      count += 1
+      found.add(child)
       todo.append(child)
-  return count
+  return found
 
 
 def run_checks(sandbox, tasks: list[Task], agent_spec: str, workers: int = 1,
@@ -94,6 +99,9 @@ def run_checks(sandbox, tasks: list[Task], agent_spec: str, workers: int = 1,
   """Plays every task ``attempts`` times; returns (task, outcome or the reason it could not be
   played) pairs, in task order, and the number of leftovers."""
   factory = make_agent(agent_spec)
+  # Only what the episodes leave counts: a caller (a test process, a notebook) may have children
+  # of its own that are none of the check's business.
+  before = descendant_pids()
 
   def one(task: Task):
     agent = factory(task)
@@ -111,7 +119,7 @@ def run_checks(sandbox, tasks: list[Task], agent_spec: str, workers: int = 1,
     for fut in tqdm.tqdm(concurrent.futures.as_completed(futures), total=len(futures),
                          disable=not progress, desc="episodes", file=sys.stderr):
       results.append(fut.result())
-  leaked = sum(sandbox.leftovers().values()) + descendant_processes()
+  leaked = sum(sandbox.leftovers().values()) + len(descendant_pids() - before)
   order = {t.name: i for i, t in enumerate(tasks)}
   results.sort(key=lambda r: order[r[0].name])
   return results, leaked

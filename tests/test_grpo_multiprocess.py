@@ -10,7 +10,7 @@ import sys
 import jax
 import numpy as np
 
-from helpers_train import ROOT
+from helpers_train import ROOT, launch_env
 from jaxes.rl.config import GRPOConfig
 from jaxes.rl.grpo import GRPOLearner
 
@@ -74,7 +74,7 @@ def learner(graphdef):
 
 def test_two_processes_step_like_one_device(tmp_path):
   (tmp_path / "run.py").write_text(SCRIPT)
-  env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "JAXES_", "XLA_FLAGS"))}
+  env = launch_env(tmp_path)   # the suite's compile flags and cache; local.sh sets the devices
   out = tmp_path / "final.npz"
   done = subprocess.run(["bash", str(ROOT / "launch" / "local.sh"), "--devices", "2", "2", "--",
                          sys.executable, str(tmp_path / "run.py"), str(out), str(ROOT / "tests")],

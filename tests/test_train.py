@@ -35,6 +35,20 @@ def sandbox_root():
   shutil.rmtree(root, ignore_errors=True)
 
 
+def _first_divergence(workdir_a, workdir_b) -> str | None:
+  """Where two runs' rollouts first differ (the update's reward summary, then its kept
+  transcripts), or None: says whether unequal parameters came from the episodes or the update."""
+  read = lambda w, name: metrics.read_metrics(os.path.join(w, name))
+  a = {r["version"]: (r["train"], r["fitness"]) for r in read(workdir_a, "metrics.jsonl") if "train" in r}
+  b = {r["version"]: (r["train"], r["fitness"]) for r in read(workdir_b, "metrics.jsonl") if "train" in r}
+  for version in sorted(a.keys() & b.keys()):
+    if a[version] != b[version]:
+      episodes = [[e for e in read(w, "episodes.jsonl") if e["update"] == version] for w in (workdir_a, workdir_b)]
+      first = next(((x, y) for x, y in zip(*episodes) if x != y), None)
+      return f"update {version}: {a[version]} != {b[version]}; first differing episode: {first}"
+  return None
+
+
 def _params_equal(a, b):
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
@@ -77,7 +91,8 @@ def test_resume_equals_uninterrupted(tokenizer_dir, tmp_path):
   base = {"controller.mode": "sync", "controller.max_staleness": 0, "warmstart.steps": 60,
           "warmstart.learning_rate": 1e-2, "env.partial_credit": True, "eval.num_tasks": 0,
           "rollout.temperature": 0.4, "rollout.common_random_numbers": False,
-          "controller.episodes_per_member": 2, "rollout.num_slots": 8}
+          "controller.episodes_per_member": 2, "rollout.num_slots": 8,
+          "train.transcripts_per_update": 8}   # every episode's transcript (_first_divergence)
   quiet = dict(log=lambda s: None)
   whole = Trainer(tiny_config(tokenizer_dir, **{**base, "train.num_updates": 3}), str(tmp_path / "a"), **quiet).run()
   norms = [r["update_norm"] for r in metrics.read_metrics(str(tmp_path / "a" / "metrics.jsonl")) if "train" in r]
@@ -93,6 +108,7 @@ def test_resume_equals_uninterrupted(tokenizer_dir, tmp_path):
   # From the full checkpoint the first run ended with, not through the update log.
   assert "resumed from checkpoint at version 2" in said, said
   assert resumed["version"] == whole["version"] == 3 and resumed["updates_this_run"] == 1
+  assert _first_divergence(tmp_path / "a", tmp_path / "b") is None, _first_divergence(tmp_path / "a", tmp_path / "b")
   _params_equal(resumed["params"], whole["params"])
   versions = [r["version"] for r in metrics.read_metrics(str(tmp_path / "b" / "metrics.jsonl")) if "train" in r]
   assert versions == [1, 2, 3]

@@ -487,16 +487,19 @@ class Engine:
     """Per-slot host arrays as arguments of the jitted programs, in the rows' sharding as
     ``programs()`` lowers them (numpy arguments trace to programs of another text, which the
     persistent cache keys apart); on a multi-process mesh global arrays, each process filling its
-    own shards from its copy (identical on every process: the host state is)."""
+    own shards from its copy (identical on every process: the host state is).
+
+    Copies are placed: on CPU ``device_put`` may alias a numpy array's memory, and the scheduler
+    writes its arrays in place while a dispatched call may not have read them yet."""
     if self.rows.is_fully_addressable:   # placed as programs() lowers them: one cache entry
-      return tuple(jax.device_put(arrays, self.rows))
+      return tuple(jax.device_put(tuple(np.array(x) for x in arrays), self.rows))
     return tuple(jax.make_array_from_callback(x.shape, self.rows, lambda index, x=x.copy(): x[index])
                  for x in arrays)
 
   def _on_every_device(self, *arrays: np.ndarray) -> tuple:
     """Host arrays as replicated arguments (``_placed``'s counterpart for arrays without rows)."""
-    if self._replicated.is_fully_addressable:
-      return tuple(jax.device_put(arrays, self._replicated))
+    if self._replicated.is_fully_addressable:   # copies, as in _placed
+      return tuple(jax.device_put(tuple(np.array(x) for x in arrays), self._replicated))
     return tuple(jax.make_array_from_callback(x.shape, self._replicated,
                                               lambda index, x=x.copy(): x[index]) for x in arrays)
 
@@ -712,7 +715,7 @@ class Engine:
     sched.page_decoding_rows(finished)
     if sched.table_changed:
       sh = self.cache_shardings.table
-      table = (jax.device_put(sched.table, sh) if sh.is_fully_addressable else
+      table = (jax.device_put(sched.table.copy(), sh) if sh.is_fully_addressable else   # as in _placed
                jax.make_array_from_callback(sched.table.shape, sh,
                                             lambda index, x=sched.table.copy(): x[index]))
       self.cache = dataclasses.replace(self.cache, table=table)

@@ -59,6 +59,15 @@ def test_bad_values_name_the_key(key, value, match):
     validate(c)
 
 
+def test_a_version_change_is_refused_for_full_rank_es():
+  c = _load("demo")
+  c.rollout.switch_versions = True
+  validate(c)
+  c.es.mode = "full"
+  with pytest.raises(ConfigError, match=r"config\.rollout\.switch_versions: needs per-row members"):
+    validate(c)
+
+
 def test_webshop_asin_length_is_checked():
   c = _load("demo_webshop")
   validate(c)

@@ -84,6 +84,24 @@ def test_a_turn_ends_at_a_stop_id_or_its_budget_and_is_closed_for_the_observatio
   assert finished[0].stopped is False and finished[0].tokens == [20, 21, 22]
 
 
+def test_a_turn_may_move_a_row_to_newer_weights_keeping_its_members_noise():
+  s = scheduler()
+  decoding(s, 0, version=1)
+  s.fed(s.slots[0], 1, [21, STOP], [-1.0, -2.0], [])
+  with pytest.raises(ValueError, match="goes back from version 1"):
+    s.continue_turn(0, [30], version=0)
+  assert s.slots[0].state == PARKED   # refused: nothing changed
+  assert s.continue_turn(0, [30], version=3)
+  assert (s.slots[0].version, s.slots[0].noise_version, s.slots[0].member) == (3, 1, 0)
+  assert s.live_versions() == {3}
+  sliced = scheduler(member_slices=True)
+  decoding(sliced, 0)
+  sliced.fed(sliced.slots[0], 1, [21, STOP], [-1.0, -2.0], [])
+  with pytest.raises(ValueError, match="under member_slices a data shard runs one"):
+    sliced.continue_turn(0, [30], version=1)
+  assert sliced.continue_turn(0, [30], version=0)   # its own version: no change
+
+
 def test_another_processs_row_takes_the_same_decisions_from_its_count_and_last_token():
   mine, theirs = scheduler(), scheduler(readable=[0, 1])
   for s in (mine, theirs):

@@ -46,7 +46,7 @@ def test_generation_and_waiting_staleness_on_a_hand_made_schedule():
   assert [u.weights for u in ups] == [[1.0, 1.0]] * 3
   assert ups[2].staleness_metrics() == {"generation_staleness_hist": [0, 0, 2],
                                         "waiting_staleness_hist": [2], "weight_sum": 2.0,
-                                        "rejected": 0}
+                                        "rejected": 0, "switched_results": 0}
   # A restored controller keeps the completion versions.
   ctl2 = Controller(cfg(), num_tasks=50)
   jobs = ctl2.next_jobs(100)
@@ -54,6 +54,36 @@ def test_generation_and_waiting_staleness_on_a_hand_made_schedule():
     ctl2.report(j.job_id, 1.0)
   ctl3 = Controller.from_state_dict(ctl2.state_dict())
   assert ctl3._members[(0, jobs[0].member)].done == [0, None]
+
+
+def test_a_version_change_counts_generation_staleness_from_the_last_turns_weights():
+  """In-flight version change (``rollout.switch_versions``): a result's generation staleness
+  counts the updates since the weights that decoded its episodes' last turns (the oldest of
+  them); its staleness for the bound and the step stays u - v (its noise is of cohort v)."""
+  ctl = Controller(cfg(), num_tasks=50)   # N = 2, K = 2, E = 2
+  jobs = {(j.member, j.episode): j for j in ctl.next_jobs(100)}
+  for m in (2, 3, 4, 5):
+    for e in (0, 1):
+      ctl.report(jobs[(m, e)].job_id, 0.1 * m)
+  ctl.pop_update(), ctl.pop_update()   # version 2; members 0 and 1 of version 0 still running
+  with pytest.raises(ValueError, match=r"decoded_under=3 is outside the job's version 0 \.\. "
+                                       r"the controller's 2"):
+    ctl.report(jobs[(0, 0)].job_id, 0.5, decoded_under=3)
+  ctl.report(jobs[(0, 0)].job_id, 0.5, decoded_under=2)   # the refused report lost nothing
+  ctl.report(jobs[(0, 1)].job_id, 0.5, decoded_under=1)
+  restored = Controller.from_state_dict(ctl.state_dict())   # keeps the decoding versions
+  assert sorted(j.job_id for j in restored.next_jobs(2)) == sorted(
+      jobs[(1, e)].job_id for e in (0, 1))   # the jobs in flight, reissued
+  for c in (ctl, restored):
+    c.report(jobs[(1, 0)].job_id, 0.2)
+    c.report(jobs[(1, 1)].job_id, 0.2)
+    u = c.pop_update()
+    assert [(v, m) for v, m, _ in u.results] == [(0, 0), (0, 1)]
+    assert (u.staleness, u.generation, u.waiting, u.switched) == ([2, 2], [1, 2], [0, 0], 1)
+  # A state written before the version change (no decoding versions) loads as unmoved.
+  state = ctl.state_dict()
+  state["members"] = [row[:5] for row in state["members"]]
+  assert all(r.decoded == [r.version] * 2 for r in Controller.from_state_dict(state)._members.values())
 
 
 @pytest.mark.parametrize("overage,weights", [

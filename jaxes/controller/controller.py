@@ -52,7 +52,8 @@ class Update:
   policy (PACE's budget). ``results`` may be empty (every member excluded, or the warm-up of a
   stress test): the trainer then applies no step but still advances its version with the
   controller's. ``generation[i]`` / ``waiting[i]``: the result's generation and waiting
-  staleness (they sum to ``staleness[i]``); ``weights[i]``: the policy's weight of its shaped
+  staleness (they sum to ``staleness[i]``, less when an in-flight version change moved its
+  last turns to newer weights); ``weights[i]``: the policy's weight of its shaped
   fitness in the step."""
   version: int
   results: list[tuple[int, int, float]]
@@ -64,6 +65,7 @@ class Update:
   waiting: list[int] = dataclasses.field(default_factory=list)
   weights: list[float] = dataclasses.field(default_factory=list)
   rejected: int = 0
+  switched: int = 0   # results with an episode whose last turn decoded under a newer version
 
   def staleness_metrics(self) -> dict[str, Any]:
     """Histograms of generation and waiting staleness (count per value 0..max) and the weights'
@@ -75,7 +77,8 @@ class Update:
       return counts
     return {"generation_staleness_hist": hist(self.generation),
             "waiting_staleness_hist": hist(self.waiting),
-            "weight_sum": float(sum(self.weights)), "rejected": self.rejected}
+            "weight_sum": float(sum(self.weights)), "rejected": self.rejected,
+            "switched_results": self.switched}
 
 
 @dataclasses.dataclass
@@ -86,6 +89,9 @@ class _Member:
   in_flight: int = 0
   dropped: bool = False
   done: list = dataclasses.field(default_factory=list)   # per episode: controller version at its outcome
+  # Per episode: the version whose weights decoded its last turn (its own version unless an
+  # in-flight version change moved it, ``rollout.switch_versions``).
+  decoded: list = dataclasses.field(default_factory=list)
 
   @property
   def resolved(self) -> bool:
@@ -146,7 +152,8 @@ class Controller:
     order = self._unresolved.setdefault(v, {})
     for m in members:
       self._members[(v, m)] = _Member(v, m, [None] * cfg.episodes_per_member,
-                                      done=[None] * cfg.episodes_per_member)
+                                      done=[None] * cfg.episodes_per_member,
+                                      decoded=[v] * cfg.episodes_per_member)
       order[m] = None
     self.stats["members_admitted"] += size
     self._event("admit", v, tuple(members))
@@ -197,19 +204,26 @@ class Controller:
 
   # ---- taking results ------------------------------------------------------------------------
 
-  def report(self, job_id: int, reward: float | None = None, failure: str | None = None) -> None:
+  def report(self, job_id: int, reward: float | None = None, failure: str | None = None,
+             decoded_under: int | None = None) -> None:
     """A job ended. ``reward=None`` with a ``failure`` is an infrastructure failure (retried up to
     max_retries times, then the episode counts as failed); otherwise the reward stands and
-    ``failure`` (e.g. PARSE_ERROR, AGENT_TIMEOUT) is informational."""
+    ``failure`` (e.g. PARSE_ERROR, AGENT_TIMEOUT) is informational. ``decoded_under``: the
+    version whose weights decoded the episode's last turn when an in-flight version change moved
+    it past the job's own (None: the job's version); it sets the generation staleness."""
     if reward is None and failure is None:
       raise ValueError(f"report(job_id={job_id}): give a reward, or reward=None with a failure")
     if reward is not None:
       reward = float(reward)
       if not math.isfinite(reward):
         raise ValueError(f"report(job_id={job_id}): reward must be finite, got {reward}")
-    job = self._in_flight.pop(job_id, None)
+    job = self._in_flight.get(job_id)
     if job is None:
       raise KeyError(f"report(job_id={job_id}): not in flight (unknown, or already reported)")
+    if decoded_under is not None and not job.version <= decoded_under <= self.version:
+      raise ValueError(f"report(job_id={job_id}): decoded_under={decoded_under} is outside the "
+                       f"job's version {job.version} .. the controller's {self.version}")
+    del self._in_flight[job_id]
     key = (job.version, job.member)
     rec = self._members[key]
     rec.in_flight -= 1
@@ -234,6 +248,8 @@ class Controller:
       rec.outcomes[job.episode] = reward
       self.scored_episodes += 1
     rec.done[job.episode] = self.version
+    if decoded_under is not None:
+      rec.decoded[job.episode] = decoded_under
     if rec.resolved:
       self._budget.resolve(job.version)
       del self._unresolved[job.version][job.member]
@@ -300,7 +316,7 @@ class Controller:
                       + [(k, True) for k in released])
 
     results, staleness, delayed, excluded = [], [], [], 0
-    generation, waiting, weights = [], [], []
+    generation, waiting, weights, switched = [], [], [], 0
     for key, was_held in consumed:
       rec = self._members.pop(key)
       fitness = rec.fitness
@@ -311,7 +327,10 @@ class Controller:
       staleness.append(u - key[0])
       delayed.append(was_held)
       resolved = max(rec.done)
-      generation.append(resolved - key[0])
+      # Updates applied since the weights that decoded its last turns (its own version unless
+      # a version change moved them): g + w = u - v without one, less with one.
+      generation.append(resolved - min(rec.decoded))
+      switched += max(rec.decoded) > key[0]
       waiting.append(u - resolved)
       weights.append(self.policy.weight(u - key[0]))
     self.stats["members_consumed"] += len(consumed)
@@ -323,7 +342,7 @@ class Controller:
     self._event("update", u, tuple(results), tuple(staleness), tuple(delayed), excluded, dropped,
                 tuple(generation), tuple(waiting), tuple(weights))
     return Update(u, results, staleness, dropped, excluded, delayed, generation, waiting, weights,
-                  len(rejected))
+                  len(rejected), switched)
 
   def _expire(self, versions: list[int]) -> int:
     """Drops the members of ``versions`` (unresolved) and the ready members that are now beyond
@@ -367,8 +386,8 @@ class Controller:
                    "unresolved": sorted([v, c] for v, c in b.unresolved.items())},
         "next_job_id": self._next_job_id,
         "groups_at_version": self._groups_at_version,
-        "members": [[r.version, r.member, list(r.outcomes), r.dropped, list(r.done)]
-                    for r in self._members.values()],
+        "members": [[r.version, r.member, list(r.outcomes), r.dropped, list(r.done),
+                     list(r.decoded)] for r in self._members.values()],
         "unresolved": [[v, list(ms)] for v, ms in self._unresolved.items()],
         # Reissued first, in job order, then what was pending.
         "pending": [_job_row(j) for j in self.in_flight()] + [_job_row(j) for j in self._pending],
@@ -390,10 +409,13 @@ class Controller:
     ctl._budget.unresolved = {v: c for v, c in b["unresolved"]}
     ctl._next_job_id = state["next_job_id"]
     ctl._groups_at_version = state["groups_at_version"]
-    for v, m, outcomes, dropped, *done in state["members"]:
+    for v, m, outcomes, dropped, *rest in state["members"]:
       # Format 1 kept no completion versions: its episodes count as completed at their version.
-      done = done[0] if done else [None if o is None else v for o in outcomes]
-      ctl._members[(v, m)] = _Member(v, m, list(outcomes), dropped=dropped, done=list(done))
+      # States written before the in-flight version change keep no decoding versions: their own.
+      done = rest[0] if rest else [None if o is None else v for o in outcomes]
+      decoded = rest[1] if len(rest) > 1 else [v] * len(outcomes)
+      ctl._members[(v, m)] = _Member(v, m, list(outcomes), dropped=dropped, done=list(done),
+                                     decoded=list(decoded))
     ctl._unresolved = {v: dict.fromkeys(ms) for v, ms in state["unresolved"]}
     ctl._pending = deque(Job(*row) for row in state["pending"])
     # Members of dropped jobs that were in flight now have nothing outstanding: forget them.

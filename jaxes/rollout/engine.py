@@ -460,11 +460,14 @@ class Engine:
     return self.scheduler.start(index, prompt, version=version, member=member, stream=stream,
                                 temperature=temperature, top_p=top_p, tag=tag)
 
-  def continue_turn(self, index: int, observation: list[int]) -> bool:
+  def continue_turn(self, index: int, observation: list[int], version: int | None = None) -> bool:
     """Close the parked slot's assistant turn and queue the observation; False if the cache row
     cannot hold it plus one new token, or (paged) its shard has too few free pages for it
-    (``Slot.failure`` is then ``PAGES_EXHAUSTED``); the caller then ends the episode."""
-    return self.scheduler.continue_turn(index, observation)
+    (``Slot.failure`` is then ``PAGES_EXHAUSTED``); the caller then ends the episode.
+    ``version``: a newer version whose weights decode the rest of the episode (an in-flight
+    version change, PipelineRL's), the row keeping its member's noise (``Slot.noise_version``);
+    the cache keeps the keys and values the older weights wrote. Refused under member slices."""
+    return self.scheduler.continue_turn(index, observation, version)
 
   def add_step(self, version: int, versions, members, weights, count) -> bool:
     """Register that ``version`` is ``version - 1`` plus the low-rank step of the update that
@@ -513,19 +516,22 @@ class Engine:
     return held[1]
 
   def _assignment(self) -> tuple[np.ndarray, np.ndarray]:
-    """Every slot's (version, member) as a noiser is built for them (free slots: member -1)."""
-    return (np.array([s.version for s in self.slots], np.int32),
+    """Every slot's (noise version, member) as a noiser is built for them (free slots: member
+    -1); a row that changed version keeps the noise of the member it was started as."""
+    return (np.array([s.noise_version for s in self.slots], np.int32),
             np.array([s.member if s.state != FREE else -1 for s in self.slots], np.int32))
 
-  def _held_noiser(self, key, rows: list[Slot]):
-    """The noiser kept under ``key`` if it was built for every row of the call as it is now (a
-    row's perturbation depends on its own (version, member) only), else None: a slot that
-    started since costs a rebuild only when it joins a call."""
+  def _held_noiser(self, key, rows: list[Slot], params: tuple):
+    """The noiser kept under ``key`` if it was built from ``params`` (the placed weights of the
+    call's versions: a full-rank perturbed vector holds its weights) for every row of the call as
+    it is now (a row's perturbation depends on its own (version, member) only), else None: a
+    slot that started since costs a rebuild only when it joins a call."""
     held = self._noisers.get(key)
     if held is None:
       return None
-    versions, members, noiser = held
-    if all(versions[s.index] == s.version and members[s.index] == s.member for s in rows):
+    versions, members, built_from, noiser = held
+    if len(built_from) == len(params) and all(a is b for a, b in zip(built_from, params)) and all(
+        versions[s.index] == s.noise_version and members[s.index] == s.member for s in rows):
       return noiser
     return None
 
@@ -534,12 +540,12 @@ class Engine:
       return None
     if self.member_slices:
       return self._slice_noiser(version, params)
-    noiser = self._held_noiser(version, rows)
+    noiser = self._held_noiser(version, rows, (params,))
     if noiser is None:
       versions, members = self._assignment()
       noiser = self._make_noiser(
           params, *self._placed(versions, members, np.arange(self.num_slots, dtype=np.int32)))
-      self._noisers[version] = (versions, members, noiser)
+      self._noisers[version] = (versions, members, (params,), noiser)
     return noiser
 
   def _slice_noiser(self, version: int, params):
@@ -569,20 +575,20 @@ class Engine:
     perturbation, and its vectors from its own version's noiser (``with_vectors_of``). Rebuilt
     when a row of the call was started since, like the per-version ones; those of the newer
     versions are not kept."""
-    merged = self._held_noiser(versions, rows)
+    placed = tuple(self._place(v, params_by_version[v]) for v in versions)
+    merged = self._held_noiser(versions, rows, placed)
     if merged is None:
       K = int(self.version_steps.max_steps)
-      noiser = self._noiser(base, self._place(base, params_by_version[base]), rows)
+      noiser = self._noiser(base, placed[0], rows)
       assigned = self._assignment()
       others = [noiser] * K
-      for v in versions[1:]:
+      for v, params in zip(versions[1:], placed[1:]):
         others[v - base - 1] = self._make_noiser(
-            self._place(v, params_by_version[v]),
-            *self._placed(*assigned, np.arange(self.num_slots, dtype=np.int32)))
+            params, *self._placed(*assigned, np.arange(self.num_slots, dtype=np.int32)))
       owner = np.array([s.version - base if s.state != FREE and s.version in versions else 0
                         for s in self.slots], np.int32)
       merged = self._merge(noiser, tuple(others), *self._placed(owner))
-      self._noisers[versions] = (*assigned, merged)
+      self._noisers[versions] = (*assigned, placed, merged)
     return merged
 
   def _stacked_steps(self, base: int, newest: int):

@@ -24,6 +24,11 @@ token ids, done flags, outcomes, error texts, and the turn the owner's engine sa
 reads its own rows' tokens only, ``Engine.readable``) and all apply every due result in hand-out
 order, so they stay identical without reading the clock.
 
+In-flight version change (``switch_versions``, off by default; PipelineRL's idea for ES): an
+episode's next turn decodes under the newest version ``poll`` was given, its member's noise
+applied to those weights (``Engine.continue_turn(version=)``); ``EpisodeResult.turn_versions``
+says which version decoded each turn.
+
 Every sandbox handle the runner opened is closed by ``close()``, also after an exception.
 """
 from __future__ import annotations
@@ -67,6 +72,13 @@ class EpisodeResult:
   env_s: float                   # worker seconds spent in the sandbox for this episode
   tokens: EpisodeStream | None = None  # what the engine fed and sampled (None: never started)
   error: str | None = None       # an infrastructure failure's text (its kind is ``failure``)
+  turn_versions: tuple[int, ...] = ()  # the version whose weights decoded each assistant turn
+                                       # (``spec.version`` unless ``switch_versions`` moved it)
+
+  @property
+  def last_version(self) -> int:
+    """The version that decoded the episode's last turn (``spec.version`` before any turn)."""
+    return self.turn_versions[-1] if self.turn_versions else self.spec.version
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +106,7 @@ class _Live:
   turns: list = dataclasses.field(default_factory=list)
   logprobs: list = dataclasses.field(default_factory=list)
   observations: list = dataclasses.field(default_factory=list)
+  versions: list = dataclasses.field(default_factory=list)   # per turn: the version decoding it
 
   def stream(self) -> EpisodeStream | None:
     if not self.prompt:
@@ -110,11 +123,12 @@ class _Remote:
 class EpisodeRunner:
   def __init__(self, engine: Engine, tokenizer, sandbox, *, make_episode, workers: int,
                sandbox_steps: int = 0, owned: Sequence[int] | None = None,
-               exchange: Callable[[Any], list] | None = None):
+               exchange: Callable[[Any], list] | None = None, switch_versions: bool = False):
     """``make_episode(task, handle) -> protocol.Episode``. ``sandbox_steps``: see the module
     docstring (0 = as ready). ``owned``: the slots whose sandboxes this process runs (None:
     all); ``exchange(obj)``: every process's ``obj`` in process order
-    (``jaxes.distributed.allgather_host``), required with ``owned``."""
+    (``jaxes.distributed.allgather_host``), required with ``owned``. ``switch_versions``: each
+    next turn decodes under the newest version given to ``poll`` (module docstring)."""
     if sandbox_steps < 0:
       raise ValueError(f"sandbox_steps must be >= 0, got {sandbox_steps}")
     if (owned is None) != (exchange is None):
@@ -122,6 +136,10 @@ class EpisodeRunner:
     if exchange is not None and not sandbox_steps:
       raise ValueError("a multi-process runner needs the deterministic schedule (sandbox_steps > 0): "
                        "processes must agree on when each sandbox result is taken")
+    if switch_versions and engine.member_slices:
+      raise ValueError("switch_versions needs per-row members: under member_slices (full-rank "
+                       "noise) a data shard runs one (version, member) at a time")
+    self.switch_versions = switch_versions
     self.engine, self.tok, self.sandbox = engine, tokenizer, sandbox
     self._make_episode = make_episode
     self.sandbox_steps = sandbox_steps
@@ -238,10 +256,12 @@ class EpisodeRunner:
   def _result(self, live, outcome=None, error: str | None = None) -> EpisodeResult:
     if outcome is None or outcome.failure == SANDBOX_ERROR:
       return EpisodeResult(live.spec, None, False, getattr(outcome, "turns", 0), SANDBOX_ERROR,
-                           live.truncated, live.env_s, live.stream(), error=error)
+                           live.truncated, live.env_s, live.stream(), error=error,
+                           turn_versions=tuple(live.versions))
     failure = outcome.failure or ((live.failure or CONTEXT_FULL) if live.truncated else None)
     return EpisodeResult(live.spec, float(outcome.reward), bool(outcome.passed), int(outcome.turns),
-                         failure, live.truncated, live.env_s, live.stream())
+                         failure, live.truncated, live.env_s, live.stream(),
+                         turn_versions=tuple(live.versions))
 
   def _end(self, live: _Live, truncated: bool = False, failure: str | None = None):
     self.engine.release(live.slot)
@@ -340,9 +360,12 @@ class EpisodeRunner:
           results.append(self._result(live, error=error))
           continue
         done, observation = value
+        newest = max(params_by_version, default=None) if self.switch_versions else None
+        if newest is not None and newest <= self.engine.slots[live.slot].version:
+          newest = None
         if done:
           self._end(live)
-        elif not self.engine.continue_turn(live.slot, observation):
+        elif not self.engine.continue_turn(live.slot, observation, newest):
           self._end(live, truncated=True, failure=self.engine.slots[live.slot].failure)
         else:
           live.observations.append(tuple(observation))
@@ -369,6 +392,7 @@ class EpisodeRunner:
         # Another process's row: its ids come with its owner's next result (``_payload``).
         live.turns.append(None if turn.tokens is None else tuple(turn.tokens))
         live.logprobs.append(None if turn.logprobs is None else tuple(turn.logprobs))
+        live.versions.append(self.engine.slots[turn.slot].version)
         if turn.failure is not None:   # no free KV page for its next token: it ends here
           self._end(live, truncated=True, failure=turn.failure)
           continue

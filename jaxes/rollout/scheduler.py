@@ -45,6 +45,8 @@ class Slot:
   failure: str | None = None     # why the engine ended or refused this episode (PAGES_EXHAUSTED)
   held: int | None = None        # steps its prefill (a prompt or observation not yet fed) has
                                  # been held back (``prefill_hold``); None once a chunk is fed
+  noise_version: int = 0         # the version whose member noise the row carries: ``version``
+                                 # unless a turn moved it to newer weights (``continue_turn``)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,17 +183,24 @@ class Scheduler:
         raise ValueError(f"slot {index}: its data shard runs (version, member) {held}, not "
                          f"{(version, member)} (member_slices: one member per shard at a time)")
     self.slots[index] = Slot(index, PREFILL, version, member, stream, temperature, top_p,
-                             pending=list(prompt), tag=tag, held=0)
+                             pending=list(prompt), tag=tag, held=0, noise_version=version)
     self.take_pages(self.slots[index], len(prompt))
     self.to_reset[index] = True
     return True
 
-  def continue_turn(self, index: int, observation: list[int]) -> bool:
+  def continue_turn(self, index: int, observation: list[int], version: int | None = None) -> bool:
     """Close the parked slot's assistant turn and queue the observation (``Engine.continue_turn``).
     The closing tokens depend on the turn's last token only, which every process knows."""
     slot = self.slots[index]
     if slot.state != PARKED:
       raise ValueError(f"slot {index} is {slot.state}, not parked")
+    if version is not None and version != slot.version:
+      if version < slot.version:
+        raise ValueError(f"slot {index}: continue_turn(version={version}) goes back from "
+                         f"version {slot.version}; a turn may only move to newer weights")
+      if self.member_slices:
+        raise ValueError(f"slot {index}: a version change within an episode needs per-row "
+                         f"members; under member_slices a data shard runs one (version, member)")
     if slot.failure is not None:   # cut short for lack of pages: it cannot go on
       return False
     last = slot.generated[-1]
@@ -204,6 +213,8 @@ class Scheduler:
       return False
     slot.pending, slot.generated, slot.logprobs, slot.state = tokens, [], [], PREFILL
     slot.held = 0
+    if version is not None:   # the next turn decodes under ``version``, the same member noise
+      slot.version = version
     return True
 
   def release(self, index: int) -> None:

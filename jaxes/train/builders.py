@@ -248,7 +248,8 @@ def build_runner(config, engine: Engine, tokenizer, sandbox, owned=None, exchang
   """``owned``/``exchange``: a multi-process run's sandbox split (``EpisodeRunner``)."""
   return EpisodeRunner(engine, tokenizer, sandbox, make_episode=episode_factory(config),
                        workers=config.env.sandbox_workers, sandbox_steps=config.rollout.sandbox_steps,
-                       owned=owned, exchange=exchange)
+                       owned=owned, exchange=exchange,
+                       switch_versions=bool(config.rollout.get("switch_versions", False)))
 
 
 def config_dict_of(config: config_dict.ConfigDict) -> dict:

@@ -188,6 +188,9 @@ class _Checks:
     self.check("rollout.num_pages", (r.page_size == 0) == (r.num_pages == 0),
                "and rollout.page_size go together (both 0: the dense cache)")
     self.check("rollout.top_p", 0.0 < r.top_p <= 1.0, "must be in (0, 1]")
+    self.check("rollout.switch_versions", not (r.get("switch_versions", False) and
+                                               self.c.es.get("mode") == "full"),
+               "needs per-row members: full-rank ES (es.mode = 'full') decodes in member slices")
 
   def schedule(self):
     c = self.c

@@ -141,6 +141,11 @@ def base_config() -> config_dict.ConfigDict:
   # k engine steps after handing the work out, waiting if it is late: the run is deterministic.
   # Only for short commands (a step is milliseconds; a slow command stalls every slot).
   c.rollout.sandbox_steps = 0
+  # In-flight version change (PipelineRL's, for ES): an episode's next turn decodes under the
+  # newest version, its member's noise applied to those weights; its generation staleness then
+  # counts from the version that decoded its last turn (docs/controller.md). Not with full-rank
+  # ES (member slices: one member per data shard).
+  c.rollout.switch_versions = False
 
   c.train = config_dict.ConfigDict()
   c.train.algorithm = "es"       # "es", or "grpo" (the baseline: jaxes.rl's learner in the same trainer)

@@ -12,6 +12,7 @@ cohort -- round(0.8) = 1 of 8 members -- held back 4 / 8 updates on top of Async
 (every member of a cohort held back 4 updates), async1_weight / async1_baseline_only /
 async1_pace (Async-1 under the stale-result policies of jaxes/controller/policies.py), coevolve
 (Async-1 with system prompts co-evolved alongside the parameters, jaxes/train/coevolution.py),
+async1_switch (Async-1 with the in-flight version change, rollout.switch_versions),
 and grpo: the same warm start, tasks, engine
 and evaluation trained by GRPO (configs/demo_grpo.py's learner settings) at the ES variants'
 episode budget -- 4 tasks x 4 sampled episodes = 16 per update, as 8 members x 2 episodes --
@@ -36,7 +37,7 @@ from jaxes.experiments.variants import apply_es_variant
 from jaxes.train.config import load_config_file
 
 VARIANTS = ("sync", "async1", "delay4", "delay8", "allstale", "async1_weight",
-            "async1_baseline_only", "async1_pace", "coevolve", "grpo")
+            "async1_baseline_only", "async1_pace", "coevolve", "async1_switch", "grpo")
 NUM_UPDATES = 48
 EVAL_EVERY = 16
 EPISODES_PER_MEMBER = 2

@@ -19,7 +19,8 @@ DEFAULT_ENTRY = "jaxes.train"
 
 _ASYNC1 = {"controller.mode": "async", "controller.max_staleness": 1,
            "controller.delay_fraction": 0.0, "controller.delay_updates": 0,
-           "controller.stress_all_stale": 0, "controller.overage": "drop"}
+           "controller.stress_all_stale": 0, "controller.overage": "drop",
+           "rollout.switch_versions": False}
 # The paper's ES variants (configs/paper.py's definitions), as overrides for any config.
 ES_OVERRIDES = {
     "sync": {**_ASYNC1, "controller.mode": "sync", "controller.max_staleness": 0},
@@ -35,6 +36,9 @@ ES_OVERRIDES = {
     # Parameter-context co-evolution (jaxes/train/coevolution.py) on Async-1: paired with async1,
     # the difference is the evolving system prompt's.
     "coevolve": {**_ASYNC1, "coevolve.enabled": True},
+    # In-flight version change (PipelineRL's, docs/controller.md) on Async-1: an episode's next
+    # turn decodes under the newest weights with its member's noise.
+    "async1_switch": {**_ASYNC1, "rollout.switch_versions": True},
 }
 POLICY_VARIANTS = ("async1_weight", "async1_baseline_only", "async1_pace")
 
@@ -59,6 +63,7 @@ DESCRIPTIONS = {
     "async1_baseline_only": "Async-1, stale results only in the shaping baseline",
     "async1_pace": "Async-1, PACE (pool rejection budget, effective-staleness ranking)",
     "coevolve": "Async-1, system prompts co-evolved with the parameters (Agentic ESOpt)",
+    "async1_switch": "Async-1, later turns decoded under the newest weights (PipelineRL)",
     "grpo": "GRPO (backprop baseline)",
 }
 

@@ -530,7 +530,7 @@ class Engine:
     if held is None:
       return None
     versions, members, built_from, noiser = held
-    if len(built_from) == len(params) and all(a is b for a, b in zip(built_from, params)) and all(
+    if all(a is b for a, b in zip(built_from, params, strict=True)) and all(
         versions[s.index] == s.noise_version and members[s.index] == s.member for s in rows):
       return noiser
     return None

@@ -360,9 +360,8 @@ class EpisodeRunner:
           results.append(self._result(live, error=error))
           continue
         done, observation = value
-        newest = max(params_by_version, default=None) if self.switch_versions else None
-        if newest is not None and newest <= self.engine.slots[live.slot].version:
-          newest = None
+        # ``params_by_version`` holds every live row's version: the newest is never older.
+        newest = max(params_by_version) if self.switch_versions else None
         if done:
           self._end(live)
         elif not self.engine.continue_turn(live.slot, observation, newest):

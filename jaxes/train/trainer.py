@@ -209,9 +209,8 @@ class Trainer:
 
   def _report(self, result) -> None:
     self.algorithm.on_result(self.state.algorithm_state, result)
-    moved = result.last_version if result.last_version != result.spec.version else None
     self.state.controller.report(result.spec.key.job.job_id, reward=result.reward,
-                                 failure=result.failure, decoded_under=moved)
+                                 failure=result.failure, decoded_under=result.last_version)
     self._window.add(result)
     if self._sampler is not None:
       self._sampler.offer(result)

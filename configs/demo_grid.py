@@ -10,7 +10,8 @@ One run alone: python -m jaxes.train --config=configs/demo_grid.py:delay8 --work
 Variants (as configs/paper.py): sync, async1 (staleness <= 1), delay4 / delay8 (10% of each
 cohort -- round(0.8) = 1 of 8 members -- held back 4 / 8 updates on top of Async-1), allstale
 (every member of a cohort held back 4 updates), async1_weight / async1_baseline_only /
-async1_pace (Async-1 under the stale-result policies of jaxes/controller/policies.py), coevolve
+async1_pace (Async-1 under the stale-result policies of jaxes/controller/policies.py),
+async2_throttle (staleness <= 2, issued one update ahead, nothing dropped), coevolve
 (Async-1 with system prompts co-evolved alongside the parameters, jaxes/train/coevolution.py),
 async1_switch (Async-1 with the in-flight version change, rollout.switch_versions),
 and grpo: the same warm start, tasks, engine
@@ -37,7 +38,8 @@ from jaxes.experiments.variants import apply_es_variant
 from jaxes.train.config import load_config_file
 
 VARIANTS = ("sync", "async1", "delay4", "delay8", "allstale", "async1_weight",
-            "async1_baseline_only", "async1_pace", "coevolve", "async1_switch", "grpo")
+            "async1_baseline_only", "async1_pace", "async2_throttle", "coevolve", "async1_switch",
+            "grpo")
 NUM_UPDATES = 48
 EVAL_EVERY = 16
 EPISODES_PER_MEMBER = 2

@@ -6,7 +6,8 @@
 Variants: sync (synchronous ES), async1 (natural asynchrony, staleness <= 1), delay4 / delay8
 (10% of each update cohort held back 4 / 8 updates on top of Async-1), allstale (stress test:
 every result in a cohort is stale), async1_weight / async1_baseline_only / async1_pace (Async-1
-under a stale-result policy, docs/controller.md), coevolve (Async-1 with the system prompt
+under a stale-result policy, docs/controller.md), async2_throttle (staleness <= 2, work issued
+one update ahead and stragglers waited for: tinker's slow issuing), coevolve (Async-1 with the system prompt
 co-evolved alongside the parameters, Agentic ESOpt), async1_switch (Async-1 whose episodes'
 later turns decode under the newest weights, PipelineRL's in-flight update). ES hyperparameters follow Qiu et al. (population 30,
 sigma 1e-3, alpha 5e-4, greedy decoding, z-score shaping); the model path, the mesh and the
@@ -33,7 +34,8 @@ from jaxes.rl.config import default_config as grpo_defaults
 from jaxes.train.defaults import base_config
 
 VARIANTS = ("sync", "async1", "delay4", "delay8", "allstale", "async1_weight",
-            "async1_baseline_only", "async1_pace", "coevolve", "async1_switch", "grpo")
+            "async1_baseline_only", "async1_pace", "async2_throttle", "coevolve", "async1_switch",
+            "grpo")
 # target -> (data, fsdp, tensor); data x tensor = 8 and more shard the cache 8 ways or more.
 TARGETS = {
   "8xH100": (2, 1, 4),

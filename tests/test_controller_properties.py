@@ -33,6 +33,8 @@ def configs(draw):
   if policy == "pace":
     kw.update(pace_pool_capacity=draw(st.sampled_from([0, n + 1])),
               pace_generation_weight=draw(st.sampled_from([0.0, 0.5, 1.0])))
+  if policy == "throttle":
+    kw.update(issue_depth=draw(st.integers(0, k)))
   return ControllerConfig(mode=mode, population=n, episodes_per_member=draw(st.integers(1, 3)),
                           max_staleness=k, overage=policy,
                           max_retries=draw(st.integers(0, 2)), seed=draw(st.integers(0, 5)), **kw)
@@ -146,8 +148,11 @@ def test_invariants_under_random_schedules(cfg, seed, fail_p, num_tasks, abort):
   # remains there is ready or unresolved.
   assert budget.admitted - budget.dropped - len(drv.updates) * cfg.population == (
       len(ctl._ready) + sum(budget.unresolved.values()))
-  if cfg.overage == "wait" or cfg.max_staleness == 0:
+  if cfg.overage in ("wait", "throttle") or cfg.max_staleness == 0:
     assert stats["members_dropped"] == 0
+  if cfg.overage == "throttle":   # slow issuing: at most (D + 1) N admitted and unconsumed
+    assert budget.admitted - budget.dropped - len(drv.updates) * cfg.population <= (
+        (cfg.issue_depth + 1) * cfg.population)
   if fail_p == 0.0:
     assert stats["retries"] == 0 and stats["members_excluded"] == 0
 

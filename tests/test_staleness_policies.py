@@ -129,6 +129,35 @@ def test_pace_rejections_are_counted_and_free_admission():
   assert admitted == {"drop": [(1, 0), (1, 1)], "pace": [(1, 0), (1, 1), (1, 2), (1, 3)]}
 
 
+def test_throttle_issues_at_its_depth_and_waits_instead_of_dropping():
+  """N = 2, K = 2, E = 1, issue depth 1: 4 members admitted per step of the pipeline (wait
+  admits 6); member 0 of version 0 straggles past two updates and is waited for, not dropped."""
+  ctl = Controller(cfg(overage="throttle", issue_depth=1, episodes_per_member=1), num_tasks=50)
+  wait = Controller(cfg(overage="wait", episodes_per_member=1), num_tasks=50)
+  assert len(wait.next_jobs(100)) == 6
+  jobs = {(j.version, j.member): j for j in ctl.next_jobs(100)}
+  assert sorted(jobs) == [(0, 0), (0, 1), (0, 2), (0, 3)]
+  done = lambda *keys: [ctl.report(jobs[k].job_id, 0.1 * k[1]) for k in keys]
+  done((0, 1), (0, 2), (0, 3))
+  members = lambda u: [(v, m) for v, m, _ in u.results]
+  assert members(ctl.pop_update()) == [(0, 1), (0, 2)]
+  jobs.update({(j.version, j.member): j for j in ctl.next_jobs(100)})
+  assert sorted(jobs)[-2:] == [(1, 0), (1, 1)] and len(jobs) == 6   # 2 more: one update ahead
+  assert ctl.pop_update() is None
+  done((1, 0), (1, 1))
+  assert members(ctl.pop_update()) == [(0, 3), (1, 0)]
+  jobs.update({(j.version, j.member): j for j in ctl.next_jobs(100)})
+  done((2, 0), (2, 1))
+  # Taking (1, 1), (2, 0) would leave member (0, 0) past its deadline (update 2): wait for it.
+  assert ctl.pop_update() is None
+  done((0, 0))
+  upd = ctl.pop_update()
+  assert (members(upd), upd.staleness, upd.dropped) == ([(0, 0), (1, 1)], [2, 1], 0)
+  assert ctl.stats["members_dropped"] == 0
+  with pytest.raises(ValueError, match=r"ControllerConfig\.issue_depth=3: must be <= max_staleness \(2\)"):
+    cfg(overage="throttle", issue_depth=3)
+
+
 def test_policy_weights_reach_the_es_step():
   strategy = es.Strategy(population=4, sigma=0.1, learning_rate=0.1, mode="full",
                          staleness_weighting=policies.BaselineOnly().result_weight)
@@ -156,12 +185,13 @@ def test_every_policy_runs_in_the_simulator_within_the_bound(policy):
   assert s == runs[1] and s["updates"] == 30 and s["max_staleness"] <= 2
   assert s["mean_generation_staleness"] + s["mean_waiting_staleness"] == pytest.approx(s["mean_staleness"])
   assert (s["rejected"] > 0) == (policy == "pace")
-  assert (s["dropped"] == 0) if policy == "wait" else True
+  assert (s["dropped"] == 0) if policy in ("wait", "throttle") else True
 
 
 @pytest.mark.parametrize("kw,key", [
     (dict(staleness_decay=0.0), "staleness_decay"), (dict(pace_pool_capacity=-1), "pace_pool_capacity"),
     (dict(pace_generation_weight=-0.5), "pace_generation_weight"), (dict(overage="tinker"), "overage"),
+    (dict(overage="throttle", issue_depth=-1), "issue_depth"),
 ])
 def test_bad_policy_parameters_name_the_key(kw, key):
   with pytest.raises(ValueError, match=rf"ControllerConfig\.{key}="):

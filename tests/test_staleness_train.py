@@ -1,7 +1,7 @@
 """Stale-result policies through the real trainer, on the deterministic schedule: a run
 SIGKILLed mid-run and resumed ends with the parameters, staleness and policy decisions of a run
-never interrupted -- ``weight`` (rerun from the command line), ``pace`` and ``wait`` (resumed in
-process); the metrics lines carry generation/waiting staleness and the policy's weights.
+never interrupted -- ``weight`` (rerun from the command line), ``pace``, ``wait`` and
+``throttle`` (resumed in process); the metrics lines carry generation/waiting staleness and the policy's weights.
 ``baseline_only`` is resumed in tests/test_coevolve_train.py. An in-flight version change
 (``rollout.switch_versions``) moves episodes to newer weights and counts their generation
 staleness from there, and repeats exactly on the deterministic schedule."""
@@ -22,15 +22,10 @@ def _params_equal(a, b):
 
 
 @pytest.mark.slow
-def test_weight_policy_sigkill_then_rerun_equals_uninterrupted(tmp_path):
+def test_weight_policy_sigkill_then_rerun_equals_uninterrupted(warm_start, tmp_path):
   # Temperature sampling keyed by job (members differ), results taken 2 engine steps after
   # hand-out (a deterministic arrival order, so async runs repeat exactly).
-  config = tiny_config(build_tiny_tokenizer(str(tmp_path / "tok")), **{
-      "controller.mode": "async", "controller.max_staleness": 1, "controller.overage": "weight",
-      "controller.staleness_decay": 0.5, "rollout.sandbox_steps": 2,
-      "warmstart.steps": 60, "warmstart.learning_rate": 1e-2, "env.partial_credit": True,
-      "eval.num_tasks": 0, "rollout.temperature": 0.4, "rollout.common_random_numbers": False,
-      "train.num_updates": 4, "train.plot": False, "train.checkpoint_every": 2})
+  config = _policy_config(*warm_start, "weight", **{"controller.staleness_decay": 0.5})
   whole = Trainer(config, str(tmp_path / "a"), log=lambda s: None).run()
   lines = train_records(tmp_path / "a")
   for r in lines:
@@ -52,9 +47,9 @@ def test_weight_policy_sigkill_then_rerun_equals_uninterrupted(tmp_path):
 
 @pytest.fixture(scope="module")
 def warm_start(tmp_path_factory):
-  """A tokenizer and a warm-started version 0 that the pace and wait runs start from
-  (``warmstart.init_from``: one warm start for the module; the weight test warm-starts on its
-  own, in its launched process too)."""
+  """A tokenizer and a warm-started version 0 that every policy run here starts from
+  (``warmstart.init_from``: one warm start for the module, also for the weight test's launched
+  processes)."""
   root = tmp_path_factory.mktemp("warm")
   config = _policy_config(build_tiny_tokenizer(str(root / "tok")), "", "drop", **{
       "warmstart.steps": 60, "warmstart.learning_rate": 1e-2, "train.num_updates": 0})
@@ -85,8 +80,14 @@ PACE_REJECTS = {"env.max_turns": 1, "rollout.num_slots": 8, "rollout.decode_step
                 "rollout.prefill_chunk": 192}
 
 
+# Throttle at K = 2 issuing one update ahead: on this schedule its admission is the limit of
+# K = 1 (the 4 slots hold one cohort), so it is wait's barrier under a wider bound.
+THROTTLE = {"controller.max_staleness": 2, "controller.issue_depth": 1}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("overage,overrides", [("pace", PACE_REJECTS), ("wait", {})])
+@pytest.mark.parametrize("overage,overrides", [("pace", PACE_REJECTS), ("wait", {}),
+                                               ("throttle", THROTTLE)])
 def test_policy_sigkill_then_resume_equals_uninterrupted(overage, overrides, warm_start, tmp_path):
   config = _policy_config(*warm_start, overage, **overrides)
   whole = Trainer(config, str(tmp_path / "a"), log=lambda s: None).run()

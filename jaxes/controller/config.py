@@ -26,6 +26,8 @@ class ControllerConfig:
   staleness_decay:   "weight": the decay in (0, 1].
   pace_pool_capacity: "pace": ready results beyond max(this, population) are rejected (0 = N).
   pace_generation_weight: "pace": weight of prefix-aware generation staleness in the ranking.
+  issue_depth:       "throttle": new work is admitted while at most (issue_depth + 1) N members
+                     are unconsumed (0 <= issue_depth <= max_staleness).
   delay_fraction:    p; round-half-up(p N) members of each cohort are held back ...
   delay_updates:     ... d updates on top of natural asynchrony (staleness in [d, d + K]).
   stress_all_stale:  d > 0 holds back *every* member of each cohort d updates.
@@ -43,6 +45,7 @@ class ControllerConfig:
   staleness_decay: float = 0.5
   pace_pool_capacity: int = 0
   pace_generation_weight: float = 1.0
+  issue_depth: int = 1
   delay_fraction: float = 0.0
   delay_updates: int = 0
   stress_all_stale: int = 0
@@ -70,11 +73,13 @@ class ControllerConfig:
         bad(key, "must be an int >= 1")
     if self.antithetic and self.population % 2:
       bad("population", "must be even with antithetic pairs")
-    for key in ("max_staleness", "delay_updates", "stress_all_stale", "max_retries"):
+    for key in ("max_staleness", "delay_updates", "stress_all_stale", "max_retries", "issue_depth"):
       if not isinstance(getattr(self, key), int) or getattr(self, key) < 0:
         bad(key, "must be an int >= 0")
     if self.mode == "sync" and self.max_staleness != 0:
       bad("max_staleness", "must be 0 when mode='sync' (use mode='async' for a bound K > 0)")
+    if self.overage == "throttle" and self.issue_depth > self.max_staleness:
+      bad("issue_depth", f"must be <= max_staleness ({self.max_staleness}) with overage 'throttle'")
     if not 0.0 <= float(self.delay_fraction) <= 1.0:
       bad("delay_fraction", "must be in [0, 1]")
     if self.delay_fraction > 0 and self.delay_updates < 1:

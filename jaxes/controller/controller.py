@@ -115,7 +115,8 @@ class Controller:
     self.log = log   # if a list, every decision is appended as a tuple (the event log)
     self.policy = policy if policy is not None else policies.from_config(config)
     self._tasks = TaskSampler(num_tasks, config.seed)
-    self._budget = StalenessManager(config.population, config.max_staleness)
+    self._budget = StalenessManager(config.population, config.max_staleness,
+                                    issue_depth=self.policy.issue_depth)
     self._next_job_id = 0
     self._groups_at_version = 0     # pairs (or single members) admitted at the current version
     self._members: dict[tuple[int, int], _Member] = {}

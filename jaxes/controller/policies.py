@@ -27,6 +27,10 @@ Policies (docs/controller.md, "Stale-result policies"):
   ``pool_capacity`` becomes a rejection budget; results are ranked by effective staleness
   ``w + generation_weight * g_prefix`` (``g_prefix`` the mean over episodes of the updates applied
   before each episode completed); the cohort is the N lowest, the budget rejects the highest.
+* ``throttle``: tinker's async RL: slow issuing instead of discarding. New work is admitted only
+  while at most ``(issue_depth + 1) N`` members are admitted and unconsumed (``issue_depth`` D <=
+  K), so typical staleness sits near D; a straggler is waited for as under ``wait`` up to K and
+  nothing is dropped.
 """
 from __future__ import annotations
 
@@ -67,6 +71,8 @@ class Selection:
 class Policy(Protocol):
   name: str
   waits: bool   # the update waits until what it leaves behind can meet its deadlines
+  # Admission depth D: new members are admitted while at most (D + 1) N are unconsumed (None: K).
+  issue_depth: int | None
 
   def select(self, pool: Sequence[Candidate], n: int, now: int) -> Selection: ...
 
@@ -87,6 +93,7 @@ def earliest_deadline_first(pool: Sequence[Candidate], n: int) -> list[int]:
 class Drop:
   name = "drop"
   waits = False
+  issue_depth = None
 
   def select(self, pool, n, now):
     return Selection(earliest_deadline_first(pool, n), [])
@@ -165,7 +172,21 @@ class Pace(Drop):
     return Selection(rank[:n], rest[len(rest) - budget:] if budget else [])
 
 
-POLICIES = ("drop", "wait", "weight", "baseline_only", "pace")
+@dataclasses.dataclass(frozen=True)
+class Throttle(Wait):
+  """Slow issuing instead of discarding (tinker's async RL: a pipeline depth under a hard
+  staleness bound). Admission stops at ``(issue_depth + 1) N`` unconsumed members, fewer than
+  ``wait``'s ``(K + 1) N``; the barrier of ``wait`` keeps every deadline. ``issue_depth`` above
+  K is read as K."""
+  issue_depth: int = 1
+  name = "throttle"
+
+  def __post_init__(self):
+    if not isinstance(self.issue_depth, int) or self.issue_depth < 0:
+      raise ValueError(f"throttle policy: issue_depth must be an int >= 0, got {self.issue_depth!r}")
+
+
+POLICIES = ("drop", "wait", "weight", "baseline_only", "pace", "throttle")
 
 
 def from_config(config) -> Policy:
@@ -178,4 +199,6 @@ def from_config(config) -> Policy:
   if name == "pace":
     return Pace(pool_capacity=config.pace_pool_capacity,
                 generation_weight=config.pace_generation_weight)
+  if name == "throttle":
+    return Throttle(issue_depth=config.issue_depth)
   return Wait() if name == "wait" else Drop()

@@ -9,11 +9,21 @@ running, and results finishing meanwhile wait in the ready pool (where waiting s
 PACE's pool occupancy come from). A job's duration and infrastructure failure are drawn from a
 ``random.Random`` seeded with the job's identity, so the run is a pure function of its arguments.
 
+In-flight version change (``switch_versions``, the trainer's ``rollout.switch_versions``): an
+episode of duration D has ``turns`` turns, turn t starting at start + t * D / turns. Turn 0
+decodes under the job's version; with ``switch_versions`` each later turn decodes under the newest
+version whose parameters exist at its start: version u + 1 exists once the trainer finished
+computing it, at the update's pop time plus ``update_seconds``. The job keeps its member's noise;
+the fitness scores it with its turns' versions (``Fitness.reward``) and the controller hears the
+last turn's version (``decoded_under``), from which it counts generation staleness. Without
+``switch_versions`` (or with one turn) the turn count changes nothing.
+
 CLI (prints a summary table, then one JSON line)::
 
   python -m jaxes.controller.simulate --mode async --max_staleness 1 --workers 64 \
       --population 32 --episodes_per_member 2 --durations lognormal:1.0 --updates 100 \
-      [--overage drop|wait|weight|baseline_only|pace] [--update_seconds 30]
+      [--overage drop|wait|weight|baseline_only|pace|throttle] [--update_seconds 30] \
+      [--turns 4 --switch_versions]
 """
 from __future__ import annotations
 
@@ -22,6 +32,7 @@ import heapq
 import json
 import random
 import sys
+from bisect import bisect_right
 from collections import Counter
 from typing import Any, Protocol
 
@@ -35,20 +46,23 @@ CANCELLED = "CANCELLED"
 
 
 class Fitness(Protocol):
-  """Where rewards come from and what an update does with them."""
+  """Where rewards come from and what an update does with them. ``turn_versions`` (one version per
+  turn) is passed only for an episode an in-flight version change moved; without
+  ``switch_versions`` a fitness may take ``reward(job)`` alone."""
 
-  def reward(self, job: Job) -> float: ...
+  def reward(self, job: Job, turn_versions: tuple[int, ...] | None = None) -> float: ...
 
   def apply(self, update: Update, live_versions: list[int]) -> dict[str, float]: ...
 
 
 class HashFitness:
-  """Pure scheduling runs: a reward in [0, 1) fixed by the job's identity; updates do nothing."""
+  """Pure scheduling runs: a reward in [0, 1) fixed by the job's identity (whatever versions
+  decoded its turns); updates do nothing."""
 
   def __init__(self, seed: int = 0):
     self.seed = seed
 
-  def reward(self, job: Job) -> float:
+  def reward(self, job: Job, turn_versions: tuple[int, ...] | None = None) -> float:
     return random.Random(f"jaxes.reward:{self.seed}:{job.version}:{job.member}:{job.task}:"
                          f"{job.episode}").random()
 
@@ -59,9 +73,12 @@ class HashFitness:
 class Simulator:
   def __init__(self, controller: Controller, workers: int, durations: durations_lib.DurationModel,
                *, failure_rate: float = 0.0, seed: int = 0, fitness: Fitness | None = None,
-               abort_doomed: bool = True, update_seconds: float = 0.0):
+               abort_doomed: bool = True, update_seconds: float = 0.0, turns: int = 1,
+               switch_versions: bool = False):
     if workers < 1:
       raise ValueError(f"workers must be >= 1, got {workers}")
+    if isinstance(turns, bool) or not isinstance(turns, int) or turns < 1:
+      raise ValueError(f"turns must be an int >= 1, got {turns!r}")
     if not update_seconds >= 0:
       raise ValueError(f"update_seconds must be >= 0, got {update_seconds}")
     if not 0.0 <= failure_rate < 1.0:
@@ -76,8 +93,13 @@ class Simulator:
     # they run to the end and their results are ignored.
     self.abort_doomed = abort_doomed
     self.update_seconds = float(update_seconds)
+    self.turns = turns
+    self.switch_versions = bool(switch_versions)
     self.trainer_free = 0.0                      # when the trainer can take the next cohort
     self.clock = 0.0
+    # (time its parameters exist, version) per version, in order: what a turn decodes under.
+    self._usable: list[tuple[float, int]] = [(self.clock, controller.version)]
+    self.switched = 0                            # results with an episode moved to newer weights
     self._idle = list(range(workers))            # heap of worker ids
     self._events: list[tuple[float, int]] = []   # heap of (finish time, job id)
     self._running: dict[int, list] = {}          # job id -> [job, worker, start, end, fails]
@@ -104,6 +126,16 @@ class Simulator:
     fails = rng.random() < self.failure_rate
     return self.durations.sample(rng, job.task), fails
 
+  def _turn_versions(self, job: Job, start: float, end: float) -> tuple[int, ...]:
+    """The version that decodes each turn: the job's own for turn 0, for each later one the newest
+    whose parameters exist at its start (never older than the job's; never newer than the
+    controller's, since a version is listed when its update is popped)."""
+    versions = [job.version]
+    for t in range(1, self.turns):
+      i = bisect_right(self._usable, start + t * (end - start) / self.turns, key=lambda e: e[0])
+      versions.append(max(job.version, self._usable[i - 1][1]) if i else job.version)
+    return tuple(versions)
+
   def _start(self, job: Job, worker: int, start: float, end: float, fails: bool) -> None:
     self._running[job.job_id] = [job, worker, start, end, fails]
     heapq.heappush(self._events, (end, job.job_id))
@@ -120,7 +152,12 @@ class Simulator:
     else:
       key = (job.version, job.member)
       self._member_seconds[key] = self._member_seconds.get(key, 0.0) + (end - start)
-      self.ctl.report(job_id, self.fitness.reward(job))
+      turn_versions = self._turn_versions(job, start, end) if self.switch_versions else ()
+      if turn_versions and turn_versions[-1] > job.version:   # versions only grow over turns
+        self.ctl.report(job_id, self.fitness.reward(job, turn_versions),
+                        decoded_under=turn_versions[-1])
+      else:
+        self.ctl.report(job_id, self.fitness.reward(job))
 
   # ---- the loop ------------------------------------------------------------------------------
 
@@ -130,6 +167,8 @@ class Simulator:
       if update is None:
         return
       self.trainer_free = self.clock + self.update_seconds
+      self._usable.append((self.trainer_free, self.ctl.version))
+      self.switched += update.switched
       for (v, m, _), s, g, w, wt in zip(update.results, update.staleness, update.generation,
                                         update.waiting, update.weights):
         self.staleness_histogram[s] += 1
@@ -199,6 +238,7 @@ class Simulator:
         "rejected": self.rejected,
         "dropped": self.dropped,
         "excluded": self.excluded,
+        "switched_results": self.switched,
         "aborted_jobs": self.aborted,
         "retries": self.ctl.stats["retries"],
         "failed_episodes": self.ctl.stats["failed_episodes"],
@@ -225,6 +265,7 @@ class Simulator:
         "waiting_histogram": [[k, c] for k, c in self.waiting_histogram.items()],
         "weighted_staleness": list(self.weighted_staleness), "rejected": self.rejected,
         "trainer_free": self.trainer_free,
+        "usable": [list(e) for e in self._usable], "switched": self.switched,
         "dropped": self.dropped, "excluded": self.excluded, "aborted": self.aborted,
         "updates": self.updates, "objective_initial": self.objective_initial,
     }
@@ -245,6 +286,15 @@ class Simulator:
     self.aborted = state["aborted"]
     self.updates = list(state["updates"])
     self.objective_initial = state["objective_initial"]
+    self.switched = state.get("switched", 0)
+    if "usable" in state:
+      self._usable = [(t, v) for t, v in state["usable"]]
+    else:
+      # A state from before switch_versions: rebuilt from the update times (exact for the same
+      # update_seconds).
+      first = self.updates[0]["version"] if self.updates else self.ctl.version
+      self._usable = [(0.0, first)] + [(u["time"] + self.update_seconds, u["version"] + 1)
+                                       for u in self.updates]
     running = {row[0]: row[1:] for row in state["running"]}
     reissued = self.ctl.next_jobs(len(running))
     if sorted(j.job_id for j in reissued) != sorted(running):
@@ -276,6 +326,9 @@ def _parser() -> argparse.ArgumentParser:
                  help="'pace': weight of prefix-aware generation staleness")
   p.add_argument("--update_seconds", type=float, default=0.0,
                  help="virtual seconds an update keeps the trainer busy")
+  p.add_argument("--turns", type=int, default=1, help="turns per episode (equal shares of it)")
+  p.add_argument("--switch_versions", action="store_true",
+                 help="in-flight version change: later turns decode under the newest parameters")
   p.add_argument("--workers", type=int, required=True)
   p.add_argument("--population", type=int, required=True)
   p.add_argument("--episodes_per_member", type=int, default=1)
@@ -321,12 +374,13 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
                                  learning_rate=args.learning_rate, seed=args.seed)
   sim = Simulator(Controller(config, args.num_tasks), args.workers, model,
                   failure_rate=args.failure_rate, seed=args.seed, fitness=fitness,
-                  abort_doomed=not args.keep_doomed, update_seconds=args.update_seconds)
+                  abort_doomed=not args.keep_doomed, update_seconds=args.update_seconds,
+                  turns=args.turns, switch_versions=args.switch_versions)
   summary = sim.run(args.updates)
   return {"mode": args.mode, "max_staleness_bound": k, "overage": args.overage,
           "workers": args.workers, "population": args.population,
           "episodes_per_member": args.episodes_per_member, "durations": args.durations,
-          **summary}
+          "turns": args.turns, "switch_versions": args.switch_versions, **summary}
 
 
 def _table(summary: dict[str, Any]) -> str:

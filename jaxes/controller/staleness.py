@@ -7,7 +7,8 @@ schedule have already left it). With K = ``max_staleness``, a member of version 
 
 * Admission (AReaL's rule, per member): at version v a new member may be admitted while
   ``admitted - dropped < (v + K + 1) N``. Work beyond that could not be consumed within the
-  bound even if every earlier member arrived first, so it is never issued.
+  bound even if every earlier member arrived first, so it is never issued. An issue depth
+  D < K (the ``throttle`` policy) admits only while ``admitted - dropped < (v + D + 1) N``.
 * Cohorts are filled earliest deadline first (oldest version, then completion order).
 * Feasibility (overage "wait", stale-synchronous): update u may fire only if what it leaves
   behind can still meet every deadline: for each D in [u, u + K], the live members with
@@ -30,6 +31,7 @@ import dataclasses
 class StalenessManager:
   population: int
   max_staleness: int
+  issue_depth: int | None = None   # admission depth D <= K (None: K)
   version: int = 0
   admitted: int = 0    # members ever admitted
   dropped: int = 0     # members dropped for staleness
@@ -45,7 +47,9 @@ class StalenessManager:
 
   def capacity(self) -> int:
     """Members that may still be admitted at the current version."""
-    bound = (self.version + self.max_staleness + 1) * self.population
+    depth = self.max_staleness if self.issue_depth is None else min(self.issue_depth,
+                                                                     self.max_staleness)
+    bound = (self.version + depth + 1) * self.population
     return bound - (self.admitted - self.dropped)
 
   def admit(self, count: int) -> None:

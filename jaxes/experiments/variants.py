@@ -33,6 +33,10 @@ ES_OVERRIDES = {
     "async1_baseline_only": {**_ASYNC1, "controller.overage": "baseline_only"},
     "async1_pace": {**_ASYNC1, "controller.overage": "pace", "controller.pace_pool_capacity": 0,
                     "controller.pace_generation_weight": 1.0},
+    # Slow issuing instead of discarding (tinker's async RL): bound K = 2, work issued one
+    # update ahead, stragglers waited for (nothing dropped).
+    "async2_throttle": {**_ASYNC1, "controller.max_staleness": 2, "controller.overage": "throttle",
+                        "controller.issue_depth": 1},
     # Parameter-context co-evolution (jaxes/train/coevolution.py) on Async-1: paired with async1,
     # the difference is the evolving system prompt's.
     "coevolve": {**_ASYNC1, "coevolve.enabled": True},
@@ -40,7 +44,6 @@ ES_OVERRIDES = {
     # turn decodes under the newest weights with its member's noise.
     "async1_switch": {**_ASYNC1, "rollout.switch_versions": True},
 }
-POLICY_VARIANTS = ("async1_weight", "async1_baseline_only", "async1_pace")
 
 
 def apply_es_variant(config, name: str):
@@ -62,6 +65,7 @@ DESCRIPTIONS = {
     "async1_weight": "Async-1, results weighted 0.5 ** staleness",
     "async1_baseline_only": "Async-1, stale results only in the shaping baseline",
     "async1_pace": "Async-1, PACE (pool rejection budget, effective-staleness ranking)",
+    "async2_throttle": "staleness <= 2, work issued one update ahead, stragglers waited for (tinker)",
     "coevolve": "Async-1, system prompts co-evolved with the parameters (Agentic ESOpt)",
     "async1_switch": "Async-1, later turns decoded under the newest weights (PipelineRL)",
     "grpo": "GRPO (backprop baseline)",

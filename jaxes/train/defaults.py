@@ -55,10 +55,11 @@ def base_config() -> config_dict.ConfigDict:
   c.controller.mode = "async"
   c.controller.episodes_per_member = 4
   c.controller.max_staleness = 1
-  c.controller.overage = "drop"   # stale-result policy: drop | wait | weight | baseline_only | pace
+  c.controller.overage = "drop"   # stale-result policy: drop | wait | weight | baseline_only | pace | throttle
   c.controller.staleness_decay = 0.5         # weight: decay ** staleness on the shaped fitness
   c.controller.pace_pool_capacity = 0        # pace: ready results beyond max(this, N) are rejected
   c.controller.pace_generation_weight = 1.0  # pace: weight of prefix-aware generation staleness
+  c.controller.issue_depth = 1               # throttle: admit while <= (this + 1) N unconsumed
   c.controller.delay_fraction = 0.0
   c.controller.delay_updates = 0
   c.controller.stress_all_stale = 0

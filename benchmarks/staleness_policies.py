@@ -2,8 +2,10 @@
 
   python benchmarks/staleness_policies.py [--updates 80] [--seeds 0,1,2] [--update_seconds 30,240]
 
-Heavy-tailed duration models x {sync, Async-1 under drop, wait, weight, baseline_only, pace},
-W = 64 workers, N = 32, E = 2, K = 1, each update keeping the trainer busy ``update_seconds``
+Heavy-tailed duration models x {sync, Async-1 under drop, wait, weight, baseline_only, pace;
+throttle at K = 2 issuing one update ahead (the grid's async2_throttle); Async-1 under drop with
+4-turn episodes whose later turns move to the newest weights (the in-flight version change,
+async1_switch)}, W = 64 workers, N = 32, E = 2, K = 1 unless the row says, each update keeping the trainer busy ``update_seconds``
 (virtual; results finishing meanwhile wait in the pool: 30 s leaves the rollouts the bottleneck,
 240 s makes the trainer one, which is where PACE's pool budget has something to reject). Per cell, the mean over seeds of:
 updates/hour, useful utilisation, mean staleness, its generation and waiting parts, the mean
@@ -23,25 +25,32 @@ MODELS = ("lognormal:1.0", "pareto:1.5", "bimodal", "per-task")
 W, N, E, K = 64, 32, 2, 1
 KEYS = ("updates_per_hour", "useful_utilization", "mean_staleness", "mean_generation_staleness",
         "mean_waiting_staleness", "mean_effective_staleness", "dropped", "rejected",
-        "objective_final")
+        "switched_results", "objective_final")
 
 
-def run(model: str, policy: str, updates: int, seed: int, update_seconds: float) -> dict:
-  sync = policy == "sync"
-  cfg = ControllerConfig(mode="sync" if sync else "async", population=N, episodes_per_member=E,
-                         max_staleness=0 if sync else K, overage="drop" if sync else policy,
-                         seed=seed)
+# Row label -> (controller settings, simulator settings) beyond the defaults above.
+ROWS = {"sync": ({"mode": "sync", "max_staleness": 0}, {}),
+        **{name: ({"overage": name}, {}) for name in policies.POLICIES if name != "throttle"},
+        "throttle K=2 D=1": ({"overage": "throttle", "max_staleness": 2, "issue_depth": 1}, {}),
+        "drop, 4 turns, switch": ({"overage": "drop"}, {"turns": 4, "switch_versions": True})}
+
+
+def run(model: str, row: str, updates: int, seed: int, update_seconds: float) -> dict:
+  controller, simulator = ROWS[row]
+  cfg = ControllerConfig(**{"mode": "async", "population": N, "episodes_per_member": E,
+                            "max_staleness": K, "seed": seed, **controller})
   fitness = SyntheticObjective(cfg, num_tasks=1000, seed=seed)
   sim = Simulator(Controller(cfg, num_tasks=1000), W, durations.parse(model, seed=seed), seed=seed,
-                  fitness=fitness, update_seconds=update_seconds)
+                  fitness=fitness, update_seconds=update_seconds, **simulator)
   return sim.run(updates)
 
 
 def table(updates: int, seeds: list[int], update_seconds: float) -> str:
   lines = [f"update_seconds = {update_seconds:g}", "", "| durations | policy | updates/h | useful | staleness (gen + wait) | effective | "
-           "dropped / upd | rejected / upd | objective |", "|---|---|---|---|---|---|---|---|---|"]
+           "dropped / upd | rejected / upd | moved / upd | objective |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
   for model in MODELS:
-    for policy in ("sync",) + policies.POLICIES:
+    for policy in ROWS:
       runs = [run(model, policy, updates, s, update_seconds) for s in seeds]
       m = {k: sum(r[k] for r in runs) / len(runs) for k in KEYS}
       lines.append(
@@ -49,7 +58,7 @@ def table(updates: int, seeds: list[int], update_seconds: float) -> str:
           f"{m['mean_staleness']:.3f} ({m['mean_generation_staleness']:.3f} + "
           f"{m['mean_waiting_staleness']:.3f}) | {m['mean_effective_staleness']:.3f} | "
           f"{m['dropped'] / updates:.2f} | {m['rejected'] / updates:.2f} | "
-          f"{m['objective_final']:.4f} |")
+          f"{m['switched_results'] / updates:.2f} | {m['objective_final']:.4f} |")
       print(lines[-1], flush=True)
   return "\n".join(lines)
 

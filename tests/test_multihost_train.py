@@ -24,7 +24,7 @@ LOCAL_SH = ROOT / "launch" / "local.sh"
 # launches keep the default (60 s): a process starved of CPU for 10 s on a loaded machine would
 # otherwise be declared dead.
 HEARTBEAT_S = 10
-UPDATES = 3
+UPDATES = 2   # update 2 already consumes stale results (staleness 1), update 3 added none
 # The kill-and-resume run: killed after update 1, resumed through the update log to update 2.
 SYNC_UPDATES = 2
 # Records the engine's finished turns (slot, token ids) of every step, per process: the tokens

@@ -2,6 +2,7 @@
 with a line naming its biggest consumer, and the TPU compiler sizes a slice from a CPU machine."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -50,16 +51,48 @@ def _device0_bytes(tree) -> int:
              if s.device == device)
 
 
+def _run(tmp_path, *flags):
+  path = tmp_path / "tiny.py"
+  path.write_text(TINY_CONFIG)
+  # The suite's XLA flags (optimisation level 0: the verdict and the sizes checked here do not
+  # depend on it) less the device count, which the program sets from --topology.
+  xla_flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": " ".join(xla_flags.split())}
+  return subprocess.run([sys.executable, "-m", "jaxes.preflight", f"--config={path}", *flags],
+                        capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+
+
+# The widest step at the longest span (one version and merged versions), the noiser and the ES
+# update: the programs whose sizes decide the peak, not all 12; every program's name is checked
+# by test_report_matches_the_real_arrays_on_8_cpu_devices (lowered, not compiled).
+WIDEST = r"^(step\[t=16,span=64(,steps=1)?\]|noiser|es_update)$"
+
+
+@pytest.fixture(scope="module")
+def over_memory(tmp_path_factory):
+  """``python -m jaxes.preflight`` on cpu:8, told a 0.0001 GiB device, compiling WIDEST: one run
+  whose table and summary both tests below read (its rows against the real arrays, its verdict)."""
+  out = _run(tmp_path_factory.mktemp("preflight"), "--topology=cpu:8", "--device_memory_gib=0.0001",
+             f"--only={WIDEST}")
+  assert out.returncode == 1, out.stderr[-2000:]
+  return out.stdout.strip().splitlines()
+
+
+def _program_names(lines) -> list[str]:
+  """The program rows of the table: between its "programs" header and its "N programs" line."""
+  start = next(i for i, line in enumerate(lines) if line.startswith("  programs"))
+  end = next(i for i, line in enumerate(lines) if re.match(r"  \d+ programs, ", line))
+  return [line.split()[0] for line in lines[start + 1:end]]
+
+
 @needs_8_devices
-def test_report_matches_the_real_arrays_on_8_cpu_devices():
+def test_report_matches_the_real_arrays_on_8_cpu_devices(over_memory):
   config = tiny_config()
-  target = preflight.resolve_topology("cpu:8")
-  # The resident rows need no compiled program, the temporaries one: compile the widest step at
-  # the longest span (one version and merged versions), the noiser and the ES update, not all
-  # 30 programs; every program's name is checked below (lowered, not compiled).
-  report = preflight.plan(config, target, log=lambda *_: None,
-                          only=r"^(step\[t=16,span=64(,steps=1)?\]|noiser|es_update)$")
-  per_device = report["per_device"]
+  # The rows the program printed (its summary line) for the run it compiled: the resident rows
+  # need no compiled program, the temporaries WIDEST.
+  summary = json.loads(over_memory[-1])
+  per_device = summary["per_device"]
+  assert summary["devices"] == 8 and summary["mesh"] == {"data": 4, "fsdp": 1, "tensor": 2}
 
   # The same run, allocated for real on the same mesh.
   cfg = builders.model_config(config, config.model.vocab_size)
@@ -87,42 +120,32 @@ def test_report_matches_the_real_arrays_on_8_cpu_devices():
   # max_staleness + 2 steps registered or padding, and one stack of max_staleness steps.
   assert step_bytes > 0 and per_device["version_steps"] == 4 * step_bytes
   assert per_device["temporaries"] > 0
-  assert sorted(p["name"] for p in report["programs"]) == [
+  assert sorted(_program_names(over_memory)) == [
       "es_update", "noiser", "step[t=16,span=64,steps=1]", "step[t=16,span=64]"]
+  assert summary["programs"] == 4
   # Every program of the run: the names an --only that matches none of them lists.
   with pytest.raises(preflight.NoProgramMatches) as unmatched:
-    preflight.plan(config, target, log=lambda *_: None, only="^nothing$")
+    preflight.plan(config, preflight.resolve_topology("cpu:8"), log=lambda *_: None, only="^nothing$")
   names = str(unmatched.value).split("programs: ", 1)[1].split(", ")
   steps = len(engine.buckets) * len(engine.spans)
   # Per-version steps and merged-versions steps; reset, noiser, es_update; a step's build, its
   # stacking and the merged noiser.
   assert len(names) == 2 * steps + 6 and sum("steps=1" in n for n in names) == steps
   assert {"reset", "noiser", "es_update", "version_step", "stack_steps", "merge_noisers"} <= set(names)
-  assert report["peak_bytes_per_device"] == sum(per_device.values())
+  assert summary["peak_bytes_per_device"] == sum(per_device.values())
 
 
-def _run(tmp_path, *flags):
-  path = tmp_path / "tiny.py"
-  path.write_text(TINY_CONFIG)
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
-  return subprocess.run([sys.executable, "-m", "jaxes.preflight", f"--config={path}", *flags],
-                        capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
-
-
-def test_a_config_that_cannot_fit_fails_naming_its_biggest_consumer(tmp_path):
-  # The widest step at the longest span and the ES update, the programs whose sizes decide the
-  # peak: compiling every program of the config (at max_len 512) adds nothing to the verdict.
-  out = _run(tmp_path, "--topology=cpu:8", "--device_memory_gib=0.0001",
-             "--config.rollout.max_len=512", "--config.rollout.prefill_chunk=2",
-             r"--only=^(step\[t=16,span=512\]|es_update)$")
-  assert out.returncode == 1, out.stderr[-2000:]
-  lines = out.stdout.strip().splitlines()
+def test_a_config_that_cannot_fit_fails_naming_its_biggest_consumer(over_memory):
+  # over_memory: exit 1 (checked there), WIDEST compiled (the programs that decide the peak:
+  # compiling every program of the config adds nothing to the verdict).
+  lines = over_memory
   verdict = next(line for line in lines if line.startswith("does not fit"))
   summary = json.loads(lines[-1])
   biggest = max(summary["per_device"], key=summary["per_device"].get)
   assert f"biggest consumer {biggest}" in verdict and preflight.ADVICE[biggest] in verdict
-  assert summary["fits"] is False and summary["devices"] == 8 and summary["programs"] == 2
+  assert summary["fits"] is False and summary["devices"] == 8 and summary["programs"] == 4
   assert summary["peak_bytes_per_device"] > summary["device_memory_bytes"]
+  assert summary["device_memory_bytes"] == int(0.0001 * 2**30)
   assert set(summary["per_device"]) == {"parameters", "old_versions", "kv_cache", "noiser_state",
                                         "version_steps", "optimizer_state", "temporaries"}
 

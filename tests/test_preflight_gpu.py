@@ -2,6 +2,7 @@
 reason where the CUDA plugin, the `gpu-aot` extra, is missing), its "could not rematerialise"
 warning as a failed verdict, the labelled CPU estimate without the plugin, and the one-line refusal
 of a config whose mesh is sized for other devices."""
+import contextlib
 import json
 import os
 import subprocess
@@ -21,29 +22,51 @@ needs_8_devices = pytest.mark.skipif(
   jax.device_count() < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
 # Programs of the tiny config that the GPU compiler takes in well under a second each.
 QUICK = r"^(reset|stack_steps|merge_noisers)$"
+QUICK_AND_UPDATE = r"^(reset|stack_steps|merge_noisers|es_update)$"
 
 
-@pytest.fixture
+@contextlib.contextmanager
 def no_persistent_cache():
   """As the preflight program runs: a compile read from the suite's cache logs no warning."""
   from jax.experimental.compilation_cache import compilation_cache
   before = jax.config.jax_enable_compilation_cache
   jax.config.update("jax_enable_compilation_cache", False)
-  yield
-  jax.config.update("jax_enable_compilation_cache", before)
-  # JAX decides once per process whether the cache is used: if the first compile came while it
-  # was off, it would stay off for every later test of this worker (tests/test_precompile.py's
-  # warm-up checks would then see nothing written). Let the next compile decide again.
-  compilation_cache.reset_cache()
+  try:
+    yield
+  finally:
+    jax.config.update("jax_enable_compilation_cache", before)
+    # JAX decides once per process whether the cache is used: if the first compile came while it
+    # was off, it would stay off for every later test of this worker (tests/test_precompile.py's
+    # warm-up checks would then see nothing written). Let the next compile decide again.
+    compilation_cache.reset_cache()
+
+
+def small_config():
+  """tiny_config with one slot per data shard: 2 token buckets, not 3, so 18 programs to lower
+  for the GPU's 3 attention spans, not 24 (those compiled here do not depend on the buckets)."""
+  config = tiny_config()
+  config.rollout.num_slots = 4
+  return config
+
+
+@pytest.fixture(scope="module")
+def h100():
+  """One 8xH100 plan through the real GPU compiler for the tests below: QUICK and the ES update,
+  at 2 jobs, every program compiled here (no_persistent_cache)."""
+  with no_persistent_cache():
+    target = preflight.resolve_topology("8xH100")
+    report = preflight.plan(small_config(), target, log=lambda *_: None,
+                            only=QUICK_AND_UPDATE, jobs=2)
+  return target, report
 
 
 @needs_plugin
-def test_gpu_compiler_sizes_8xH100_from_a_cpu_machine(no_persistent_cache):
-  target = preflight.resolve_topology("8xH100")
+def test_gpu_compiler_sizes_8xH100_from_a_cpu_machine(h100):
+  target, report = h100
   assert (target.compiler, target.estimate, len(target.devices)) == ("gpu", False, 8)
-  report = preflight.plan(tiny_config(), target, log=lambda *_: None, only=QUICK, jobs=2)
   assert report["device_kind"] == "NVIDIA H100 80GB HBM3" and report["device_memory_bytes"] == 80e9
-  assert sorted(p["name"] for p in report["programs"]) == ["merge_noisers", "reset", "stack_steps"]
+  assert sorted(p["name"] for p in report["programs"]) == ["es_update", "merge_noisers", "reset",
+                                                           "stack_steps"]
   assert report["remat_failures"] == [] and report["compile"]["jobs"] == 2
   assert all(p["seconds"] > 0 for p in report["programs"])
   lines, fits = preflight.render(report, 0.9)
@@ -51,12 +74,11 @@ def test_gpu_compiler_sizes_8xH100_from_a_cpu_machine(no_persistent_cache):
 
 
 @needs_plugin
-def test_the_es_update_keeps_its_parameters_sharded_on_the_gpu_compiler():
+def test_the_es_update_keeps_its_parameters_sharded_on_the_gpu_compiler(h100):
   # Left to its sharding propagation, the GPU compiler replicated the update's new parameters
   # over the tensor axis (this config: 2x the arguments; Qwen2.5-7B on 8xH100: 14.2 GiB more).
-  target = preflight.resolve_topology("8xH100")
-  report = preflight.plan(tiny_config(), target, log=lambda *_: None, only="^es_update$")
-  (update,) = report["programs"]
+  _, report = h100
+  (update,) = [p for p in report["programs"] if p["name"] == "es_update"]
   params = report["per_device"]["parameters"]
   assert params <= update["outputs"] < 1.5 * params   # the new parameters (+ a few scalars), sharded
 
@@ -91,8 +113,10 @@ def test_over_the_device_memory_the_gpu_compilers_warning_exits_1(tmp_path):
   path = tmp_path / "tiny.py"
   path.write_text(TINY_CONFIG)
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+  # One slot per data shard (as small_config): fewer programs to lower, QUICK compiled alike.
   out = subprocess.run([sys.executable, "-m", "jaxes.preflight", f"--config={path}", "--topology=8xH100",
-                        "--device_memory_gib=0.00001", "--headroom=1e9", "--jobs=2", f"--only={QUICK}"],
+                        "--config.rollout.num_slots=4", "--device_memory_gib=0.00001", "--headroom=1e9",
+                        "--jobs=2", f"--only={QUICK}"],
                        capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
   assert out.returncode == 1, out.stderr[-2000:]
   lines = out.stdout.strip().splitlines()

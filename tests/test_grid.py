@@ -1,7 +1,7 @@
 """The experiment grid: the aggregator on synthetic run directories (known numbers -> known
 table, missing/failed/unfinished runs and an unavailable variant reported as such), variant
-resolution and launch lines, a 2-variant x 1-seed x 2-update grid end to end on the tiny config,
-and a grid SIGKILLed mid-run that a rerun completes, skipping the finished run."""
+resolution and launch lines, and a 2-variant x 1-seed x 2-update grid end to end on the tiny
+config, SIGKILLed mid-run and completed by a rerun that skips the finished run."""
 import json
 import math
 import os
@@ -214,17 +214,44 @@ def _grid_cmd(config, workdir, parallel):
 
 @pytest.fixture(scope="module")
 def grid_run(tiny_grid_config, tmp_path_factory):
-  """The tiny grid's workdir, run once 2 at a time. The SIGKILL test starts from a copy of its
-  finished sync run."""
+  """The tiny grid's workdir as a killed grid's rerun leaves it, and what was seen on the way.
+  The grid runs one at a time: it finishes sync-s0, goes on to async1-s0 and is SIGKILLed in it
+  (the run process must die with it); the rerun, 2 at a time, skips sync-s0, completes async1-s0
+  and writes the table. Both tests read this one grid (it once ran twice: a whole grid 2 at a
+  time, and a killed grid started from a copy of its finished sync run, whose rerun trained
+  async1-s0 a second time)."""
   w = tmp_path_factory.mktemp("grid_run") / "grid"
+  log = open(w.parent / "grid.err", "w+")
+  proc = subprocess.Popen(_grid_cmd(tiny_grid_config, w, 1), cwd=ROOT, stdout=subprocess.DEVNULL,
+                          stderr=log)
+  deadline = time.monotonic() + 600
+  while not (w / "async1-s0" / "config.json").exists() and proc.poll() is None and time.monotonic() < deadline:
+    time.sleep(0.1)
+  log.seek(0)
+  assert proc.poll() is None, f"the grid ended before it could be killed:\n{log.read()[-3000:]}"
+  seen = {"sync_finished_at_kill": rundirs.is_finished(str(w / "sync-s0"))}
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  log.seek(0)
+  child = int(re.search(r"started async1-s0 \(pid (\d+)\)", log.read()).group(1))
+  for _ in range(100):   # the run dies with the grid (PR_SET_PDEATHSIG)
+    if not os.path.exists(f"/proc/{child}") or open(f"/proc/{child}/stat").read().split()[2] == "Z":
+      seen["child_died"] = True
+      break
+    time.sleep(0.1)
+  else:
+    seen["child_died"] = f"run process {child} outlived the SIGKILLed grid"
+  seen["async1_finished_after_kill"] = rundirs.is_finished(str(w / "async1-s0"))
+  seen["sync_summary"] = (w / "sync-s0" / "summary.json").read_bytes()
   done = subprocess.run(_grid_cmd(tiny_grid_config, w, 2), cwd=ROOT, capture_output=True, text=True,
                         timeout=900)
   assert done.returncode == 0, done.stderr[-3000:]
-  return w
+  seen["rerun_stderr"] = done.stderr
+  return w, seen
 
 
 def test_grid_end_to_end_tiny(grid_run, tiny_grid_config):
-  w = grid_run
+  w, _ = grid_run
   table = json.load(open(w / "table.json"))
   by = {v["variant"]: v for v in table["variants"]}
   assert by["sync"]["status"] == by["async1"]["status"] == "finished"
@@ -232,7 +259,7 @@ def test_grid_end_to_end_tiny(grid_run, tiny_grid_config):
   sync, async1 = table["runs"]
   assert sync["version"] == async1["version"] == 2 and sync["staleness"]["max"] == 0
   assert async1["vs_sync"]["tasks"] == 2 and sync["vs_sync"] is None
-  assert async1["updates_per_hour"] > 0 and async1["cpu_s"] > 0
+  assert async1["updates_per_hour"] > 0 and async1["cpu_s"] > 0 and sync["cpu_s"] > 0
   assert [e["version"] for e in async1["evals"]] == [0, 2]
   md = (w / "table.md").read_text()
   assert "| async1 | finished |" in md and "| grpo | not available |" in md
@@ -244,40 +271,15 @@ def test_grid_end_to_end_tiny(grid_run, tiny_grid_config):
   assert again.returncode == 0 and json.load(open(w / "table.json")) == table
 
 
-def test_killed_grid_rerun_skips_finished_runs(grid_run, tiny_grid_config, tmp_path):
-  # The grid's workdir as a grid leaves it after finishing sync-s0 (the finished run copied from
-  # grid_run, rather than trained again here): the grid goes on to async1-s0, is killed in it, and
-  # its rerun must skip sync-s0 and complete async1-s0.
-  w = tmp_path / "grid"
-  w.mkdir()
-  subprocess.run(["cp", "-a", str(grid_run / "sync-s0"), str(w / "sync-s0")], check=True)
-  log = open(tmp_path / "grid.err", "w+")
-  proc = subprocess.Popen(_grid_cmd(tiny_grid_config, w, 1), cwd=ROOT, stdout=subprocess.DEVNULL,
-                          stderr=log)
-  deadline = time.monotonic() + 600
-  while not (w / "async1-s0" / "config.json").exists() and proc.poll() is None and time.monotonic() < deadline:
-    time.sleep(0.1)
-  assert proc.poll() is None, "the grid ended before it could be killed"
-  assert rundirs.is_finished(str(w / "sync-s0"))
-  proc.send_signal(signal.SIGKILL)
-  proc.wait()
-  log.seek(0)
-  child = int(re.search(r"started async1-s0 \(pid (\d+)\)", log.read()).group(1))
-  for _ in range(100):   # the run dies with the grid (PR_SET_PDEATHSIG)
-    if not os.path.exists(f"/proc/{child}") or open(f"/proc/{child}/stat").read().split()[2] == "Z":
-      break
-    time.sleep(0.1)
-  else:
-    pytest.fail(f"run process {child} outlived the SIGKILLed grid")
-  assert not rundirs.is_finished(str(w / "async1-s0"))
-  sync_summary = (w / "sync-s0" / "summary.json").read_bytes()
-
-  done = subprocess.run(_grid_cmd(tiny_grid_config, w, 1), cwd=ROOT, capture_output=True, text=True,
-                        timeout=900)
-  assert done.returncode == 0, done.stderr[-3000:]
-  assert "sync-s0 already finished (version 2), skipped" in done.stderr
-  assert "started sync-s0" not in done.stderr
-  assert (w / "sync-s0" / "summary.json").read_bytes() == sync_summary
+def test_killed_grid_rerun_skips_finished_runs(grid_run):
+  # The grid was killed in async1-s0 after finishing sync-s0 (grid_run); its rerun must have
+  # skipped sync-s0 and completed async1-s0.
+  w, seen = grid_run
+  assert seen["sync_finished_at_kill"] and seen["child_died"] is True, seen["child_died"]
+  assert not seen["async1_finished_after_kill"]
+  assert "sync-s0 already finished (version 2), skipped" in seen["rerun_stderr"]
+  assert "started sync-s0" not in seen["rerun_stderr"]
+  assert (w / "sync-s0" / "summary.json").read_bytes() == seen["sync_summary"]
   assert len(rundirs.attempts(str(w / "sync-s0"))) == 1
   tries = rundirs.attempts(str(w / "async1-s0"))
   assert [t["returncode"] for t in tries] == [None, 0]   # the killed attempt, then the finished one

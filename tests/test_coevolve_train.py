@@ -2,7 +2,7 @@
 is its member's context, the parents change across updates, and a run SIGKILLed mid-run and
 resumed ends with the parameters and contexts of a run never interrupted. The run uses the
 ``baseline_only`` stale-result policy, so the resume also covers a second policy through the
-trainer (tests/test_staleness_train.py covers ``weight``, ``pace`` and ``wait``)."""
+trainer (tests/test_staleness_train.py covers ``weight``, ``pace`` and ``throttle``)."""
 import json
 import os
 
@@ -34,9 +34,16 @@ def _config(tmp_path, **overrides):
 
 @pytest.mark.slow
 def test_contexts_coevolve_and_resume_exactly_after_sigkill(tmp_path):
-  config = _config(tmp_path)
+  # A warm start (made once, in process; both runs start from it) so that members solve
+  # different tasks and theta moves: from the random model every fitness was 0, every update a
+  # zero step, and the parameter check below compared two unmoved runs.
+  warm = {"warmstart.steps": 60, "warmstart.learning_rate": 1e-2}
+  Trainer(_config(tmp_path, **warm, **{"train.num_updates": 0}), str(tmp_path / "init"),
+          log=lambda s: None).run()
+  config = _config(tmp_path, **warm, **{"warmstart.init_from": str(tmp_path / "init")})
   whole = Trainer(config, str(tmp_path / "a"), log=lambda s: None).run()
   lines = train_records(tmp_path / "a")
+  assert any(r["update_norm"] > 0 for r in lines[1:]), lines   # theta moved after the kill point
   parents = {0: [[]], **{r["version"]: r["context_parents"] for r in lines}}
   assert len({json.dumps(p) for p in parents.values()}) > 1, parents   # the parents moved
   # Every sampled episode's prompt is the run's system prompt plus its member's context.

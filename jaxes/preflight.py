@@ -256,12 +256,14 @@ def _plan(config, target: Target, log, only: str | None, algorithm: str, jobs: i
   params = engine.abstract_params
   versions = live_versions(config)
   noiser_bytes = 0 if engine.abstract_noiser is None else _bytes_per_device(engine.abstract_noiser)
-  update_programs, update_state = run.abstract_update(params, mesh)
-  lowered = {**engine.programs(), **update_programs}
-  matching = {k: v for k, v in lowered.items() if only is None or re.search(only, k)}
+  update_lowerings, update_state = run.abstract_update(params, mesh)
+  lowerings = {**engine.lowerings(), **update_lowerings}
+  # Only the selected programs are lowered (lowering them all cost seconds a plan, issue 38);
+  # the error below still names every one.
+  matching = {k: lower() for k, lower in lowerings.items() if only is None or re.search(only, k)}
   if not matching:
     raise NoProgramMatches(f"--only={only!r} matches none of the {algorithm} programs: "
-                           + ", ".join(sorted(lowered)))
+                           + ", ".join(sorted(lowerings)))
   programs, compilation = _compile_all(matching, jobs, {"noiser": noiser_bytes}, log, algorithm)
 
   resident = {

@@ -14,7 +14,7 @@ from flax import nnx
 from jaxes import preflight, sharding
 from jaxes.models import partition
 from jaxes.rollout.engine import Engine
-from jaxes.train import builders
+from jaxes.train import algorithms, builders
 needs_8_devices = pytest.mark.skipif(
   jax.device_count() < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -64,7 +64,7 @@ def _run(tmp_path, *flags):
 
 # The widest step at the longest span (one version and merged versions), the noiser and the ES
 # update: the programs whose sizes decide the peak, not all 12; every program's name is checked
-# by test_report_matches_the_real_arrays_on_8_cpu_devices (lowered, not compiled).
+# by test_report_matches_the_real_arrays_on_8_cpu_devices (listed, not lowered).
 WIDEST = r"^(step\[t=16,span=64(,steps=1)?\]|noiser|es_update)$"
 
 
@@ -78,6 +78,29 @@ def over_memory(tmp_path_factory):
   return out.stdout.strip().splitlines()
 
 
+def record_lowerings(monkeypatch) -> list[str]:
+  """The names of the programs lowered from now on, in order: the lazy entries of
+  ``Engine.lowerings`` and of every algorithm's ``abstract_update``, recorded as they are called."""
+  names = []
+
+  def recorded(entries: dict) -> dict:
+    def entry(name, lower):
+      def lower_and_record():
+        names.append(name)
+        return lower()
+      return lower_and_record
+    return {name: entry(name, lower) for name, lower in entries.items()}
+
+  engine_lowerings = Engine.lowerings
+  monkeypatch.setattr(Engine, "lowerings", lambda self: recorded(engine_lowerings(self)))
+  for cls in algorithms.ALGORITHMS.values():
+    def abstract_update(self, params, mesh, original=cls.abstract_update):
+      update, state = original(self, params, mesh)
+      return recorded(update), state
+    monkeypatch.setattr(cls, "abstract_update", abstract_update)
+  return names
+
+
 def _program_names(lines) -> list[str]:
   """The program rows of the table: between its "programs" header and its "N programs" line."""
   start = next(i for i, line in enumerate(lines) if line.startswith("  programs"))
@@ -86,7 +109,7 @@ def _program_names(lines) -> list[str]:
 
 
 @needs_8_devices
-def test_report_matches_the_real_arrays_on_8_cpu_devices(over_memory):
+def test_report_matches_the_real_arrays_on_8_cpu_devices(over_memory, monkeypatch):
   config = tiny_config()
   # The rows the program printed (its summary line) for the run it compiled: the resident rows
   # need no compiled program, the temporaries WIDEST.
@@ -123,9 +146,11 @@ def test_report_matches_the_real_arrays_on_8_cpu_devices(over_memory):
   assert sorted(_program_names(over_memory)) == [
       "es_update", "noiser", "step[t=16,span=64,steps=1]", "step[t=16,span=64]"]
   assert summary["programs"] == 4
-  # Every program of the run: the names an --only that matches none of them lists.
+  # Every program of the run: the names an --only that matches none of them lists, lowering none.
+  lowered = record_lowerings(monkeypatch)
   with pytest.raises(preflight.NoProgramMatches) as unmatched:
     preflight.plan(config, preflight.resolve_topology("cpu:8"), log=lambda *_: None, only="^nothing$")
+  assert lowered == []
   names = str(unmatched.value).split("programs: ", 1)[1].split(", ")
   steps = len(engine.buckets) * len(engine.spans)
   # Per-version steps and merged-versions steps; reset, noiser, es_update; a step's build, its
@@ -170,7 +195,7 @@ def test_tpu_compiler_sizes_a_v5e_slice_from_a_cpu_machine(monkeypatch):
   target = preflight.resolve_topology("v5e-8")
   assert target.compiler == "tpu" and len(target.devices) == 8
   # The programs that decide the peak (the largest token bucket, with and without version steps,
-  # and the ES update) through libtpu, not all 12: the others' names are lowered and checked by
+  # and the ES update) through libtpu, not all 12: the others' names are listed and checked by
   # test_report_matches_the_real_arrays_on_8_cpu_devices.
   report = preflight.plan(config, target, log=lambda *_: None, only=r"^(es_update|step\[t=16,)")
   assert sorted(p["name"] for p in report["programs"]) == [

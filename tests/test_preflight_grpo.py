@@ -12,6 +12,7 @@ from jaxes.rl import config as rl_config
 from jaxes.rl.batch import Batch
 from jaxes.rl.grpo import GRPOLearner
 from jaxes.train import builders
+from test_preflight import record_lowerings
 
 needs_8_devices = pytest.mark.skipif(
   jax.device_count() < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
@@ -118,11 +119,13 @@ def test_grpo_config_is_checked_by_the_learners_rules():
 
 
 @needs_8_devices
-def test_only_the_learner_step_sizes_grpo_alone_and_an_unmatched_only_names_the_programs():
+def test_only_the_learner_step_sizes_grpo_alone_and_an_unmatched_only_names_the_programs(monkeypatch):
   config = tiny_grpo_config()
   target = preflight.resolve_topology("cpu:8")
+  lowered = record_lowerings(monkeypatch)
   report = preflight.plan(config, target, log=lambda *_: None, only="grpo_step")
   assert [p["name"] for p in report["programs"]] == ["grpo_step"] and "es" not in report
+  assert lowered == ["grpo_step"]   # neither engine's steps, nor the ES side's update
   with pytest.raises(preflight.NoProgramMatches, match=r"--only='nothing' matches none of the grpo "
                      r"programs: .*grpo_step"):
     preflight.plan(config, target, log=lambda *_: None, only="nothing")

@@ -77,7 +77,8 @@ cache by a jitted init with ``out_shardings`` from the logical-axis rules (slots
 KV heads over ``tensor`` where they divide), the noiser with its rows (over ``data``), and the
 step is jitted with explicit in/out shardings, the cache donated and updated in place. With
 ``abstract=True`` nothing is allocated: the cache is shapes and shardings only and
-``programs()`` lowers every program the engine runs, for ``jaxes.preflight`` to compile.
+``programs()`` lowers every program the engine runs, for ``jaxes.preflight`` to compile
+(``lowerings()``: the same names, each lowered on demand).
 """
 from __future__ import annotations
 
@@ -385,6 +386,12 @@ class Engine:
     ``version_steps`` also ``step[t=N,span=A,steps=K]`` (rows of several versions),
     ``version_step`` (a step's build), ``stack_steps`` and ``merge_noisers``. ``.compile()``
     each for its memory analysis."""
+    return {name: lower() for name, lower in self.lowerings().items()}
+
+  def lowerings(self) -> dict[str, Callable[[], Any]]:
+    """``programs()``'s names, each with a function that lowers that program when called: a
+    caller that compiles a few of them (``jaxes.preflight --only``) lists every name without
+    tracing the rest."""
     B = self.num_slots
     def rows(shape, dtype):
       return jax.ShapeDtypeStruct(shape, dtype, sharding=self.rows)
@@ -405,18 +412,19 @@ class Engine:
         flat = (rows((n,), jnp.int32), rows((n,), jnp.int32), rows((n,), jnp.int32),
                 rows((n,), jnp.bool_), rows((n,), jnp.int32))
         for span in self.spans:
-          out[f"step[t={n},span={span}{suffix}]"] = fn.lower(
-              span, self.abstract_params, self.abstract_noiser, cache, *flat,
+          out[f"step[t={n},span={span}{suffix}]"] = functools.partial(
+              fn.lower, span, self.abstract_params, self.abstract_noiser, cache, *flat,
               rows((samples,), jnp.int32), key, *per_slot, rows((samples,), jnp.int32), *steps)
-    out["reset"] = self._reset.lower(cache, rows((B,), jnp.bool_))
+    out["reset"] = functools.partial(self._reset.lower, cache, rows((B,), jnp.bool_))
     if self._make_noiser is not None:
-      out["noiser"] = self._make_noiser.lower(self.abstract_params, *self._noiser_args)
+      out["noiser"] = functools.partial(self._make_noiser.lower, self.abstract_params,
+                                        *self._noiser_args)
     if self.version_steps is None:
       return out
-    out["version_step"] = self._make_step.lower(*self._cohort_shapes)
-    out["stack_steps"] = self._stack.lower(*(self._step_shapes,) * K)
-    out["merge_noisers"] = self._merge.lower(self.abstract_noiser, (self.abstract_noiser,) * K,
-                                             slot_ids)
+    out["version_step"] = functools.partial(self._make_step.lower, *self._cohort_shapes)
+    out["stack_steps"] = functools.partial(self._stack.lower, *(self._step_shapes,) * K)
+    out["merge_noisers"] = functools.partial(self._merge.lower, self.abstract_noiser,
+                                             (self.abstract_noiser,) * K, slot_ids)
     return out
 
   # -- slot management (host) -------------------------------------------------------------------

@@ -98,7 +98,8 @@ class Algorithm(Protocol):
     places them: the start-up compile warms the cache entries the first update reads."""
 
   def abstract_update(self, params, mesh) -> tuple[dict, dict]:
-    """For the preflight: ``{name: lowered}``, the programs an update runs, lowered over
-    ``params`` (ShapeDtypeStructs in their shardings on ``mesh``) and the rest of the state
-    abstractly, where the run places it; and ``{name: tree}``, the state the algorithm holds on
-    the devices besides the parameters (optimizer state, ...), to count per device."""
+    """For the preflight: ``{name: lower}``, the programs an update runs, each lowered when
+    ``lower()`` is called (as ``Engine.lowerings``) over ``params`` (ShapeDtypeStructs in their
+    shardings on ``mesh``) and the rest of the state abstractly, where the run places it; and
+    ``{name: tree}``, the state the algorithm holds on the devices besides the parameters
+    (optimizer state, ...), to count per device."""

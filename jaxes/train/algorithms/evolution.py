@@ -133,9 +133,11 @@ class EvolutionStrategies:
     return {"es_update": self.strategy.lower_update(state)}
 
   def abstract_update(self, params, mesh) -> tuple[dict, dict]:
-    """``update_programs`` over ``params`` (ShapeDtypeStructs in their shardings) and the rest
-    of the ES state where a run on ``mesh`` places it (``es_shardings``); and its optimizer state."""
+    """``update_programs``, lowered on demand, over ``params`` (ShapeDtypeStructs in their
+    shardings) and the rest of the ES state where a run on ``mesh`` places it (``es_shardings``);
+    and its optimizer state."""
     state = abstract_es_state(self.strategy, self.parts.model, es_shardings(self.strategy, self.parts.model, mesh))
     state = dataclasses.replace(state, params=params)
-    return self.update_programs(state), {"optimizer_state": state.opt_state}
+    return ({"es_update": lambda: self.update_programs(state)["es_update"]},
+            {"optimizer_state": state.opt_state})
 

@@ -182,12 +182,12 @@ class GRPO:
                           arg((rows,), jnp.float32), arg((rows,), jnp.int32))
 
   def abstract_update(self, params, mesh) -> tuple[dict, dict]:
-    """``update_programs`` over the abstract learner state a run places
+    """``update_programs``, lowered on demand, over the abstract learner state a run places
     (``GRPOLearner.abstract_state``: params as ``params`` are sharded; the float32 master and
     AdamW moments also over data with ``grpo.optimizer_over_data``); and the state it holds
     besides the parameters (the engine decodes with the learner's params)."""
     state = self.learner.abstract_state(params, jax.tree.map(lambda p: p.sharding, params))
-    return (self.update_programs(GRPOState(state, {})),
+    return ({"grpo_step": lambda: self.update_programs(GRPOState(state, {}))["grpo_step"]},
             {"master_weights": state.master, "optimizer_state": state.opt_state,
              "reference_params": state.ref_params, "learner_batch": self._abstract_batch(mesh)})
 

@@ -26,6 +26,26 @@ def tokenizer_dir(tmp_path_factory):
   return build_tiny_tokenizer(str(tmp_path_factory.mktemp("tok")))
 
 
+# The sync runs below start from a short warm start; temperature sampling keyed by job id
+# (common random numbers off), so members differ in reward (within antithetic pairs too) and the
+# updates move theta. 8 slots: the programs of the other tests here (the compile cache).
+SYNC = {"controller.mode": "sync", "controller.max_staleness": 0, "warmstart.steps": 60,
+        "warmstart.learning_rate": 1e-2, "env.partial_credit": True, "eval.num_tasks": 0,
+        "rollout.temperature": 0.4, "rollout.common_random_numbers": False,
+        "rollout.num_slots": 8}
+
+
+@pytest.fixture(scope="module")
+def warm_start(tokenizer_dir, tmp_path_factory):
+  """Version 0 of the sync runs, made once (``warmstart.init_from``). The SIGKILL test's launched
+  process warm-starts on its own and must end on the parameters of a run from this one: the
+  warm start's determinism across processes."""
+  workdir = str(tmp_path_factory.mktemp("warm") / "init")
+  Trainer(tiny_config(tokenizer_dir, **{**SYNC, "train.num_updates": 0}), workdir,
+          log=lambda s: None).run()
+  return workdir
+
+
 @pytest.fixture
 def sandbox_root():
   # Under /tmp: the sandbox uid must be able to traverse every ancestor of the episode dirs.
@@ -83,24 +103,14 @@ def test_few_updates_end_to_end_async_no_recompile_no_leftovers(tokenizer_dir, t
   assert os.listdir(sandbox_root) == []
 
 
-def test_resume_equals_uninterrupted(tokenizer_dir, tmp_path):
-  # Sync ES after a short warm start; temperature sampling keyed by job id (common random numbers
-  # off), so members differ in reward (within antithetic pairs too) and the updates, including
-  # the resumed one, move θ. 8 slots: the programs of the tests above and below (the compile
-  # cache), and the same episodes as any other slot count (sampling keyed by job id).
-  base = {"controller.mode": "sync", "controller.max_staleness": 0, "warmstart.steps": 60,
-          "warmstart.learning_rate": 1e-2, "env.partial_credit": True, "eval.num_tasks": 0,
-          "rollout.temperature": 0.4, "rollout.common_random_numbers": False,
-          "controller.episodes_per_member": 2, "rollout.num_slots": 8,
+def test_resume_equals_uninterrupted(tokenizer_dir, warm_start, tmp_path):
+  # Both runs start from the module's warm start; the resumed update moves θ (asserted).
+  base = {**SYNC, "warmstart.init_from": warm_start, "controller.episodes_per_member": 2,
           "train.transcripts_per_update": 8}   # every episode's transcript (_first_divergence)
   quiet = dict(log=lambda s: None)
   whole = Trainer(tiny_config(tokenizer_dir, **{**base, "train.num_updates": 3}), str(tmp_path / "a"), **quiet).run()
   norms = [r["update_norm"] for r in metrics.read_metrics(str(tmp_path / "a" / "metrics.jsonl")) if "train" in r]
   assert norms[2] > 0, f"the update after the resume point did not move θ ({norms}): vacuous comparison"
-  # The interrupted run starts from the whole run's version 0 (warmstart.init_from) rather than
-  # warm-starting again: the warm start's determinism across runs is the SIGKILL test's (its
-  # launched process warm-starts on its own).
-  base = {**base, "warmstart.init_from": str(tmp_path / "a")}
   Trainer(tiny_config(tokenizer_dir, **{**base, "train.num_updates": 2}), str(tmp_path / "b"), **quiet).run()
   said = []
   resumed = Trainer(tiny_config(tokenizer_dir, **{**base, "train.num_updates": 3}), str(tmp_path / "b"),
@@ -118,20 +128,18 @@ def _train_lines(workdir) -> int:
   return sum("train" in r for r in metrics.read_metrics(os.path.join(workdir, "metrics.jsonl")))
 
 
-def test_sigkill_at_random_moments_then_rerun_equals_uninterrupted(tokenizer_dir, tmp_path):
+def test_sigkill_at_random_moments_then_rerun_equals_uninterrupted(tokenizer_dir, warm_start, tmp_path):
   """`python -m jaxes.train` SIGKILLed twice at random moments during training (mid-rollout,
   mid-update or mid-checkpoint), then the same command again: the same parameters as a run
   never interrupted, every version's metrics line once, no episode directory left behind."""
   # 60 warm-start steps: members then solve different tasks, so theta moves (update 2; with 40
   # every fitness was 0 and the parameter check below compared two unmoved runs).
-  base = {"controller.mode": "sync", "controller.max_staleness": 0, "warmstart.steps": 60,
-          "warmstart.learning_rate": 1e-2, "env.partial_credit": True, "eval.num_tasks": 0,
-          "rollout.temperature": 0.4, "rollout.common_random_numbers": False,
+  base = {**SYNC,
           "train.num_updates": 5, "train.plot": False,   # two kills near updates 1-3, two ahead
-          "train.checkpoint_every": 3,   # kills between full checkpoints resume through the update log
-          "rollout.num_slots": 8}        # the other tests' programs (the compile cache)
-  config = tiny_config(tokenizer_dir, **base)
-  whole = Trainer(config, str(tmp_path / "a"), log=lambda s: None).run()
+          "train.checkpoint_every": 3}   # kills between full checkpoints resume through the update log
+  config = tiny_config(tokenizer_dir, **base)   # the launched process warm-starts on its own
+  whole = Trainer(tiny_config(tokenizer_dir, **{**base, "warmstart.init_from": warm_start}),
+                  str(tmp_path / "a"), log=lambda s: None).run()
   norms = [r["update_norm"] for r in metrics.read_metrics(str(tmp_path / "a" / "metrics.jsonl")) if "train" in r]
   assert max(norms) > 0, f"theta never moved: the resumed-parameters check would be vacuous ({norms})"
   config_file = write_config_file(config, tmp_path / "sigkill_config.py")

@@ -1,17 +1,15 @@
 """Stale-result policies through the real trainer, on the deterministic schedule: a run
 SIGKILLed mid-run and resumed ends with the parameters, staleness and policy decisions of a run
-never interrupted -- ``weight`` (rerun from the command line), ``pace`` and ``throttle``
-(``wait``'s barrier; resumed in process); the metrics lines carry generation/waiting staleness and the policy's weights.
+never interrupted -- ``weight``, ``pace`` and ``throttle`` (``wait``'s barrier), each resumed
+in process; the metrics lines carry generation/waiting staleness and the policy's weights.
 ``baseline_only`` is resumed in tests/test_coevolve_train.py. An in-flight version change
 (``rollout.switch_versions``) moves episodes to newer weights and counts their generation
 staleness from there, and repeats exactly on the deterministic schedule."""
-import subprocess
-
 import jax
 import numpy as np
 import pytest
 
-from helpers_train import (ROOT, build_tiny_tokenizer, sigkill_after_first_update, tiny_config,
+from helpers_train import (build_tiny_tokenizer, sigkill_after_first_update, tiny_config,
                            train_records)
 from jaxes.train.trainer import Trainer
 
@@ -22,7 +20,7 @@ def _params_equal(a, b):
 
 
 @pytest.mark.slow
-def test_weight_policy_sigkill_then_rerun_equals_uninterrupted(warm_start, tmp_path):
+def test_weight_policy_sigkill_then_resume_equals_uninterrupted(warm_start, tmp_path):
   # Temperature sampling keyed by job (members differ), results taken 2 engine steps after
   # hand-out (a deterministic arrival order, so async runs repeat exactly).
   config = _policy_config(*warm_start, "weight", **{"controller.staleness_decay": 0.5})
@@ -33,12 +31,12 @@ def test_weight_policy_sigkill_then_rerun_equals_uninterrupted(warm_start, tmp_p
   # Not vacuous: some stale result was down-weighted in an update that moved θ.
   assert any(r["weight_sum"] < r["num_results"] and r["update_norm"] > 0 for r in lines), lines
 
+  # Resumed in process, as the other policies (the command-line rerun after a SIGKILL is
+  # tests/test_train.py's, for every config alike).
   workdir = tmp_path / "b"
-  cmd = sigkill_after_first_update(config, workdir, tmp_path / 'c.py')
-  done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-  assert done.returncode == 0, done.stderr[-3000:]
-  resumed = Trainer(config, str(workdir), log=lambda s: None).run()   # finished: restores
-  assert resumed["version"] == 4
+  sigkill_after_first_update(config, workdir, tmp_path / "c.py")
+  resumed = Trainer(config, str(workdir), log=lambda s: None).run()   # restores, replays, finishes
+  assert resumed["version"] == 4 and resumed["updates_this_run"] >= 1
   _params_equal(resumed["params"], whole["params"])
   strip = lambda r: {k: r[k] for k in ("version", "staleness_hist", "generation_staleness_hist",
                                        "waiting_staleness_hist", "weight_sum", "update_norm")}

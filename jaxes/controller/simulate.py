@@ -265,7 +265,7 @@ class Simulator:
         "waiting_histogram": [[k, c] for k, c in self.waiting_histogram.items()],
         "weighted_staleness": list(self.weighted_staleness), "rejected": self.rejected,
         "trainer_free": self.trainer_free,
-        "usable": [list(e) for e in self._usable], "switched": self.switched,
+        "switched": self.switched,
         "dropped": self.dropped, "excluded": self.excluded, "aborted": self.aborted,
         "updates": self.updates, "objective_initial": self.objective_initial,
     }
@@ -287,14 +287,11 @@ class Simulator:
     self.updates = list(state["updates"])
     self.objective_initial = state["objective_initial"]
     self.switched = state.get("switched", 0)
-    if "usable" in state:
-      self._usable = [(t, v) for t, v in state["usable"]]
-    else:
-      # A state from before switch_versions: rebuilt from the update times (exact for the same
-      # update_seconds).
-      first = self.updates[0]["version"] if self.updates else self.ctl.version
-      self._usable = [(0.0, first)] + [(u["time"] + self.update_seconds, u["version"] + 1)
-                                       for u in self.updates]
+    # When each version's parameters exist follows from the updates (taken at "time", computed
+    # update_seconds later), as _apply_updates recorded it.
+    first = self.updates[0]["version"] if self.updates else self.ctl.version
+    self._usable = [(0.0, first)] + [(u["time"] + self.update_seconds, u["version"] + 1)
+                                     for u in self.updates]
     running = {row[0]: row[1:] for row in state["running"]}
     reissued = self.ctl.next_jobs(len(running))
     if sorted(j.job_id for j in reissued) != sorted(running):

@@ -1,5 +1,6 @@
-"""Where the suite's time goes: per test, the seconds XLA spent compiling (tracing, lowering,
-backend compile), the seconds it spent reading programs back from the persistent compilation
+"""Where the suite's time goes: per test, the seconds XLA spent compiling (tracing to a jaxpr,
+lowering to StableHLO, the backend's compile: each also on its own, since a persistent-cache hit
+skips only the last), the seconds it spent reading programs back from the persistent compilation
 cache, the cache's hits and misses, and the test's wall time.
 
 Read from ``jax.monitoring``'s duration events inside each pytest process (the xdist workers
@@ -16,9 +17,9 @@ import time
 
 import pytest
 
-COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
-                  "/jax/core/compile/jaxpr_to_mlir_module_duration",
-                  "/jax/core/compile/backend_compile_duration")
+COMPILE_EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace_s",
+                  "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_s",
+                  "/jax/core/compile/backend_compile_duration": "backend_s"}
 CACHE_READ_EVENT = "/jax/compilation_cache/cache_retrieval_time_sec"
 CACHE_HIT_EVENT, CACHE_MISS_EVENT = "/jax/compilation_cache/cache_hits", "/jax/compilation_cache/cache_misses"
 
@@ -27,12 +28,13 @@ class _Totals:
   """Running sums of the monitoring events in this process."""
 
   def __init__(self):
-    self.compile_s = self.cache_read_s = 0.0
+    self.cache_read_s = 0.0
+    self.phases = dict.fromkeys(COMPILE_EVENTS.values(), 0.0)
     self.hits = self.misses = 0
 
   def on_duration(self, event, duration, **_):
     if event in COMPILE_EVENTS:
-      self.compile_s += duration
+      self.phases[COMPILE_EVENTS[event]] += duration
     elif event == CACHE_READ_EVENT:
       self.cache_read_s += duration
 
@@ -42,8 +44,9 @@ class _Totals:
     elif event == CACHE_MISS_EVENT:
       self.misses += 1
 
-  def snapshot(self):
-    return self.compile_s, self.cache_read_s, self.hits, self.misses
+  def snapshot(self) -> dict:
+    return dict(self.phases, compile_s=sum(self.phases.values()), cache_read_s=self.cache_read_s,
+                cache_hits=self.hits, cache_misses=self.misses)
 
 
 _totals = _Totals()
@@ -71,10 +74,8 @@ def pytest_runtest_protocol(item, nextitem):
   before, start = _totals.snapshot(), time.perf_counter()
   yield
   after = _totals.snapshot()
-  _rows[item.nodeid] = {
-      "wall_s": round(time.perf_counter() - start, 3),
-      "compile_s": round(after[0] - before[0], 3), "cache_read_s": round(after[1] - before[1], 3),
-      "cache_hits": after[2] - before[2], "cache_misses": after[3] - before[3]}
+  _rows[item.nodeid] = {"wall_s": round(time.perf_counter() - start, 3),
+                        **{k: round(after[k] - before[k], 3) for k in after}}
 
 
 def pytest_sessionfinish(session):
@@ -107,7 +108,8 @@ def pytest_terminal_summary(terminalreporter, config):
     total.update(row)
   write = terminalreporter.write_line
   write(f"\nXLA compile share (this suite's pytest processes; launched processes count as run "
-        f"time): {total['compile_s']:.0f} s compiling + {total['cache_read_s']:.0f} s cache reads "
+        f"time): {total['compile_s']:.0f} s compiling (tracing {total['trace_s']:.0f}, lowering "
+        f"{total['lower_s']:.0f}, backend {total['backend_s']:.0f}) + {total['cache_read_s']:.0f} s cache reads "
         f"of {total['wall_s']:.0f} s test wall time; cache hits {total['cache_hits']}, misses "
         f"{total['cache_misses']}. Per test: {path}")
   write(f"{'file':<44} {'wall s':>8} {'compile s':>10} {'cache s':>8} {'hits':>6} {'misses':>7}")

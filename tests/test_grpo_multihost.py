@@ -3,6 +3,10 @@ collectives, loopback coordinator) against 1 process x 4 devices: `python -m jax
 same tiny async GRPO run (warm start, sampled groups with staleness, greedy held-out evaluation)
 must write the same metrics lines (timings aside; the learner's loss, grad norm and ratio
 exactly), end with the same parameters bit for bit and write its metrics and summary once.
+
+The 2-process run starts from the 1-process run's warm start (``warmstart.init_from``): the warm
+start across process layouts is tests/test_multihost_train.py's, and here it would cost each of
+the two processes its own compile and 60 steps.
 """
 import json
 import subprocess
@@ -31,19 +35,22 @@ def runs(tmp_path_factory):
       "grpo.tasks_per_update": 2, "grpo.micro_batches": 2, "grpo.learning_rate": 3e-3,
       "train.num_updates": UPDATES, "train.checkpoint_every": 1, "train.plot": False})
   config_file = write_config_file(config, tmp / "config.py")
+  config.warmstart.init_from = str(tmp / "one")
+  from_one_file = write_config_file(config, tmp / "from_one.py")
 
-  def command(workdir):
+  def command(config_file, workdir):
     # --verbose: the summary printed as JSON, by process 0 only (test_metrics_summary_...).
     return [sys.executable, "-m", "jaxes.train", f"--config={config_file}", f"--workdir={workdir}",
             "--verbose"]
 
-  two = subprocess.run(["bash", str(ROOT / "launch" / "local.sh"), "--devices", "2", "2", "--",
-                        *command(tmp / "two")], cwd=ROOT, env=launch_env(tmp), capture_output=True,
-                       text=True, timeout=900)
-  assert two.returncode == 0, two.stderr[-3000:] + two.stdout[-5000:]
-  one = subprocess.run(command(tmp / "one"), cwd=ROOT, capture_output=True, text=True, timeout=900,
+  one = subprocess.run(command(config_file, tmp / "one"), cwd=ROOT, capture_output=True, text=True,
+                       timeout=900,
                        env=launch_env(tmp, XLA_FLAGS="--xla_force_host_platform_device_count=4"))
   assert one.returncode == 0, one.stderr[-4000:]
+  two = subprocess.run(["bash", str(ROOT / "launch" / "local.sh"), "--devices", "2", "2", "--",
+                        *command(from_one_file, tmp / "two")], cwd=ROOT, env=launch_env(tmp),
+                       capture_output=True, text=True, timeout=900)
+  assert two.returncode == 0, two.stderr[-3000:] + two.stdout[-5000:]
   return tmp, two
 
 
@@ -62,6 +69,7 @@ def test_two_processes_train_like_one_process_of_four_devices(runs):
   two, one = load_policy(str(tmp / "two")).params, load_policy(str(tmp / "one")).params
   assert compare.param_differences(two, one) == {}
   start = load_policy(str(tmp / "one"), version=0).params
+  assert compare.param_differences(start, load_policy(str(tmp / "two"), version=0).params) == {}
   assert compare.param_differences(start, one), "the parameters never moved: the comparison is vacuous"
 
 

@@ -137,9 +137,10 @@ def test_sigkill_at_random_moments_then_rerun_equals_uninterrupted(tokenizer_dir
   base = {**SYNC,
           "train.num_updates": 5, "train.plot": False,   # two kills near updates 1-3, two ahead
           "train.checkpoint_every": 3}   # kills between full checkpoints resume through the update log
-  config = tiny_config(tokenizer_dir, **base)   # the launched process warm-starts on its own
-  whole = Trainer(tiny_config(tokenizer_dir, **{**base, "warmstart.init_from": warm_start}),
-                  str(tmp_path / "a"), log=lambda s: None).run()
+  # Both from the shared warm start (a warm start's independence of the process that makes it is
+  # tests/test_multihost_train.py's, launched in two layouts).
+  config = tiny_config(tokenizer_dir, **{**base, "warmstart.init_from": warm_start})
+  whole = Trainer(config, str(tmp_path / "a"), log=lambda s: None).run()
   norms = [r["update_norm"] for r in metrics.read_metrics(str(tmp_path / "a" / "metrics.jsonl")) if "train" in r]
   assert max(norms) > 0, f"theta never moved: the resumed-parameters check would be vacuous ({norms})"
   config_file = write_config_file(config, tmp_path / "sigkill_config.py")

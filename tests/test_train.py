@@ -37,9 +37,9 @@ SYNC = {"controller.mode": "sync", "controller.max_staleness": 0, "warmstart.ste
 
 @pytest.fixture(scope="module")
 def warm_start(tokenizer_dir, tmp_path_factory):
-  """Version 0 of the sync runs, made once (``warmstart.init_from``). The SIGKILL test's launched
-  process warm-starts on its own and must end on the parameters of a run from this one: the
-  warm start's determinism across processes."""
+  """Version 0 of the sync runs, made once (``warmstart.init_from``), the SIGKILL test's launched
+  process included. That a warm start does not depend on the process that makes it is
+  tests/test_multihost_train.py's (two launched layouts warm-start to the same bits)."""
   workdir = str(tmp_path_factory.mktemp("warm") / "init")
   Trainer(tiny_config(tokenizer_dir, **{**SYNC, "train.num_updates": 0}), workdir,
           log=lambda s: None).run()
@@ -132,13 +132,12 @@ def test_sigkill_at_random_moments_then_rerun_equals_uninterrupted(tokenizer_dir
   """`python -m jaxes.train` SIGKILLed twice at random moments during training (mid-rollout,
   mid-update or mid-checkpoint), then the same command again: the same parameters as a run
   never interrupted, every version's metrics line once, no episode directory left behind."""
-  # 60 warm-start steps: members then solve different tasks, so theta moves (update 2; with 40
-  # every fitness was 0 and the parameter check below compared two unmoved runs).
+  # SYNC's 60 warm-start steps: members then solve different tasks, so theta moves (update 2;
+  # with 40 every fitness was 0 and the parameter check below compared two unmoved runs).
   base = {**SYNC,
           "train.num_updates": 5, "train.plot": False,   # two kills near updates 1-3, two ahead
           "train.checkpoint_every": 3}   # kills between full checkpoints resume through the update log
-  # Both from the shared warm start (a warm start's independence of the process that makes it is
-  # tests/test_multihost_train.py's, launched in two layouts).
+  # Both from the module's warm start (see warm_start).
   config = tiny_config(tokenizer_dir, **{**base, "warmstart.init_from": warm_start})
   whole = Trainer(config, str(tmp_path / "a"), log=lambda s: None).run()
   norms = [r["update_norm"] for r in metrics.read_metrics(str(tmp_path / "a" / "metrics.jsonl")) if "train" in r]

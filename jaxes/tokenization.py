@@ -2,11 +2,13 @@
 
 ``build_tokenizer`` trains a byte-level BPE (Qwen2's pre-tokenizer split, NFC normalisation) on a
 corpus and saves a local HF tokenizer directory with Qwen's special tokens and Qwen2.5's chat
-template, so CPU runs and tests go through the same ``AutoTokenizer`` path as a real checkpoint.
+template. ``load_tokenizer`` gives what ``AutoTokenizer`` gives for a real checkpoint's directory and
+for this builder's (a test checks the second), without importing torch for the latter.
 """
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from typing import Iterable, Mapping, Sequence
 
@@ -149,8 +151,26 @@ def build_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: str
   return load_tokenizer(out_dir)
 
 
+# ``tokenizer_class`` values naming the generic tokenizers-library class (``build_tokenizer``
+# writes the first), which ``AutoTokenizer`` resolves to ``PreTrainedTokenizerFast``.
+GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
 def load_tokenizer(local_dir: str) -> transformers.PreTrainedTokenizerBase:
-  """``AutoTokenizer`` from a local directory only (never the hub)."""
+  """``AutoTokenizer`` from a local directory only (never the hub). A directory whose
+  ``tokenizer_class`` is the generic one loads that class directly: ``AutoTokenizer``'s config
+  machinery imports torch (~1.5 s of every training process's start-up) to resolve it."""
   if not os.path.isdir(local_dir):
     raise FileNotFoundError(f"tokenizer directory {local_dir!r} does not exist")
+  if _tokenizer_class(local_dir) in GENERIC_TOKENIZER_CLASSES:
+    return transformers.PreTrainedTokenizerFast.from_pretrained(local_dir, local_files_only=True)
   return transformers.AutoTokenizer.from_pretrained(local_dir, local_files_only=True)
+
+
+def _tokenizer_class(local_dir: str) -> str | None:
+  try:
+    with open(os.path.join(local_dir, "tokenizer_config.json"), encoding="utf-8") as f:
+      config = json.load(f)
+  except (OSError, ValueError):
+    return None   # AutoTokenizer says what is missing or malformed
+  return config.get("tokenizer_class") if isinstance(config, dict) else None

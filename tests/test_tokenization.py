@@ -1,5 +1,10 @@
 """Tokenizer builder and ChatML formatting against transformers' apply_chat_template."""
+import json
+import subprocess
+import sys
+
 import pytest
+import transformers
 
 from jaxes import tokenization
 from helpers_models import tiny_tokenizer
@@ -54,6 +59,28 @@ def test_built_tokenizer_round_trips_and_has_special_tokens(tokenizer):
   assert encoded.count(tokenizer.convert_tokens_to_ids(tokenization.IM_END)) == 2
   reloaded = tokenization.load_tokenizer(tokenizer.name_or_path)
   assert reloaded.encode(prompt) == encoded
+
+
+def test_a_built_tokenizer_loads_as_auto_tokenizer_loads_it_without_importing_torch(tokenizer):
+  """``load_tokenizer`` skips ``AutoTokenizer`` for the generic class: the same tokenizer, and a
+  training process's start-up does not pay for torch."""
+  path = tokenizer.name_or_path
+  with open(f"{path}/tokenizer_config.json") as f:
+    assert json.load(f)["tokenizer_class"] in tokenization.GENERIC_TOKENIZER_CLASSES
+  direct, auto = tokenization.load_tokenizer(path), transformers.AutoTokenizer.from_pretrained(path)
+  assert type(direct) is type(auto)
+  assert direct.get_vocab() == auto.get_vocab()
+  assert direct.all_special_tokens == auto.all_special_tokens
+  assert (direct.eos_token, direct.pad_token) == (auto.eos_token, auto.pad_token)
+  for messages in CONVERSATIONS.values():
+    text = direct.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text == auto.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert direct.encode(text) == auto.encode(text)
+    assert direct.decode(direct.encode(text)) == auto.decode(auto.encode(text))
+  probe = ("import sys; from jaxes import tokenization; "
+           f"tokenization.load_tokenizer({path!r}); print('torch' in sys.modules)")
+  out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+  assert out.stdout.strip() == "False", out.stderr[-2000:]
 
 
 def test_bad_inputs_fail_clearly(tmp_path):

@@ -150,6 +150,16 @@ def _reset_rows(cache: qwen2.KVCache, rows: jax.Array) -> qwen2.KVCache:
                              valid=jnp.where(rows[:, None], False, cache.valid))
 
 
+@functools.lru_cache(maxsize=None)
+def _step_function(graphdef, layout: tuple, decode_steps: int, stop_ids: tuple, paged: bool):
+  """``step_program.call`` with an engine configuration's static arguments bound, one function
+  object per configuration: jit objects over the same function and equal shardings share their
+  traced, lowered and compiled programs, so a second engine of the same configuration (a
+  trainer rebuilt on resume, an evaluation engine, a reference engine in a test) traces and
+  compiles nothing again. Graph definitions and meshes compare by value."""
+  return functools.partial(step_program.call, graphdef, layout, decode_steps, stop_ids, paged)
+
+
 class Engine:
   """``make_noiser(params, versions[B], members[B], row_group[B]) -> Noiser`` (jittable) or None
   for plain inference. ``params_by_version`` passed to ``step`` must hold every slot's version,
@@ -279,9 +289,7 @@ class Engine:
     self._layout = layout
     self._replicated = replicated
     self._call_fn = self._jitted(graphdef, with_steps=False)
-    # A partial of its own: jit objects over one function share their compiled programs, so
-    # ``compilations()`` would count those of other engines (other slot counts) too.
-    self._reset = jax.jit(functools.partial(_reset_rows), donate_argnames=("cache",),
+    self._reset = jax.jit(_reset_rows, donate_argnames=("cache",),
                           in_shardings=(self.cache_shardings, rows),
                           out_shardings=self.cache_shardings)
     self.version_steps = version_steps
@@ -299,6 +307,7 @@ class Engine:
     self._steps: dict[int, Any] = {}     # version v -> the low-rank step from v - 1 to v
     self._stacked: dict[tuple, Any] = {}  # the steps a call adds, stacked
     self._in_place: dict[int, tuple] = {}  # version -> (params as given, params in place)
+    self._compiled_before = self._compiled()
 
   # The scheduler's state, read by callers and tests.
   @property
@@ -356,8 +365,8 @@ class Engine:
     per_slot = (rows,) * 4                     # streams, counters, temperature, top_p
     shardings = (self.param_shardings, self.noiser_shardings, self.cache_shardings, *per_token,
                  *per_sample, replicated, *per_slot, rows) + ((replicated, rows) if with_steps else ())
-    fn = functools.partial(step_program.call, graphdef, self._layout, self.decode_steps,
-                           tuple(sorted(self.stop_ids)), self.page_size is not None)
+    fn = _step_function(graphdef, self._layout, self.decode_steps, tuple(sorted(self.stop_ids)),
+                        self.page_size is not None)
     # Each row's count of sampled tokens and last token come back replicated (gathered in the
     # program): every process takes the same decisions from them, reading its own rows' tokens.
     return jax.jit(fn, static_argnums=0, donate_argnums=(3,), in_shardings=shardings,
@@ -736,7 +745,12 @@ class Engine:
       sched.table_changed = False
 
   def compilations(self) -> int:
-    """Programs compiled so far by this engine's jitted functions (fixed shapes: stays small)."""
+    """Programs compiled by this engine's jitted functions since it was built (fixed shapes:
+    stays small). Engines of the same configuration share their programs: one that another
+    engine compiled already is not compiled, nor counted, again."""
+    return self._compiled() - self._compiled_before
+
+  def _compiled(self) -> int:
     fns = [self._call_fn, self._reset] + ([self._make_noiser] if self._make_noiser else [])
     if self.version_steps is not None:
       fns += [self._versions_call_fn, self._make_step, self._stack, self._merge]

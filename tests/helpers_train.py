@@ -94,13 +94,17 @@ def sigkill_after_first_update(config, workdir, config_path) -> list[str]:
   write), which is what a resume must survive."""
   cmd = [sys.executable, "-m", "jaxes.train", f"--config={write_config_file(config, config_path)}",
          f"--workdir={workdir}"]
-  proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-  deadline = time.monotonic() + 300
-  while not train_records(workdir) and proc.poll() is None and time.monotonic() < deadline:
-    time.sleep(0.05)
-  assert proc.poll() is None, f"the run ended before it could be killed:\n{proc.stderr.read().decode()[-2000:]}"
-  os.kill(proc.pid, signal.SIGKILL)
-  proc.wait()
-  proc.stderr.close()
+  # stderr to a file, not a pipe: a chatty run would fill an unread pipe and block.
+  stderr = pathlib.Path(config_path).with_suffix(".stderr")
+  with open(stderr, "wb") as err:
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err)
+    deadline = time.monotonic() + 300
+    while not train_records(workdir) and proc.poll() is None and time.monotonic() < deadline:
+      time.sleep(0.05)
+    ended = proc.poll() is not None
+    if not ended:
+      os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+  assert not ended, f"the run ended before it could be killed:\n{stderr.read_text()[-2000:]}"
   assert 1 <= len(train_records(workdir)) < config.train.num_updates
   return cmd

@@ -146,16 +146,19 @@ def test_sigkill_at_random_moments_then_rerun_equals_uninterrupted(tokenizer_dir
   workdir = tmp_path / "b"
   cmd = [sys.executable, "-m", "jaxes.train", f"--config={config_file}", f"--workdir={workdir}"]
   rng, killed = random.Random(0), []
+  stderr = tmp_path / "sigkill.stderr"   # a file: a chatty run would fill an unread pipe and block
   for _ in range(2):
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    target, deadline = _train_lines(workdir) + 1, time.monotonic() + 300
-    while _train_lines(workdir) < target and proc.poll() is None and time.monotonic() < deadline:
-      time.sleep(0.05)
-    time.sleep(rng.uniform(0.0, 0.5))  # short: later updates must still be ahead
-    assert proc.poll() is None, f"the run ended before it could be killed:\n{proc.stderr.read().decode()[-2000:]}"
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    proc.stderr.close()
+    with open(stderr, "wb") as err:
+      proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err)
+      target, deadline = _train_lines(workdir) + 1, time.monotonic() + 300
+      while _train_lines(workdir) < target and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+      time.sleep(rng.uniform(0.0, 0.5))  # short: later updates must still be ahead
+      ended = proc.poll() is not None
+      if not ended:
+        os.kill(proc.pid, signal.SIGKILL)
+      proc.wait()
+    assert not ended, f"the run ended before it could be killed:\n{stderr.read_text()[-2000:]}"
     killed.append(proc.pid)
   assert 1 <= _train_lines(workdir) < 5
   done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)

@@ -86,8 +86,9 @@ def compile_all(lowered: Mapping[str, Any], jobs: int = 1, read: Callable[[Any],
 
 def run_programs(engine, algorithm, state) -> Callable[[], dict]:
   """Every program a run compiles at start-up, for ``warm_up``: the engine's
-  (``Engine.programs``) and its first update's (``algorithm.update_programs(state)``)."""
-  return lambda: {**engine.programs(), **algorithm.update_programs(state)}
+  (``Engine.programs``) and its first update's (``algorithm.update_lowerings(state)``)."""
+  return lambda: {**engine.programs(),
+                  **{name: lower() for name, lower in algorithm.update_lowerings(state).items()}}
 
 
 def warm_up(programs: Callable[[], Mapping[str, Any]], jobs: int, log: Callable[[str], None] = print,

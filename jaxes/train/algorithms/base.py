@@ -92,14 +92,14 @@ class Algorithm(Protocol):
   def plot_label(self) -> str:
     """The title of the run's progress plot."""
 
-  def update_programs(self, state) -> dict:
-    """``{name: lowered}``, the programs an update runs, lowered for ``state`` (this
-    algorithm's, arrays or ShapeDtypeStructs) with the other arguments placed as the update
-    places them: the start-up compile warms the cache entries the first update reads."""
+  def update_lowerings(self, state) -> dict:
+    """``{name: lower}``, the programs an update runs, each lowered when ``lower()`` is called
+    (as ``Engine.lowerings``) for ``state`` (this algorithm's, arrays or ShapeDtypeStructs) with
+    the other arguments placed as the update places them: the start-up compile warms the cache
+    entries the first update reads."""
 
   def abstract_update(self, params, mesh) -> tuple[dict, dict]:
-    """For the preflight: ``{name: lower}``, the programs an update runs, each lowered when
-    ``lower()`` is called (as ``Engine.lowerings``) over ``params`` (ShapeDtypeStructs in their
+    """For the preflight: ``update_lowerings`` over ``params`` (ShapeDtypeStructs in their
     shardings on ``mesh``) and the rest of the state abstractly, where the run places it; and
     ``{name: tree}``, the state the algorithm holds on the devices besides the parameters
     (optimizer state, ...), to count per device."""

@@ -7,6 +7,7 @@ replays updates after a checkpoint bit for bit.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import zlib
 
 import jax
@@ -128,16 +129,15 @@ class EvolutionStrategies:
   def plot_label(self) -> str:
     return f"ES ({self.config.controller.mode}, {self.config.es.mode})"
 
-  def update_programs(self, state: es.ESState) -> dict:
-    """The update's program (``Strategy.update``'s own), lowered for ``state``."""
-    return {"es_update": self.strategy.lower_update(state)}
+  def update_lowerings(self, state: es.ESState) -> dict:
+    """The update's program (``Strategy.update``'s own), lowered for ``state`` when called."""
+    return {"es_update": functools.partial(self.strategy.lower_update, state)}
 
   def abstract_update(self, params, mesh) -> tuple[dict, dict]:
-    """``update_programs``, lowered on demand, over ``params`` (ShapeDtypeStructs in their
-    shardings) and the rest of the ES state where a run on ``mesh`` places it (``es_shardings``);
-    and its optimizer state."""
+    """``update_lowerings`` over ``params`` (ShapeDtypeStructs in their shardings) and the rest
+    of the ES state where a run on ``mesh`` places it (``es_shardings``); and its optimizer
+    state."""
     state = abstract_es_state(self.strategy, self.parts.model, es_shardings(self.strategy, self.parts.model, mesh))
     state = dataclasses.replace(state, params=params)
-    return ({"es_update": lambda: self.update_programs(state)["es_update"]},
-            {"optimizer_state": state.opt_state})
+    return self.update_lowerings(state), {"optimizer_state": state.opt_state}
 

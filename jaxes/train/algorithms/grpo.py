@@ -25,6 +25,7 @@ so the learner step is one SPMD program.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 
 import jax
@@ -162,10 +163,11 @@ class GRPO:
   def plot_label(self) -> str:
     return f"GRPO ({self.config.controller.mode})"
 
-  def update_programs(self, state: GRPOState) -> dict:
-    """The learner step ``update`` runs, lowered for ``state``'s learner state and a batch
-    (``_abstract_batch``) placed as ``_batch`` places it."""
-    return {"grpo_step": self.learner.lower(state.learner, self._abstract_batch(self.mesh))}
+  def update_lowerings(self, state: GRPOState) -> dict:
+    """The learner step ``update`` runs, lowered when called for ``state``'s learner state and a
+    batch (``_abstract_batch``) placed as ``_batch`` places it."""
+    return {"grpo_step": functools.partial(self.learner.lower, state.learner,
+                                           self._abstract_batch(self.mesh))}
 
   def _abstract_batch(self, mesh) -> rl_batch.Batch:
     """A batch of ``group_size x tasks_per_update`` episode rows of ``seq_len`` tokens, abstract,
@@ -182,12 +184,12 @@ class GRPO:
                           arg((rows,), jnp.float32), arg((rows,), jnp.int32))
 
   def abstract_update(self, params, mesh) -> tuple[dict, dict]:
-    """``update_programs``, lowered on demand, over the abstract learner state a run places
+    """``update_lowerings`` over the abstract learner state a run places
     (``GRPOLearner.abstract_state``: params as ``params`` are sharded; the float32 master and
     AdamW moments also over data with ``grpo.optimizer_over_data``); and the state it holds
     besides the parameters (the engine decodes with the learner's params)."""
     state = self.learner.abstract_state(params, jax.tree.map(lambda p: p.sharding, params))
-    return ({"grpo_step": lambda: self.update_programs(GRPOState(state, {}))["grpo_step"]},
+    return (self.update_lowerings(GRPOState(state, {})),
             {"master_weights": state.master, "optimizer_state": state.opt_state,
              "reference_params": state.ref_params, "learner_batch": self._abstract_batch(mesh)})
 

@@ -46,10 +46,6 @@ def _compiled(seen: compile_cache.Compiles) -> list[str]:
   return [name for name, how in seen.programs if how != "read"]
 
 
-def _lower_all(lowerings: dict) -> dict:
-  return {name: lower() for name, lower in lowerings.items()}
-
-
 def _tiny_run(algorithm: str, configure=lambda c: None):
   """A tiny model's algorithm object on one device and its real initial state, with shapes no
   other test compiles (a population of 6, a GRPO batch of 6 x 40): its update programs are in the
@@ -75,7 +71,7 @@ def _tiny_run(algorithm: str, configure=lambda c: None):
 def test_the_start_up_compile_warms_the_first_es_update():
   run, state = _tiny_run("es")
   with compile_cache.watch() as warm:
-    precompile.warm_up(lambda: _lower_all(run.update_lowerings(state)), jobs=1, log=print,
+    precompile.warm_up(lambda: precompile.update_programs(run, state), jobs=1, log=print,
                        progress=False)
   assert warm.of("jit(apply)") in (["written"], ["read"])   # "read": a rerun of the suite's cache
   with compile_cache.watch() as first:
@@ -98,7 +94,7 @@ def test_the_start_up_compile_warms_the_first_grpo_step():
 
   run, state = _tiny_run("grpo", configure)
   with compile_cache.watch() as warm:
-    precompile.warm_up(lambda: _lower_all(run.update_lowerings(state)), jobs=1, log=print,
+    precompile.warm_up(lambda: precompile.update_programs(run, state), jobs=1, log=print,
                        progress=False)
   step = [name for name, how in warm.programs if how != "compiled"]
   assert len(step) == 1, warm.programs

@@ -84,7 +84,7 @@ class MetricsWriter:
 def summary_writer_class():
   """tensorboardX's ``SummaryWriter`` (heavy, protobuf: imported only when writing), imported
   without torch: its writer module imports torch where installed only to accept torch tensors as
-  values (these are floats), which cost every training process ~1.1 s of start-up. The block is
+  values (these are floats), costing every training process ~1.1 s of start-up. The block is
   lifted at once, so torch still imports later for whoever asks."""
   if "torch" in sys.modules:
     from tensorboardX import SummaryWriter

@@ -86,9 +86,13 @@ def compile_all(lowered: Mapping[str, Any], jobs: int = 1, read: Callable[[Any],
 
 def run_programs(engine, algorithm, state) -> Callable[[], dict]:
   """Every program a run compiles at start-up, for ``warm_up``: the engine's
-  (``Engine.programs``) and its first update's (``algorithm.update_lowerings(state)``)."""
-  return lambda: {**engine.programs(),
-                  **{name: lower() for name, lower in algorithm.update_lowerings(state).items()}}
+  (``Engine.programs``) and its first update's (``update_programs``)."""
+  return lambda: {**engine.programs(), **update_programs(algorithm, state)}
+
+
+def update_programs(algorithm, state) -> dict:
+  """The programs an update of ``state`` runs (``algorithm.update_lowerings``), lowered."""
+  return {name: lower() for name, lower in algorithm.update_lowerings(state).items()}
 
 
 def warm_up(programs: Callable[[], Mapping[str, Any]], jobs: int, log: Callable[[str], None] = print,

@@ -94,17 +94,24 @@ def sigkill_after_first_update(config, workdir, config_path) -> list[str]:
   write), which is what a resume must survive."""
   cmd = [sys.executable, "-m", "jaxes.train", f"--config={write_config_file(config, config_path)}",
          f"--workdir={workdir}"]
-  # stderr to a file, not a pipe: a chatty run would fill an unread pipe and block.
-  stderr = pathlib.Path(config_path).with_suffix(".stderr")
-  with open(stderr, "wb") as err:
+  kill_when(cmd, lambda: bool(train_records(workdir)), pathlib.Path(config_path).with_suffix(".stderr"))
+  assert 1 <= len(train_records(workdir)) < config.train.num_updates
+  return cmd
+
+
+def kill_when(cmd, ready, stderr_path, delay: float = 0.0) -> int:
+  """Launches ``cmd`` and SIGKILLs it ``delay`` seconds after ``ready()`` first holds (or after
+  300 s); fails if it ended before. Returns its pid. Its stderr goes to ``stderr_path``, not a
+  pipe: a chatty run would fill an unread pipe and block."""
+  with open(stderr_path, "wb") as err:
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err)
     deadline = time.monotonic() + 300
-    while not train_records(workdir) and proc.poll() is None and time.monotonic() < deadline:
+    while not ready() and proc.poll() is None and time.monotonic() < deadline:
       time.sleep(0.05)
+    time.sleep(delay)
     ended = proc.poll() is not None
     if not ended:
       os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-  assert not ended, f"the run ended before it could be killed:\n{stderr.read_text()[-2000:]}"
-  assert 1 <= len(train_records(workdir)) < config.train.num_updates
-  return cmd
+  assert not ended, f"the run ended before it could be killed:\n{pathlib.Path(stderr_path).read_text()[-2000:]}"
+  return proc.pid

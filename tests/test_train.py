@@ -4,17 +4,16 @@ import json
 import os
 import random
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 
 import jax
 import numpy as np
 import pytest
 
-from helpers_train import ROOT, build_tiny_tokenizer, tiny_config, write_config_file
+from helpers_train import (ROOT, build_tiny_tokenizer, kill_when, tiny_config, train_records,
+                           write_config_file)
 from jaxes.envs import local_sandbox
 from jaxes.envs.local_sandbox import LocalSandbox
 from jaxes.train import metrics
@@ -124,10 +123,6 @@ def test_resume_equals_uninterrupted(tokenizer_dir, warm_start, tmp_path):
   assert versions == [1, 2, 3]
 
 
-def _train_lines(workdir) -> int:
-  return sum("train" in r for r in metrics.read_metrics(os.path.join(workdir, "metrics.jsonl")))
-
-
 def test_sigkill_at_random_moments_then_rerun_equals_uninterrupted(tokenizer_dir, warm_start, tmp_path):
   """`python -m jaxes.train` SIGKILLed twice at random moments during training (mid-rollout,
   mid-update or mid-checkpoint), then the same command again: the same parameters as a run
@@ -146,21 +141,12 @@ def test_sigkill_at_random_moments_then_rerun_equals_uninterrupted(tokenizer_dir
   workdir = tmp_path / "b"
   cmd = [sys.executable, "-m", "jaxes.train", f"--config={config_file}", f"--workdir={workdir}"]
   rng, killed = random.Random(0), []
-  stderr = tmp_path / "sigkill.stderr"   # a file: a chatty run would fill an unread pipe and block
   for _ in range(2):
-    with open(stderr, "wb") as err:
-      proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err)
-      target, deadline = _train_lines(workdir) + 1, time.monotonic() + 300
-      while _train_lines(workdir) < target and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-      time.sleep(rng.uniform(0.0, 0.5))  # short: later updates must still be ahead
-      ended = proc.poll() is not None
-      if not ended:
-        os.kill(proc.pid, signal.SIGKILL)
-      proc.wait()
-    assert not ended, f"the run ended before it could be killed:\n{stderr.read_text()[-2000:]}"
-    killed.append(proc.pid)
-  assert 1 <= _train_lines(workdir) < 5
+    target = len(train_records(workdir)) + 1
+    killed.append(kill_when(cmd, lambda: len(train_records(workdir)) >= target,
+                            tmp_path / "sigkill.stderr",
+                            delay=rng.uniform(0.0, 0.5)))  # short: later updates must still be ahead
+  assert 1 <= len(train_records(workdir)) < 5
   done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert done.returncode == 0, done.stderr[-3000:]
   assert "resumed from checkpoint" in done.stdout + done.stderr

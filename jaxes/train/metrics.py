@@ -54,7 +54,7 @@ class MetricsWriter:
     self._file = open(self.path, "a")
     self._tb = None
     if tensorboard:
-      self._tb = summary_writer_class()(os.path.join(workdir, "tensorboard"), purge_step=resume_version + 1)
+      self._tb = _summary_writer_class()(os.path.join(workdir, "tensorboard"), purge_step=resume_version + 1)
 
   def write(self, record: dict) -> None:
     if "train" in record:
@@ -81,7 +81,7 @@ class MetricsWriter:
       self._tb.close()
 
 
-def summary_writer_class():
+def _summary_writer_class():
   """tensorboardX's ``SummaryWriter`` (heavy, protobuf: imported only when writing), imported
   without torch: its writer module imports torch where installed only to accept torch tensors as
   values (these are floats), costing every training process ~1.1 s of start-up. The block is

@@ -18,6 +18,7 @@ import dataclasses
 import io
 import os
 import queue
+import re
 import shlex
 import socket
 import tarfile
@@ -84,6 +85,18 @@ shift
 """
 # Existing directories (/tmp, the home) keep their owner and mode.
 _UNSTAGE = f"tar -C {STAGE} -cf - . | tar -C / -xpf - --no-overwrite-dir && rm -rf {STAGE}\n"
+# Prints each argument that the agent's user could write, or owns, or whose parent directories it
+# could write or owns (it could have put anything there).
+_AGENT_WRITABLE = """\
+for path in "$@"; do
+  p="$path"
+  while [ -n "$p" ]; do
+    if [ -e "$p" ] && { [ -w "$p" ] || [ -O "$p" ]; }; then printf '%s\\n' "$path"; break; fi
+    [ "$p" = / ] && break
+    p="${p%/*}"; p="${p:-/}"
+  done
+done"""
+VERIFIER_HOME = "/var/lib/jaxes-verifier/home"   # test.sh's HOME, made fresh after the agent
 _DOCKER_ERRORS = (docker.errors.DockerException, requests.exceptions.RequestException)
 
 
@@ -545,27 +558,60 @@ class DockerHandle(SandboxHandle):
                       num_tests=num_tests, timed_out=False, report=output)
 
   def _as_agent(self, script: str, timeout_s: float, environment: dict[str, str] | None = None,
-                cap_chars: int = 200_000):
-    """Runs a bash script as the agent's user (not the agent's shell: no saved state)."""
+                cap_chars: int = 200_000, argv_tail: list[str] = ()):
+    """Runs a bash script (with ``argv_tail`` as its arguments) as the agent's user (not the
+    agent's shell: no saved state)."""
     argv = [TIMEOUT, "-s", "KILL", f"{timeout_s:g}s",
             SETPRIV, f"--reuid={SANDBOX_UID}", f"--regid={SANDBOX_UID}", "--init-groups",
-            "--inh-caps=-all", "--", BASH, "--noprofile", "--norc", "-c", script]
+            "--inh-caps=-all", "--", BASH, "--noprofile", "--norc", "-c", script, "jaxes-check",
+            *argv_tail]
     exit_code, output, _, seconds, _ = self._exec(argv, "root", timeout_s, cap_chars,
                                                   environment)
     return exit_code, output, seconds
 
+  def _verifier_env(self) -> dict[str, str]:
+    """test.sh's environment: the image's ENV (Harbor's), minus every PATH entry, and every
+    variable naming a path, that the agent could have written (an entry that is not absolute
+    is such a path: it names the working directory), with a fresh root-owned HOME and python's
+    implicit imports (the working directory, the user site) off."""
+    env = dict(SHELL_ENV)
+    env.update(self._task.env)
+    paths = sorted({p for value in env.values() for p in re.split(r"[\s:;,=]+", value)
+                    if p.startswith("/")})
+    # One shell as the agent's user says which of them (or of their parents) it can write or
+    # owns. Its processes are all gone by now; what they left is what counts.
+    code, output, _ = self._as_agent(_AGENT_WRITABLE, 30.0, SHELL_ENV, argv_tail=paths)
+    if code != 0:
+      self._fail(f"task {self._task.name}: could not check the verifier's paths: {output[-300:]}")
+    tainted = set(output.splitlines())
+    env["PATH"] = ":".join(p for p in env.get("PATH", "").split(":")
+                           if p.startswith("/") and p not in tainted) or SHELL_ENV["PATH"]
+    env = {key: value for key, value in env.items() if key == "PATH" or not (
+      set(re.split(r"[\s:;,=]+", value)) & tainted)}
+    env.update(HOME=VERIFIER_HOME, USER="root", LOGNAME="root", PYTHONNOUSERSITE="1",
+               PYTHONSAFEPATH="1", PYTHONDONTWRITEBYTECODE="1")
+    return env
+
   def _run_test_script(self) -> TestReport:
-    """Harbor's verifier: once the agent's processes are gone, a fresh ``/tests`` (root-owned,
-    so the tests cannot be edited) and an empty ``/logs/verifier`` are made, ``tests/test.sh``
-    runs in the image's working directory, and its reward file is read. test.sh runs as the
-    agent's user, not as root as in Harbor: it runs the agent's programs, and on a task-built
-    image whatever the agent planted (a ``pytest.py`` in the working directory, say) must not
-    gain root by it. Its leftovers are killed before the reward is read."""
+    """Harbor's verifier, run so that no file of the agent's can steer it: once every process
+    of the agent's user is gone, the working directory is handed back to root, a fresh
+    root-owned ``/tests``, ``/logs/verifier`` (unwritable by the agent's uid) and HOME are made,
+    and ``tests/test.sh`` runs as root, as in Harbor, in the image's working directory with
+    ``_verifier_env``. The reward files are read by the host (regular files only, at most
+    ``harbor.MAX_REWARD_BYTES``); anything unreadable is a failed episode, never an excluded one.
+    Tests that run the agent's programs give them root in the container, as Harbor does: those
+    programs can write the reward (docs/envs.md, "Harbor's verifier")."""
     self._kill_agent_processes()
     task, timeout_s = self._task, self._task.limits.test_timeout_s
+    workdir = shlex.quote(task.workdir or SANDBOX_HOME)
+    env = self._verifier_env()
+    # The working directory goes back to root (as it was in the image, and as it is after a
+    # Harbor agent, who runs as root): nothing in it is the agent's to change any more.
+    give_back = f" && chown -hR 0:0 {workdir}" if workdir != "/" else ""
     exit_code, output, _ = self._root_script(
-      f"rm -rf {harbor.TESTS_DIR} {harbor.LOGS_DIR} && mkdir -p {harbor.LOGS_DIR} && "
-      f"chown {SANDBOX_UID}:{SANDBOX_UID} {harbor.LOGS_DIR}", 30.0, environment=SHELL_ENV)
+      f"rm -rf {harbor.TESTS_DIR} {harbor.LOGS_DIR} {VERIFIER_HOME} && "
+      f"install -d -o 0 -g 0 -m 0755 /logs {harbor.LOGS_DIR} && "
+      f"install -d -o 0 -g 0 -m 0700 {VERIFIER_HOME}{give_back}", 30.0, environment=SHELL_ENV)
     if exit_code != 0:
       self._fail(f"task {task.name}: could not prepare the verifier's folders: {output[-500:]}")
     files = [(f"{harbor.TESTS_DIR}/{path}", data) for path, data in task.verifier_files]
@@ -573,22 +619,21 @@ class DockerHandle(SandboxHandle):
       self._container.put_archive("/", _tar_files(files, SANDBOX_HOME))
     except _DOCKER_ERRORS as err:
       self._fail(f"copying tests failed: {err}", err)
-    workdir = shlex.quote(task.workdir or SANDBOX_HOME)
-    exit_code, output, seconds = self._as_agent(
-      f"cd {workdir} && exec {BASH} {harbor.TESTS_DIR}/test.sh", timeout_s, self._env)
+    exit_code, output, seconds = self._root_script(
+      f"cd {workdir} && exec {BASH} {harbor.TESTS_DIR}/test.sh", timeout_s, environment=env)
     timed_out = exit_code == KILL_EXIT_CODE and seconds >= timeout_s
-    self._kill_agent_processes()
     if timed_out:
       return TestReport(False, 0, 1, True, output)
     texts = []
     for path in (harbor.REWARD_TXT, harbor.REWARD_JSON):
-      code, text, _ = self._as_agent(f"exec /usr/bin/head -c {harbor.MAX_REWARD_BYTES} -- {path}",
-                                     10.0, SHELL_ENV)
+      code, text, _ = self._root_script(
+        f"[ -f {path} ] && [ ! -L {path} ] || exit 3; exec /usr/bin/head -c "
+        f"{harbor.MAX_REWARD_BYTES + 1} -- {path}", 10.0, environment=SHELL_ENV)
       texts.append(text if code == 0 else None)
     try:
       reward = harbor.parse_reward(*texts)
     except harbor.RewardError as err:
-      return TestReport(False, 0, 1, False, f"{output}\n{err}")
+      return TestReport(False, 0, 1, False, f"{output}\n{err}\nreward: 0")
     passed = reward >= 1.0
     return TestReport(passed, int(passed), 1, False, f"{output}\nreward: {reward:g}")
 

@@ -328,3 +328,20 @@ def test_a_reward_file_that_cannot_be_read_fails_the_episode_and_counts(built, s
   results, leaked = check.run_checks(sandbox, [unreadable], "oracle", progress=False)
   summary = check.summarize(results, leaked)
   assert summary["failures"] == {"FAILED_TESTS": 1} and summary["excluded"] == {}, summary
+
+
+@pytest.mark.docker
+def test_a_verifier_network_is_joined_only_for_test_sh_after_the_agent(built):
+  from jaxes.envs.docker_sandbox import DockerSandbox
+  task = dataclasses.replace(built[0][HARBOR], verifier_files=(("test.sh", (
+    b"ls /sys/class/net | grep -qv '^lo$' && echo 1 > /logs/verifier/reward.txt\n")),))
+  online = DockerSandbox(run_label=f"test-verifier-network-{uuid.uuid4().hex[:8]}",
+                         verifier_network="bridge")
+  try:
+    with online.start(task) as handle:
+      assert handle.exec("ls /sys/class/net", 10).output.split() == ["lo"]
+      report = handle.run_tests()
+      assert handle.exec("ls /sys/class/net", 10).output.split() == ["lo"]
+  finally:
+    online.shutdown()
+  assert report.passed, report.report

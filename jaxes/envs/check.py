@@ -229,6 +229,9 @@ def main(argv: list[str] | None = None) -> int:
   ap.add_argument("--isolation", choices=("auto", "bwrap", "unshare", "none"), default="auto",
                   help="local backend: bubblewrap (auto), or for a manual check only the weak "
                   "unshare / none mechanisms (warned about; never used for training)")
+  ap.add_argument("--verifier-network", metavar="NAME", help="docker backend: the docker "
+                  "network a Harbor test.sh joins once the agent's processes are gone (for "
+                  "tests that install their tools at test time; default: none)")
   ap.add_argument("--no-progress", action="store_true")
   args = ap.parse_args(argv)
   if args.generated is not None and args.generated < 1:
@@ -262,6 +265,11 @@ def main(argv: list[str] | None = None) -> int:
   else:
     tasks = generator.split(args.split, args.generated, seed=args.seed)
   kwargs = {}
+  if args.verifier_network is not None:
+    if args.backend != "docker":
+      print("check: --verifier-network needs --backend docker", file=sys.stderr)
+      return 2
+    kwargs["verifier_network"] = args.verifier_network
   if args.backend == "local":
     kwargs = {"use_pytest": args.pytest, "isolation": args.isolation,
               "allow_weak_isolation": args.isolation in ("unshare", "none")}

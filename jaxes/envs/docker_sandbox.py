@@ -225,13 +225,17 @@ class DockerSandbox(Sandbox):
   exec_grace_s:   an exec still running this long after its timeout is an infrastructure fault
                   (the container is removed and SandboxError raised).
   check_initial_state: run the task's initial_tests after setup; failing ones raise SandboxError.
+  verifier_network: a docker network a Harbor test.sh gets (None: none, the default), joined
+                  only once every agent process is gone and left before the reward is read:
+                  for Terminal-Bench-2 tests that install their tools at test time.
   """
 
   def __init__(self, image: str = DEFAULT_TAG, run_label: str | None = None, pool_size: int = 0,
                cpus: float = 1.0, memory_mb: int = 2048, pids: int = 256,
                create_retries: int = 3, retry_backoff_s: float = 0.5,
                exec_grace_s: float = 15.0, setup_timeout_s: float = 120.0,
-               check_initial_state: bool = False, client=None):
+               check_initial_state: bool = False, verifier_network: str | None = None,
+               client=None):
     if pool_size < 0 or create_retries < 0:
       raise ValueError("pool_size and create_retries must be >= 0")
     try:
@@ -249,6 +253,13 @@ class DockerSandbox(Sandbox):
     self.create_retries, self.retry_backoff_s = create_retries, retry_backoff_s
     self.exec_grace_s, self.setup_timeout_s = exec_grace_s, setup_timeout_s
     self.check_initial_state = check_initial_state
+    self.verifier_network = verifier_network
+    if verifier_network is not None:
+      try:
+        self._client.networks.get(verifier_network)
+      except _DOCKER_ERRORS as err:
+        raise SandboxError(f"verifier_network={verifier_network!r}: no such docker network "
+                           f"({err})") from err
     self.pool_size = pool_size
     self._owner = owner_tag()
     self._closed = threading.Event()
@@ -619,8 +630,14 @@ class DockerHandle(SandboxHandle):
       self._container.put_archive("/", _tar_files(files, SANDBOX_HOME))
     except _DOCKER_ERRORS as err:
       self._fail(f"copying tests failed: {err}", err)
+    network = self._sandbox.verifier_network
+    if network is not None:   # docker joins no network to a container still in "none"
+      self._network("disconnect", "none")
+      self._network("connect", network)
     exit_code, output, seconds = self._root_script(
       f"cd {workdir} && exec {BASH} {harbor.TESTS_DIR}/test.sh", timeout_s, environment=env)
+    if network is not None:
+      self._network("disconnect", network)
     timed_out = exit_code == KILL_EXIT_CODE and seconds >= timeout_s
     if timed_out:
       return TestReport(False, 0, 1, True, output)
@@ -636,6 +653,12 @@ class DockerHandle(SandboxHandle):
       return TestReport(False, 0, 1, False, f"{output}\n{err}\nreward: 0")
     passed = reward >= 1.0
     return TestReport(passed, int(passed), 1, False, f"{output}\nreward: {reward:g}")
+
+  def _network(self, action: str, name: str) -> None:
+    try:
+      getattr(self._sandbox._client.networks.get(name), action)(self._container)
+    except _DOCKER_ERRORS as err:
+      self._fail(f"could not {action} the verifier's network {name}: {err}", err)
 
   def run_tests(self) -> TestReport:
     if self._task.verifier_files:

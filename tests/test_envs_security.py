@@ -316,10 +316,27 @@ SIGNS_WITH_THE_KEY = textwrap.dedent('''\
   ''')
 
 
+# Counts a test file does not have (issue 54: reward 1 on both backends): the runner's own
+# report() called with more tests than the file's one, and "9 0 1" written to every pipe.
+CALLS_REPORT = "import __main__\n__main__.report(2, 0, 1)\n"
+WRITES_COUNTS = textwrap.dedent('''\
+  import os, stat
+  for fd in range(3, 256):
+    try:
+      if stat.S_ISFIFO(os.fstat(fd).st_mode):
+        os.write(fd, b"9 0 1\\n")
+    except OSError:
+      pass
+  os._exit(0)
+  ''')
+
+
 @pytest.mark.parametrize("answer,passes", [("def answer():\n  return 42\n", True),
-                                           (SIGNS_WITH_THE_KEY, False)])
+                                           (SIGNS_WITH_THE_KEY, False), (CALLS_REPORT, False),
+                                           (WRITES_COUNTS, False)])
 def test_agent_code_imported_by_the_tests_cannot_sign_a_verdict(sandbox, answer, passes):
   task = Task(name="imports", instruction="x", final_tests=IMPORTS_SOLUTION)
+  assert task.tests_run_agent_code   # check lists it: a report(1, 0, 1) would still pass
   with sandbox.start(task) as handle:
     handle.exec(f"cat > /home/user/solution.py <<'EOF'\n{answer}EOF", 10)
     report = handle.run_tests()
@@ -365,3 +382,26 @@ def test_a_pth_the_agent_plants_never_reaches_the_docker_verifier(tmp_path):
     sb.shutdown()
   assert "planted /srvx" in planted and "planted /usr" not in planted, planted
   assert not report.passed and "0" not in ran_as, (report.report, ran_as)
+
+
+def test_a_test_files_own_count_and_whether_it_runs_agent_code_are_read_statically():
+  from jaxes.envs import final_tests
+  counted = textwrap.dedent('''\
+    import pytest
+    @pytest.mark.parametrize("a,b", [(1, 2), (3, 4)])
+    def test_pairs(a, b): pass
+    class TestBox:
+      def test_one(self): pass
+      @pytest.mark.parametrize("x", (1, 2, 3))
+      def test_three(self, x): pass
+    def helper(): pass
+    ''')
+  assert final_tests.expected_count(counted) == 6
+  for unknowable in ("@pytest.mark.parametrize('x', range(3))\ndef test_x(x): pass\n",
+                     "from helpers import test_shared\n", "test_y = lambda: None\n",
+                     "@pytest.fixture(params=[1, 2])\ndef p(request): pass\ndef test_p(p): pass\n"):
+    assert final_tests.expected_count(unknowable) is None, unknowable
+  assert final_tests.runs_agent_code(IMPORTS_SOLUTION)
+  assert final_tests.runs_agent_code("import subprocess\ndef test_x():\n  subprocess.run(['/home/user/run.sh'])\n")
+  assert not final_tests.runs_agent_code("def test_x():\n  assert open('/home/user/out').read() == 'ok'\n")
+  assert not final_tests.runs_agent_code("import subprocess\ndef test_x():\n  subprocess.run(['tally', '/app/x'])\n")

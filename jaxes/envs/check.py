@@ -17,9 +17,11 @@ answers done at once; ``replay:FILE`` plays a JSON list of raw model outputs as 
 JSON object mapping task names to such lists), then done. The oracle must pass every generated
 task and noop none (a task noop passes is broken). The last line printed is one JSON object:
 {"tasks", "episodes", "passed", "pass_rate", "pass_at_attempts", "failures": {reason: count},
-"excluded": {kind: count}, "leaked"} (episodes, passed, pass_rate, failures and excluded -- the
-failures training leaves out of fitness -- count episodes; pass_at_attempts is the share of
-tasks passed in at least one of their --attempts). Exit status 1 when
+"excluded": {kind: count}, "tests_run_agent_code": [task], "leaked"} (episodes, passed,
+pass_rate, failures and excluded -- the failures training leaves out of fitness -- count
+episodes; pass_at_attempts is the share of tasks passed in at least one of their --attempts;
+tests_run_agent_code names the tasks whose tests import or execute files from the agent's home,
+whose passes the agent's code could have reported itself). Exit status 1 when
 anything leaked, or the oracle missed / noop passed a task; 2 (with one line saying why) when a
 task folder cannot be loaded or the sandbox cannot start.
 """
@@ -134,8 +136,10 @@ def summarize(results, leaked: int) -> dict:
       failures[outcome.failure or FAILED_TESTS] += 1
   passed = sum(not isinstance(o, str) and o.passed for _t, o in results)
   by_task = collections.defaultdict(bool)
+  tests_run_agent_code = {}
   for task, outcome in results:
     by_task[task.name] |= not isinstance(outcome, str) and outcome.passed
+    tests_run_agent_code[task.name] = task.tests_run_agent_code
   return {"tasks": len(by_task), "episodes": len(results), "passed": passed,
           "pass_rate": passed / len(results) if results else 0.0,
           "pass_at_attempts": sum(by_task.values()) / len(by_task) if by_task else 0.0,
@@ -143,27 +147,31 @@ def summarize(results, leaked: int) -> dict:
           # What training would leave out of fitness (infrastructure failures), by kind; every
           # other failure, SANDBOX_BROKEN included, is a failed episode that counts.
           "excluded": {k: n for k, n in sorted(failures.items()) if k in protocol.EXCLUDED},
+          # Tasks whose tests run the agent's code in-process: their passes are not proof.
+          "tests_run_agent_code": sorted(n for n in by_task if tests_run_agent_code[n]),
           "leaked": leaked}
 
 
 def task_table(results, builds: dict | None = None) -> str:
   """Per task: attempts, passes, pass@attempts, image build seconds ("cached" when none was
-  needed, "-" for the shared image) and mean episode seconds (container start to close)."""
+  needed, "-" for the shared image), mean episode seconds (container start to close) and
+  whether its tests run the agent's code (``Task.tests_run_agent_code``: a pass there is no
+  proof)."""
   rows: dict[str, list] = {}
   for task, outcome in results:
-    row = rows.setdefault(task.name, [0, 0, 0.0])
+    row = rows.setdefault(task.name, [0, 0, 0.0, task.tests_run_agent_code])
     row[0] += 1
     if not isinstance(outcome, str):
       row[1] += outcome.passed
       row[2] += outcome.timings.get("start_s", 0.0) + outcome.timings.get("total_s", 0.0)
   width = max([len(name) for name in rows] + [4])
   lines = [f"{'task':<{width}} {'attempts':>8} {'passed':>6} {'pass@n':>6} {'build_s':>8} "
-           f"{'episode_s':>9}"]
-  for name, (n, passed, seconds) in rows.items():
+           f"{'episode_s':>9} {'agent_code':>10}"]
+  for name, (n, passed, seconds, agent_code) in rows.items():
     built = (builds or {}).get(name)
     build = "-" if built is None else f"{built.seconds:.1f}" if built.built else "cached"
     lines.append(f"{name:<{width}} {n:>8} {passed:>6} {int(passed > 0):>6} {build:>8} "
-                 f"{seconds / n:>9.2f}")
+                 f"{seconds / n:>9.2f} {'yes' if agent_code else '-':>10}")
   return "\n".join(lines)
 
 

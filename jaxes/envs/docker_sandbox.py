@@ -563,6 +563,9 @@ class DockerHandle(SandboxHandle):
       return TestReport(False, 0, final_tests.count_tests(source), False, output)
     if status != "ok":
       self._fail(f"the verifier could not run ({status}): {output[-500:]}")
+    if not final_tests.counts_hold(source, num_passed, num_failed):
+      return TestReport(False, 0, final_tests.count_tests(source), False,
+                        f"{output}\n{final_tests.MORE_THAN_COLLECTED}")
     num_tests = num_passed + num_failed if collected else final_tests.count_tests(source)
     passed = collected and num_tests > 0 and num_failed == 0
     return TestReport(passed=passed, num_passed=num_passed if collected else 0,

@@ -589,6 +589,9 @@ class LocalHandle(SandboxHandle):
       raise SandboxError(f"the verifier could not start ({status}): {res.output[-500:]}")
     if not collected:
       return TestReport(False, 0, expected, False, res.output)
+    if not final_tests.counts_hold(source, num_passed, num_failed):
+      return TestReport(False, 0, expected, False,
+                        f"{res.output}\n{final_tests.MORE_THAN_COLLECTED}")
     num_tests = num_passed + num_failed
     return TestReport(num_tests > 0 and num_failed == 0, num_passed, num_tests, False, res.output)
 

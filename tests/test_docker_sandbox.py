@@ -51,7 +51,7 @@ def sandbox(client):
   sb = DockerSandbox(run_label=f"test-{uuid.uuid4().hex[:8]}", exec_grace_s=3.0)
   yield sb
   sb.shutdown()
-  assert sb.leftovers() == {"containers": 0}
+  assert sb.leftovers() == {"containers": 0, "volumes": 0}
 
 
 COUNT_TESTS = textwrap.dedent("""\
@@ -198,7 +198,7 @@ def test_create_is_retried_with_backoff(client):
     # An engine-rejected configuration fails the same way, leaving nothing behind.
     with pytest.raises(SandboxError, match="could not start a container"):
       sb.start(count_task(limits=Limits(memory_mb=1)))
-    assert sb.leftovers() == {"containers": 0}
+    assert sb.leftovers() == {"containers": 0, "volumes": 0}
   finally:
     sb.shutdown()
 
@@ -206,7 +206,7 @@ def test_create_is_retried_with_backoff(client):
 def test_setup_failure_is_a_sandbox_error_naming_the_task(sandbox):
   with pytest.raises(SandboxError, match="task broken: setup exited 3"):
     sandbox.start(count_task(name="broken", setup="echo about to fail; exit 3"))
-  assert sandbox.leftovers() == {"containers": 0}
+  assert sandbox.leftovers() == {"containers": 0, "volumes": 0}
 
 
 def test_warm_pool_serves_starts_and_refills(client):
@@ -225,7 +225,7 @@ def test_warm_pool_serves_starts_and_refills(client):
       assert handle.container_id not in pooled
   finally:
     sb.shutdown()
-  assert sb.leftovers() == {"containers": 0}
+  assert sb.leftovers() == {"containers": 0, "volumes": 0}
 
 
 OWNER_SCRIPT = """

@@ -106,7 +106,7 @@ def sandbox(engine):
   sb = DockerSandbox(run_label=f"test-task-images-{uuid.uuid4().hex[:8]}")
   yield sb
   sb.shutdown()
-  assert sb.leftovers() == {"containers": 0}
+  assert sb.leftovers() == {"containers": 0, "volumes": 0}
 
 
 @pytest.mark.docker
@@ -345,3 +345,32 @@ def test_a_verifier_network_is_joined_only_for_test_sh_after_the_agent(built):
   finally:
     online.shutdown()
   assert report.passed, report.report
+
+
+@pytest.mark.docker
+def test_a_hostile_task_image_stays_contained(built, engine, tmp_path):
+  """Its VOLUME leaves nothing on the host, its ENTRYPOINT never runs, its RUN steps get no
+  network, and an image over the size cap is refused in one line."""
+  from jaxes.envs.docker_sandbox import DockerSandbox
+  folder = tmp_path / "hostile"
+  shutil.copytree(os.path.join(SUITE, HARBOR), folder)
+  dockerfile = folder / "environment" / "Dockerfile"
+  dockerfile.write_text(dockerfile.read_text() + (
+    "RUN ls /sys/class/net > /build-net\nVOLUME /data\n"
+    'ENTRYPOINT ["/bin/sh", "-c", "touch /entry-ran; exec \\"$@\\"", "--"]\n'))
+  builder = TaskImageBuilder(log_dir=str(tmp_path / "logs"))
+  task = loaders.load_task(str(folder), builder=builder)
+  sb = DockerSandbox(run_label=f"test-hostile-image-{uuid.uuid4().hex[:8]}")
+  try:
+    with sb.start(task) as handle:
+      seen = handle.exec("cat /build-net; ls /entry-ran 2>&1; true", 10).output
+    assert seen.splitlines()[:2] == ["lo", "ls: cannot access '/entry-ran': No such file or "
+                                     "directory"], seen
+    assert sb.leftovers() == {"containers": 0, "volumes": 0}
+  finally:
+    sb.shutdown()
+  capped = TaskImageBuilder(log_dir=str(tmp_path / "logs"), max_image_mb=1)
+  with pytest.raises(loaders.TaskLoadError) as err:
+    loaders.load_task(str(folder), builder=capped)
+  assert "\n" not in str(err.value) and "over the cap of 1 MiB" in str(err.value)
+  assert engine.images.list(name="jaxes-task/hostile") == []

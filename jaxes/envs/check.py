@@ -41,6 +41,7 @@ from jaxes.envs import generator, make_sandbox, protocol
 from jaxes.envs.sandbox import SandboxError
 from jaxes.envs.checking import exit_status, read_replay
 from jaxes.envs.task import Task
+from jaxes.envs.task_images import DEFAULT_MAX_IMAGE_MB
 
 DONE = "<action>done</action>"
 FAILED_TESTS = "FAILED_TESTS"     # the episode ran normally but the final tests failed
@@ -232,6 +233,12 @@ def main(argv: list[str] | None = None) -> int:
                   "the shared image; auto: docker on the docker backend")
   ap.add_argument("--rebuild", action="store_true",
                   help="--task-build docker: rebuild task images even when cached")
+  ap.add_argument("--build-network", default="none", metavar="MODE",
+                  help="--task-build docker: the network the recipes' RUN steps get (default "
+                  "none; 'default' or 'bridge' for suites that install packages as they build)")
+  ap.add_argument("--max-image-mb", type=int, default=DEFAULT_MAX_IMAGE_MB, metavar="MB",
+                  help="--task-build docker: refuse a task image larger than this "
+                  f"(default {DEFAULT_MAX_IMAGE_MB})")
   ap.add_argument("--pytest", action="store_true", help="local backend: run final tests with "
                   "real pytest instead of the light runner")
   ap.add_argument("--isolation", choices=("auto", "bwrap", "unshare", "none"), default="auto",
@@ -265,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     from jaxes.envs.task_images import TaskImageBuilder, TaskImageError
     try:
       if task_build == "docker":
-        builder = TaskImageBuilder(rebuild=args.rebuild)
+        builder = TaskImageBuilder(rebuild=args.rebuild, network=args.build_network,
+                                   max_image_mb=args.max_image_mb)
       tasks = load_tasks(args.tasks, builder=builder)
     except (TaskLoadError, TaskImageError) as e:
       print(f"check: {e}", file=sys.stderr)

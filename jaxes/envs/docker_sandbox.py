@@ -158,7 +158,9 @@ class ContainerSpec:
 
 def _force_remove(container) -> None:
   try:
-    container.remove(force=True)
+    # v: with the anonymous volumes a task image's VOLUME made (they would outlive it on the
+    # host's disk, holding what the agent wrote there).
+    container.remove(force=True, v=True)
   except docker.errors.NotFound:
     pass
   except _DOCKER_ERRORS:
@@ -263,6 +265,8 @@ class DockerSandbox(Sandbox):
     self.pool_size = pool_size
     self._owner = owner_tag()
     self._closed = threading.Event()
+    self._volumes: set[str] = set()   # anonymous volumes of this run's containers not seen gone
+    self._volumes_lock = threading.Lock()
     self.orphans_removed = remove_orphans(self._client)
     for container in list_run_containers(self._client, self.run_label):
       _force_remove(container)
@@ -289,13 +293,19 @@ class DockerSandbox(Sandbox):
                          blank, disk_mb=task.limits.disk_mb)
 
   def _create_container(self, spec: ContainerSpec):
+    # entrypoint=[]: a task image's ENTRYPOINT (and CMD) never runs; the episode's only
+    # processes are docker's init, `sleep` and the execs we start.
     container = self._client.containers.create(
-      spec.image, ["sleep", "infinity"], init=True, network_mode="none", user="root",
+      spec.image, ["sleep", "infinity"], entrypoint=[], init=True, network_mode="none",
+      user="root",
       working_dir=SANDBOX_HOME, environment={key: "" for key in spec.blank_env} or None,
       mem_limit=f"{spec.memory_mb}m",
       memswap_limit=f"{spec.memory_mb}m", pids_limit=spec.pids, nano_cpus=int(spec.cpus * 1e9),
       security_opt=["no-new-privileges"], tmpfs=agent_tmpfs(spec.disk_mb, spec.image == self.image),
       labels={LABEL: "1", RUN_LABEL: self.run_label, OWNER_LABEL: self._owner})
+    with self._volumes_lock:
+      self._volumes.update(m["Name"] for m in container.attrs.get("Mounts") or ()
+                           if m.get("Type") == "volume")
     try:
       container.start()
     except BaseException:
@@ -362,11 +372,24 @@ class DockerSandbox(Sandbox):
     return handle
 
   def leftovers(self) -> dict[str, int]:
-    """Containers of this run that still exist (pooled ones included until shutdown)."""
+    """Containers of this run that still exist (pooled ones included until shutdown), and the
+    anonymous volumes (a task image's VOLUME) they made that still exist."""
     try:
-      return {"containers": len(list_run_containers(self._client, self.run_label))}
+      containers = len(list_run_containers(self._client, self.run_label))
+      with self._volumes_lock:
+        names = list(self._volumes)
+      left = []
+      for name in names:
+        try:
+          self._client.volumes.get(name)
+          left.append(name)
+        except docker.errors.NotFound:
+          pass
+      with self._volumes_lock:
+        self._volumes &= set(left) | (self._volumes - set(names))
     except _DOCKER_ERRORS as err:
       raise SandboxError(f"cannot list containers: {err}") from err
+    return {"containers": containers, "volumes": len(left)}
 
   def shutdown(self) -> None:
     """Removes every container this run created (pooled, live or leaked). Idempotent."""

@@ -417,17 +417,36 @@ class DockerHandle(SandboxHandle):
     self._env = {**SHELL_ENV, **dict(task.env)}
     self._broken: SandboxError | None = None
     self._closed = False
+    self._removed_by_us = False
 
   @property
   def container_id(self) -> str:
     return self._container.id
 
   def _fail(self, reason: str, cause: BaseException | None = None):
-    # An engine that does not answer is the host's fault; anything else (a container gone, an
-    # exec that hangs) the agent's commands may have caused.
-    host = isinstance(cause, requests.exceptions.ConnectionError)
+    # An engine that does not answer, or a container stopped or removed by someone else (an
+    # operator, the engine) is the host's fault: retried, left out of fitness. Anything else
+    # (an exec that hangs, the container OOM-killed by what the agent ran) the agent's
+    # commands may have caused: a failed episode.
+    host = isinstance(cause, requests.exceptions.ConnectionError) or self._stopped_from_outside()
+    if host and not isinstance(cause, requests.exceptions.ConnectionError):
+      reason += " (the container was stopped from outside, not by its memory limit)"
     self._broken = (HostError if host else SandboxError)(reason)
     raise self._broken from cause
+
+  def _stopped_from_outside(self) -> bool:
+    """Whether the container is gone or stopped, and not by the kernel's OOM killer (docker's
+    ``State.OOMKilled``: the agent's processes filled its memory limit)."""
+    if self._removed_by_us:
+      return False
+    try:
+      self._container.reload()
+    except docker.errors.NotFound:
+      return True
+    except _DOCKER_ERRORS:
+      return False
+    state = self._container.attrs.get("State") or {}
+    return not state.get("Running", True) and not state.get("OOMKilled", False)
 
   def _exec(self, argv: list[str], user: str, timeout_s: float, cap_chars: int,
             environment: dict[str, str] | None = None) -> tuple[int, str, int, float, bool]:
@@ -467,6 +486,7 @@ class DockerHandle(SandboxHandle):
     reader.start()
     reader.join(timeout_s + self._sandbox.exec_grace_s)
     if reader.is_alive():
+      self._removed_by_us = True
       _force_remove(self._container)  # ends the stream, frees the reader thread
       reader.join(5.0)
       self._fail(f"exec in container {self._container.short_id} still running "

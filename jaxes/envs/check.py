@@ -23,7 +23,8 @@ episodes; pass_at_attempts is the share of tasks passed in at least one of their
 tests_run_agent_code names the tasks whose tests import or execute files from the agent's home,
 whose passes the agent's code could have reported itself). Exit status 1 when
 anything leaked, or the oracle missed / noop passed a task; 2 (with one line saying why) when a
-task folder cannot be loaded or the sandbox cannot start.
+task folder cannot be loaded, the sandbox cannot start, or its engine stops answering (the
+summary is printed first, with "leaked": null).
 """
 from __future__ import annotations
 
@@ -98,9 +99,10 @@ def descendant_pids() -> set[int]:
 
 def run_checks(sandbox, tasks: list[Task], agent_spec: str, workers: int = 1,
                progress: bool = True, attempts: int = 1,
-               ) -> tuple[list[tuple[Task, protocol.EpisodeOutcome | str]], int]:
+               ) -> tuple[list[tuple[Task, protocol.EpisodeOutcome | str]], int | None]:
   """Plays every task ``attempts`` times; returns (task, outcome or the reason it could not be
-  played) pairs, in task order, and the number of leftovers."""
+  played) pairs, in task order, and the number of leftovers (None: the sandbox could not say,
+  its engine gone)."""
   factory = make_agent(agent_spec)
   # Only what the episodes leave counts: a caller (a test process, a notebook) may have children
   # of its own that are none of the check's business.
@@ -122,7 +124,11 @@ def run_checks(sandbox, tasks: list[Task], agent_spec: str, workers: int = 1,
     for fut in tqdm.tqdm(concurrent.futures.as_completed(futures), total=len(futures),
                          disable=not progress, desc="episodes", file=sys.stderr):
       results.append(fut.result())
-  leaked = sum(sandbox.leftovers().values()) + len(descendant_pids() - before)
+  try:
+    leaked = sum(sandbox.leftovers().values()) + len(descendant_pids() - before)
+  except SandboxError as err:   # the engine is gone: what leaked cannot be known
+    print(f"check: cannot count leftovers: {err}", file=sys.stderr)
+    leaked = None
   order = {t.name: i for i, t in enumerate(tasks)}
   results.sort(key=lambda r: order[r[0].name])
   return results, leaked
@@ -313,6 +319,10 @@ def main(argv: list[str] | None = None) -> int:
     for failed in oracle_failures(results):
       print(f"check: the oracle failed task {failed}", file=sys.stderr)
   print(json.dumps(summary))
+  if leaked is None:
+    print("check: the sandbox's engine stopped answering during the check; the summary above "
+          "counts its episodes as SANDBOX_ERROR", file=sys.stderr)
+    return 2
   return exit_status(args.agent, summary["passed"], summary["episodes"], leaked)
 
 

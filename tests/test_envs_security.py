@@ -405,3 +405,31 @@ def test_a_test_files_own_count_and_whether_it_runs_agent_code_are_read_statical
   assert final_tests.runs_agent_code("import subprocess\ndef test_x():\n  subprocess.run(['/home/user/run.sh'])\n")
   assert not final_tests.runs_agent_code("def test_x():\n  assert open('/home/user/out').read() == 'ok'\n")
   assert not final_tests.runs_agent_code("import subprocess\ndef test_x():\n  subprocess.run(['tally', '/app/x'])\n")
+
+
+# Run by the tests: stops the sandbox's pid 1 with ptrace and keeps it stopped from a detached
+# child (issue 54: under bwrap's reaper the namespace then hung until the test timeout).
+STOPS_PID_1 = textwrap.dedent('''\
+  import ctypes, os, time
+  if os.fork() == 0:
+    os.setsid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    attached = libc.ptrace(16, 1, None, None)   # PTRACE_ATTACH
+    with open("/home/user/attached", "w") as f:
+      f.write(str(attached))
+    time.sleep(300)
+  ''')
+
+
+def test_programs_the_tests_run_cannot_stop_the_local_verifiers_namespace():
+  task = Task(name="pid1", instruction="x", limits=Limits(test_timeout_s=8.0), final_tests=(
+    "import subprocess\n\ndef test_done():\n  subprocess.run(['python3', '/home/user/t.py'])\n"
+    "  assert open('/home/user/done').read() == 'ok\\n'\n"))
+  sb = make_sandbox("local")
+  try:
+    with sb.start(task) as handle:
+      handle.exec(f"echo ok > done; cat > t.py <<'EOF'\n{STOPS_PID_1}EOF", 10)
+      report = handle.run_tests()
+  finally:
+    sb.shutdown()
+  assert report.passed and not report.timed_out, report

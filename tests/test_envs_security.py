@@ -433,3 +433,16 @@ def test_programs_the_tests_run_cannot_stop_the_local_verifiers_namespace():
   finally:
     sb.shutdown()
   assert report.passed and not report.timed_out, report
+
+
+def test_nul_bytes_and_over_long_commands_follow_one_rule_on_both_backends(sandbox):
+  from jaxes.envs.sandbox import MAX_COMMAND_BYTES
+  task = Task(name="long", instruction="x", final_tests="def test_x():\n  pass\n")
+  with sandbox.start(task) as handle:
+    longest = handle.exec("echo ok #" + "x" * (MAX_COMMAND_BYTES - 9), 10)
+    nul = handle.exec("echo ok\0; echo more", 10)
+    too_long = handle.exec("echo ok #" + "x" * (200 << 10), 10)
+  assert (longest.exit_code, longest.output) == (0, "ok\n")
+  assert (nul.exit_code, nul.output) == (2, "command refused, not run: it contains a NUL byte\n")
+  assert too_long.exit_code == 2 and too_long.output == (
+    f"command refused, not run: it is longer than {MAX_COMMAND_BYTES} bytes\n")

@@ -32,7 +32,7 @@ import requests
 from jaxes.envs import final_tests, harbor
 from jaxes.envs.image import DEFAULT_TAG, SANDBOX_HOME, SANDBOX_UID, SANDBOX_USER
 from jaxes.envs.sandbox import (ExecResult, HostError, OutputCapture, Sandbox, SandboxError,
-                                SandboxHandle, TestReport)
+                                SandboxHandle, TestReport, refused_command)
 from jaxes.envs.task import Limits, Task
 
 LABEL = "jaxes.sandbox"
@@ -556,6 +556,9 @@ class DockerHandle(SandboxHandle):
                            f"{report.report[-2000:]}")
 
   def exec(self, command: str, timeout_s: float) -> ExecResult:
+    refused = refused_command(command)
+    if refused is not None:
+      return refused
     limits = self._task.limits
     prelude = _PRELUDE.format(cpu=limits.cpu_s, fsize_blocks=limits.file_size_mb * 1024,
                               home=SANDBOX_HOME, ctl=CTL, reap=_REAP)

@@ -40,7 +40,7 @@ import warnings
 
 from jaxes.envs import cgroups, final_tests
 from jaxes.envs.sandbox import (ExecResult, HostError, OutputCapture, Sandbox, SandboxError,
-                                SandboxHandle, TestReport)
+                                SandboxHandle, TestReport, refused_command)
 from jaxes.envs.task import Task
 
 log = logging.getLogger(__name__)
@@ -461,6 +461,9 @@ class LocalHandle(SandboxHandle):
   def exec(self, command: str, timeout_s: float) -> ExecResult:
     if self._closed:
       raise HostError("exec on a closed sandbox")
+    refused = refused_command(command)
+    if refused is not None:
+      return refused
     try:
       if not os.path.isdir(self.home):   # removed under us (not by the agent: it cannot)
         raise FileNotFoundError(f"{self.home} vanished")

@@ -96,7 +96,8 @@ for path in "$@"; do
     p="${p%/*}"; p="${p:-/}"
   done
 done"""
-VERIFIER_HOME = "/var/lib/jaxes-verifier/home"   # test.sh's HOME, made fresh after the agent
+ROOT_HOME = "/root"                               # test.sh's HOME, as in Harbor, when the agent
+VERIFIER_HOME = "/var/lib/jaxes-verifier/home"   # could not touch it; else this one, made fresh
 _DOCKER_ERRORS = (docker.errors.DockerException, requests.exceptions.RequestException)
 
 
@@ -632,12 +633,13 @@ class DockerHandle(SandboxHandle):
   def _verifier_env(self) -> dict[str, str]:
     """test.sh's environment: the image's ENV (Harbor's), minus every PATH entry, and every
     variable naming a path, that the agent could have written (an entry that is not absolute
-    is such a path: it names the working directory), with a fresh root-owned HOME and python's
-    implicit imports (the working directory, the user site) off."""
+    is such a path: it names the working directory), with root's HOME (what the image put
+    there, a pre-installed tool, stays usable) unless the agent could write it, else a fresh
+    one, and python's implicit imports (the working directory, the user site) off."""
     env = dict(SHELL_ENV)
     env.update(self._task.env)
     paths = sorted({p for value in env.values() for p in re.split(r"[\s:;,=]+", value)
-                    if p.startswith("/")})
+                    if p.startswith("/")} | {ROOT_HOME})
     # One shell as the agent's user says which of them (or of their parents) it can write or
     # owns. Its processes are all gone by now; what they left is what counts.
     code, output, _ = self._as_agent(_AGENT_WRITABLE, 30.0, SHELL_ENV, argv_tail=paths)
@@ -648,14 +650,14 @@ class DockerHandle(SandboxHandle):
                            if p.startswith("/") and p not in tainted) or SHELL_ENV["PATH"]
     env = {key: value for key, value in env.items() if key == "PATH" or not (
       set(re.split(r"[\s:;,=]+", value)) & tainted)}
-    env.update(HOME=VERIFIER_HOME, USER="root", LOGNAME="root", PYTHONNOUSERSITE="1",
+    env.update(HOME=VERIFIER_HOME if ROOT_HOME in tainted else ROOT_HOME, USER="root", LOGNAME="root", PYTHONNOUSERSITE="1",
                PYTHONSAFEPATH="1", PYTHONDONTWRITEBYTECODE="1")
     return env
 
   def _run_test_script(self) -> TestReport:
     """Harbor's verifier, run so that no file of the agent's can steer it: once every process
     of the agent's user is gone, the working directory is handed back to root, a fresh
-    root-owned ``/tests``, ``/logs/verifier`` (unwritable by the agent's uid) and HOME are made,
+    root-owned ``/tests`` and ``/logs/verifier`` (unwritable by the agent's uid) are made,
     and ``tests/test.sh`` runs as root, as in Harbor, in the image's working directory with
     ``_verifier_env``. The reward files are read by the host (regular files only, at most
     ``harbor.MAX_REWARD_BYTES``); anything unreadable is a failed episode, never an excluded one.
@@ -671,7 +673,9 @@ class DockerHandle(SandboxHandle):
     exit_code, output, _ = self._root_script(
       f"rm -rf {harbor.TESTS_DIR} {harbor.LOGS_DIR} {VERIFIER_HOME} && "
       f"install -d -o 0 -g 0 -m 0755 /logs {harbor.LOGS_DIR} && "
-      f"install -d -o 0 -g 0 -m 0700 {VERIFIER_HOME}{give_back}", 30.0, environment=SHELL_ENV)
+      f"install -d -o 0 -g 0 -m 0700 {VERIFIER_HOME} && "
+      f"{{ [ -d {ROOT_HOME} ] || install -d -o 0 -g 0 -m 0700 {ROOT_HOME}; }}{give_back}", 30.0,
+      environment=SHELL_ENV)
     if exit_code != 0:
       self._fail(f"task {task.name}: could not prepare the verifier's folders: {output[-500:]}")
     files = [(f"{harbor.TESTS_DIR}/{path}", data) for path, data in task.verifier_files]

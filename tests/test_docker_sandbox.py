@@ -1,6 +1,7 @@
 """Docker sandbox against a real engine (skipped, with the reason, when none answers or the base
 image is missing: `bash launch/docker/setup.sh` provides both)."""
 import concurrent.futures
+import dataclasses
 import os
 import subprocess
 import sys
@@ -17,7 +18,7 @@ docker = pytest.importorskip("docker")
 from jaxes.envs import docker_sandbox, loaders  # noqa: E402
 from jaxes.envs.docker_sandbox import DockerSandbox  # noqa: E402
 from jaxes.envs.image import DEFAULT_TAG  # noqa: E402
-from jaxes.envs.sandbox import SandboxError  # noqa: E402
+from jaxes.envs.sandbox import HostError, SandboxError  # noqa: E402
 from jaxes.envs.task import Limits, Task  # noqa: E402
 
 pytestmark = pytest.mark.docker
@@ -51,7 +52,7 @@ def sandbox(client):
   sb = DockerSandbox(run_label=f"test-{uuid.uuid4().hex[:8]}", exec_grace_s=3.0)
   yield sb
   sb.shutdown()
-  assert sb.leftovers() == {"containers": 0}
+  assert sb.leftovers() == {"containers": 0, "volumes": 0}
 
 
 COUNT_TESTS = textwrap.dedent("""\
@@ -137,15 +138,27 @@ def test_hostile_commands_leave_the_sandbox_usable(sandbox, command, check):
   sentinel.close()
 
 
-def test_killed_container_is_a_sandbox_error(sandbox, client):
+def test_a_container_killed_from_outside_is_the_hosts_failure_an_oom_the_agents(sandbox, client):
+  # Killed by an operator or the engine (after the agent may have solved the task): retried and
+  # left out of fitness, never charged to the policy.
   handle = sandbox.start(count_task())
   client.containers.get(handle.container_id).kill()
-  with pytest.raises(SandboxError):
+  with pytest.raises(HostError, match="stopped from outside"):
     handle.exec("echo hi", 5)
-  with pytest.raises(SandboxError):
+  with pytest.raises(HostError):
     handle.run_tests()
   handle.close()
   handle.close()  # idempotent
+  # The agent fills the container's memory with tmpfs pages: whatever the OOM killer takes
+  # (its command, or the container itself, State.OOMKilled), the episode is the agent's.
+  task = dataclasses.replace(count_task(), limits=Limits(memory_mb=96, disk_mb=512))
+  with sandbox.start(task) as handle:
+    try:
+      handle.exec("head -c 400M /dev/zero > /tmp/fill; sleep 1", 20)
+      handle.exec("echo hi", 5)
+      handle.run_tests()
+    except SandboxError as err:
+      assert not isinstance(err, HostError), err
 
 
 def freeze_timeout(client, handle):
@@ -198,7 +211,7 @@ def test_create_is_retried_with_backoff(client):
     # An engine-rejected configuration fails the same way, leaving nothing behind.
     with pytest.raises(SandboxError, match="could not start a container"):
       sb.start(count_task(limits=Limits(memory_mb=1)))
-    assert sb.leftovers() == {"containers": 0}
+    assert sb.leftovers() == {"containers": 0, "volumes": 0}
   finally:
     sb.shutdown()
 
@@ -206,7 +219,7 @@ def test_create_is_retried_with_backoff(client):
 def test_setup_failure_is_a_sandbox_error_naming_the_task(sandbox):
   with pytest.raises(SandboxError, match="task broken: setup exited 3"):
     sandbox.start(count_task(name="broken", setup="echo about to fail; exit 3"))
-  assert sandbox.leftovers() == {"containers": 0}
+  assert sandbox.leftovers() == {"containers": 0, "volumes": 0}
 
 
 def test_warm_pool_serves_starts_and_refills(client):
@@ -225,7 +238,7 @@ def test_warm_pool_serves_starts_and_refills(client):
       assert handle.container_id not in pooled
   finally:
     sb.shutdown()
-  assert sb.leftovers() == {"containers": 0}
+  assert sb.leftovers() == {"containers": 0, "volumes": 0}
 
 
 OWNER_SCRIPT = """

@@ -16,7 +16,8 @@ def test_oracle_passes_all(capsys):
   code, lines, summary = run(capsys, "--generated", "14", "--agent", "oracle", "--workers", "2")
   assert code == 0
   assert summary == {"tasks": 14, "episodes": 14, "passed": 14, "pass_rate": 1.0,
-                     "pass_at_attempts": 1.0, "failures": {}, "excluded": {}, "leaked": 0}
+                     "pass_at_attempts": 1.0, "failures": {}, "excluded": {}, "tests_run_agent_code": [],
+                     "leaked": 0}
   assert lines[0].split()[:3] == ["family", "tasks", "passed"]
   assert len(lines) == 1 + 14 + 1   # header, one row per family, JSON
 
@@ -165,3 +166,23 @@ def test_leaks_count_what_the_check_started_not_the_callers_children(monkeypatch
     for p in [own, *left]:
       p.kill()
       p.wait()
+
+
+def test_losing_the_docker_engine_mid_check_prints_the_summary_and_exits_2(capsys, monkeypatch):
+  from helpers_sandboxes import docker_or_skip
+  docker_or_skip()
+  import docker
+  from jaxes.envs.docker_sandbox import DockerSandbox
+
+  def lost_engine(backend, **kwargs):
+    sandbox = DockerSandbox(create_retries=0)
+    # The engine goes away after the sandbox started: every later call finds no socket.
+    sandbox._client = docker.DockerClient(base_url="unix:///nonexistent/docker.sock",
+                                            version="1.41")
+    return sandbox
+  monkeypatch.setattr(check, "make_sandbox", lost_engine)
+  code = check.main(["--backend", "docker", "--generated", "2", "--no-progress"])
+  out, err = capsys.readouterr()
+  summary = json.loads(out.strip().splitlines()[-1])
+  assert code == 2 and summary["leaked"] is None and summary["excluded"] == {"SANDBOX_ERROR": 2}
+  assert "engine stopped answering" in err and "Traceback" not in err

@@ -316,10 +316,27 @@ SIGNS_WITH_THE_KEY = textwrap.dedent('''\
   ''')
 
 
+# Counts a test file does not have (issue 54: reward 1 on both backends): the runner's own
+# report() called with more tests than the file's one, and "9 0 1" written to every pipe.
+CALLS_REPORT = "import __main__\n__main__.report(2, 0, 1)\n"
+WRITES_COUNTS = textwrap.dedent('''\
+  import os, stat
+  for fd in range(3, 256):
+    try:
+      if stat.S_ISFIFO(os.fstat(fd).st_mode):
+        os.write(fd, b"9 0 1\\n")
+    except OSError:
+      pass
+  os._exit(0)
+  ''')
+
+
 @pytest.mark.parametrize("answer,passes", [("def answer():\n  return 42\n", True),
-                                           (SIGNS_WITH_THE_KEY, False)])
+                                           (SIGNS_WITH_THE_KEY, False), (CALLS_REPORT, False),
+                                           (WRITES_COUNTS, False)])
 def test_agent_code_imported_by_the_tests_cannot_sign_a_verdict(sandbox, answer, passes):
   task = Task(name="imports", instruction="x", final_tests=IMPORTS_SOLUTION)
+  assert task.tests_run_agent_code   # check lists it: a report(1, 0, 1) would still pass
   with sandbox.start(task) as handle:
     handle.exec(f"cat > /home/user/solution.py <<'EOF'\n{answer}EOF", 10)
     report = handle.run_tests()
@@ -365,3 +382,67 @@ def test_a_pth_the_agent_plants_never_reaches_the_docker_verifier(tmp_path):
     sb.shutdown()
   assert "planted /srvx" in planted and "planted /usr" not in planted, planted
   assert not report.passed and "0" not in ran_as, (report.report, ran_as)
+
+
+def test_a_test_files_own_count_and_whether_it_runs_agent_code_are_read_statically():
+  from jaxes.envs import final_tests
+  counted = textwrap.dedent('''\
+    import pytest
+    @pytest.mark.parametrize("a,b", [(1, 2), (3, 4)])
+    def test_pairs(a, b): pass
+    class TestBox:
+      def test_one(self): pass
+      @pytest.mark.parametrize("x", (1, 2, 3))
+      def test_three(self, x): pass
+    def helper(): pass
+    ''')
+  assert final_tests.expected_count(counted) == 6
+  for unknowable in ("@pytest.mark.parametrize('x', range(3))\ndef test_x(x): pass\n",
+                     "from helpers import test_shared\n", "test_y = lambda: None\n",
+                     "@pytest.fixture(params=[1, 2])\ndef p(request): pass\ndef test_p(p): pass\n"):
+    assert final_tests.expected_count(unknowable) is None, unknowable
+  assert final_tests.runs_agent_code(IMPORTS_SOLUTION)
+  assert final_tests.runs_agent_code("import subprocess\ndef test_x():\n  subprocess.run(['/home/user/run.sh'])\n")
+  assert not final_tests.runs_agent_code("def test_x():\n  assert open('/home/user/out').read() == 'ok'\n")
+  assert not final_tests.runs_agent_code("import subprocess\ndef test_x():\n  subprocess.run(['tally', '/app/x'])\n")
+
+
+# Run by the tests: stops the sandbox's pid 1 with ptrace and keeps it stopped from a detached
+# child (issue 54: under bwrap's reaper the namespace then hung until the test timeout).
+STOPS_PID_1 = textwrap.dedent('''\
+  import ctypes, os, time
+  if os.fork() == 0:
+    os.setsid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    attached = libc.ptrace(16, 1, None, None)   # PTRACE_ATTACH
+    with open("/home/user/attached", "w") as f:
+      f.write(str(attached))
+    time.sleep(300)
+  ''')
+
+
+def test_programs_the_tests_run_cannot_stop_the_local_verifiers_namespace():
+  task = Task(name="pid1", instruction="x", limits=Limits(test_timeout_s=8.0), final_tests=(
+    "import subprocess\n\ndef test_done():\n  subprocess.run(['python3', '/home/user/t.py'])\n"
+    "  assert open('/home/user/done').read() == 'ok\\n'\n"))
+  sb = make_sandbox("local")
+  try:
+    with sb.start(task) as handle:
+      handle.exec(f"echo ok > done; cat > t.py <<'EOF'\n{STOPS_PID_1}EOF", 10)
+      report = handle.run_tests()
+  finally:
+    sb.shutdown()
+  assert report.passed and not report.timed_out, report
+
+
+def test_nul_bytes_and_over_long_commands_follow_one_rule_on_both_backends(sandbox):
+  from jaxes.envs.sandbox import MAX_COMMAND_BYTES
+  task = Task(name="long", instruction="x", final_tests="def test_x():\n  pass\n")
+  with sandbox.start(task) as handle:
+    longest = handle.exec("echo ok #" + "x" * (MAX_COMMAND_BYTES - 9), 10)
+    nul = handle.exec("echo ok\0; echo more", 10)
+    too_long = handle.exec("echo ok #" + "x" * (200 << 10), 10)
+  assert (longest.exit_code, longest.output) == (0, "ok\n")
+  assert (nul.exit_code, nul.output) == (2, "command refused, not run: it contains a NUL byte\n")
+  assert too_long.exit_code == 2 and too_long.output == (
+    f"command refused, not run: it is longer than {MAX_COMMAND_BYTES} bytes\n")

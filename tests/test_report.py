@@ -133,3 +133,18 @@ def test_sampler_keeps_per_update_and_drops_lines_past_the_resume_point(tmp_path
   written = sampler.write(3)
   assert [e["member"] for e in written] == [0, 1] and sampler.write(4) == []
   assert [e["update"] for e in read_episodes(str(path))] == [1, 2, 3, 3]
+
+
+def test_a_task_name_that_is_not_utf8_is_written_escaped_and_kept(run_dir, tmp_path):
+  from jaxes.train import atif, report
+  odd = os.fsdecode(b"task-\xff\xfe")     # a folder name in bytes that are not UTF-8
+  workdir = tmp_path / "run"
+  shutil.copytree(run_dir, workdir)
+  lines = open(workdir / EPISODES).read().splitlines()
+  first = json.loads(lines[0])
+  first["task"] = odd
+  (workdir / EPISODES).write_text("\n".join([json.dumps(first)] + lines[1:]) + "\n")
+  page = open(report.write(str(workdir)), encoding="utf-8").read()
+  assert "task-\\udcff\\udcfe" in page
+  out, _ = atif.export(str(workdir), str(tmp_path / "t.jsonl"))
+  assert any(odd in line for line in (json.loads(x)["session_id"] for x in open(out)))

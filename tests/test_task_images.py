@@ -57,9 +57,15 @@ def test_definitions_docker_cannot_build_are_refused_naming_the_line(text, messa
 def test_harbor_reward_file_and_limits():
   assert harbor.parse_reward("1\n", None) == 1.0
   assert harbor.parse_reward(None, '{"reward": 0.5}') == 0.5
-  assert harbor.parse_reward("", '{"score": 1}') == 1.0
+  # As Harbor: reward.json first; one without "reward" falls back to reward.txt.
+  assert harbor.parse_reward("0", '{"reward": 1}') == 1.0
+  assert harbor.parse_reward("1", '{"score": 0}') == 1.0
   for txt, js, message in [(None, None, "wrote no reward"), ("yes", None, "not a number"),
-                           (None, "[1", "not JSON"), ("nan", None, "not finite")]:
+                           (None, "[1", "not JSON"), ("nan", None, "not finite"),
+                           ("1", "", "not JSON"), (None, '{"score": 1}', "wrote no reward"),
+                           ("1", "[1]", "not a JSON object"), ("1" * 5000, None, "larger than"),
+                           ("1", "[" * 4096, "nested deeper than 32"),
+                           ("1", '{"a": ' * 40 + "1" + "}" * 40, "nested deeper than 32")]:
     with pytest.raises(harbor.RewardError, match=message):
       harbor.parse_reward(txt, js)
   assert harbor.limits_from_toml(
@@ -100,7 +106,7 @@ def sandbox(engine):
   sb = DockerSandbox(run_label=f"test-task-images-{uuid.uuid4().hex[:8]}")
   yield sb
   sb.shutdown()
-  assert sb.leftovers() == {"containers": 0}
+  assert sb.leftovers() == {"containers": 0, "volumes": 0}
 
 
 @pytest.mark.docker
@@ -271,3 +277,100 @@ def test_an_endless_terminals_folder_with_a_dockerfile_instead_builds_it(built, 
     built[0][ENDLESS].image)
   assert ("LOG_DIR", "/var/log/et") in task.env
   builder.client.images.remove(task.image)
+
+
+# -- a Harbor test.sh no file of the agent's can steer (issue 54) ------------------------------
+
+# Terminal-Bench-2 style: fetch a tool (offline, nothing comes), source the env file its
+# installer would write, run the tests.
+TB2_STYLE_TEST_SH = b"""#!/bin/bash
+curl -LsSf https://example.invalid/uv/install.sh 2>/dev/null | sh
+source $HOME/.local/bin/env
+if python3 -m pytest -q -p no:cacheprovider /tests/test_outputs.py; then
+  echo 1 > /logs/verifier/reward.txt
+else
+  echo 0 > /logs/verifier/reward.txt
+fi
+"""
+# Each was a reward of 1 without solving (main at 9f5dcb2: test.sh ran as the agent's uid, with
+# its HOME, in its working directory, writing a /logs/verifier it owned).
+HARBOR_FORGERIES = {
+  "pytest_shadowed_from_the_workdir": "printf 'raise SystemExit(0)\\n' > /app/pytest.py",
+  "pth_in_the_user_site": 'd="$(python3 -m site --user-site)"; mkdir -p "$d" && '
+                          'echo "import os; os._exit(0)" > "$d/zz_forge.pth"',
+  "sourced_home_env_file": "mkdir -p ~/.local/bin && printf 'echo 1 > /logs/verifier/reward.txt; "
+                           "chmod 444 /logs/verifier/reward.txt; exit 0\\n' > ~/.local/bin/env",
+  "python3_on_an_agent_writable_path": "mkdir -p /app/bin && printf '#!/bin/sh\\nexit 0\\n' > "
+                                       "/app/bin/python3 && chmod 755 /app/bin/python3",
+}
+
+
+@pytest.mark.docker
+@pytest.mark.parametrize("agent", ["oracle", *HARBOR_FORGERIES])
+def test_no_file_the_agent_leaves_steers_a_harbor_test_sh(built, sandbox, agent):
+  task = built[0][HARBOR]
+  env = tuple((k, "/app/bin:" + v if k == "PATH" else v) for k, v in task.env)
+  task = dataclasses.replace(task, env=env, verifier_files=(
+    ("test.sh", TB2_STYLE_TEST_SH), *[f for f in task.verifier_files if f[0] != "test.sh"]))
+  with sandbox.start(task) as handle:
+    command = task.solution if agent == "oracle" else HARBOR_FORGERIES[agent]
+    assert handle.exec(command, 20).exit_code == 0
+    report = handle.run_tests()
+  assert report.passed == (agent == "oracle"), report.report
+
+
+@pytest.mark.docker
+def test_a_reward_file_that_cannot_be_read_fails_the_episode_and_counts(built, sandbox):
+  task = built[0][HARBOR]
+  unreadable = dataclasses.replace(task, verifier_files=(("test.sh", (
+    "mkdir /logs/verifier/reward.txt\n"
+    "python3 -c \"print('[' * 4096)\" > /logs/verifier/reward.json\n").encode()),))
+  results, leaked = check.run_checks(sandbox, [unreadable], "oracle", progress=False)
+  summary = check.summarize(results, leaked)
+  assert summary["failures"] == {"FAILED_TESTS": 1} and summary["excluded"] == {}, summary
+
+
+@pytest.mark.docker
+def test_a_verifier_network_is_joined_only_for_test_sh_after_the_agent(built):
+  from jaxes.envs.docker_sandbox import DockerSandbox
+  task = dataclasses.replace(built[0][HARBOR], verifier_files=(("test.sh", (
+    b"ls /sys/class/net | grep -qv '^lo$' && echo 1 > /logs/verifier/reward.txt\n")),))
+  online = DockerSandbox(run_label=f"test-verifier-network-{uuid.uuid4().hex[:8]}",
+                         verifier_network="bridge")
+  try:
+    with online.start(task) as handle:
+      assert handle.exec("ls /sys/class/net", 10).output.split() == ["lo"]
+      report = handle.run_tests()
+      assert handle.exec("ls /sys/class/net", 10).output.split() == ["lo"]
+  finally:
+    online.shutdown()
+  assert report.passed, report.report
+
+
+@pytest.mark.docker
+def test_a_hostile_task_image_stays_contained(built, engine, tmp_path):
+  """Its VOLUME leaves nothing on the host, its ENTRYPOINT never runs, its RUN steps get no
+  network, and an image over the size cap is refused in one line."""
+  from jaxes.envs.docker_sandbox import DockerSandbox
+  folder = tmp_path / "hostile"
+  shutil.copytree(os.path.join(SUITE, HARBOR), folder)
+  dockerfile = folder / "environment" / "Dockerfile"
+  dockerfile.write_text(dockerfile.read_text() + (
+    "RUN ls /sys/class/net > /build-net\nVOLUME /data\n"
+    'ENTRYPOINT ["/bin/sh", "-c", "touch /entry-ran; exec \\"$@\\"", "--"]\n'))
+  builder = TaskImageBuilder(log_dir=str(tmp_path / "logs"))
+  task = loaders.load_task(str(folder), builder=builder)
+  sb = DockerSandbox(run_label=f"test-hostile-image-{uuid.uuid4().hex[:8]}")
+  try:
+    with sb.start(task) as handle:
+      seen = handle.exec("cat /build-net; ls /entry-ran 2>&1; true", 10).output
+    assert seen.splitlines()[:2] == ["lo", "ls: cannot access '/entry-ran': No such file or "
+                                     "directory"], seen
+    assert sb.leftovers() == {"containers": 0, "volumes": 0}
+  finally:
+    sb.shutdown()
+  capped = TaskImageBuilder(log_dir=str(tmp_path / "logs"), max_image_mb=1)
+  with pytest.raises(loaders.TaskLoadError) as err:
+    loaders.load_task(str(folder), builder=capped)
+  assert "\n" not in str(err.value) and "over the cap of 1 MiB" in str(err.value)
+  assert engine.images.list(name="jaxes-task/hostile") == []

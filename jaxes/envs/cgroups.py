@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 V1_CONTROLLERS = ("memory", "pids", "cpu")   # memory and pids are required, cpu is optional
 _PREFIX = "jaxes-"
-_KILL_ROUNDS = 200
+KILL_DEADLINE_S = 10.0   # how long a kill waits for an episode's processes to be gone
 
 # Moves itself into every cgroup.procs named before "--", then execs the rest.
 JOIN_SH = ('for f; do [ "$f" = -- ] && break; echo 0 > "$f" || exit 126; shift; done; '
@@ -144,25 +144,48 @@ def _procs(directory: str) -> list[int]:
     raise
 
 
-def _kill_all(directory: str) -> bool:
-  """SIGKILLs every process in ``directory``'s cgroup until it is empty; True when it is."""
+def _kill_all(directory: str, deadline_s: float = KILL_DEADLINE_S) -> bool:
+  """SIGKILLs every process in ``directory``'s cgroup until it is empty or ``deadline_s`` has
+  passed; True when it is empty. A cgroup v2 one is frozen after the first passes (a fork can
+  then no longer land between reading the list and killing it) and thawed once empty: SIGKILL
+  reaches frozen tasks. Processes that are slow to die (a full disk, pages to free) get the
+  time, with growing pauses, instead of a fixed number of quick rounds."""
   kill_file = os.path.join(directory, "cgroup.kill")   # v2, Linux 5.14+: one atomic pass
+  freeze_file = os.path.join(directory, "cgroup.freeze")
   if os.path.exists(kill_file):
     try:
       _write(kill_file, "1")
     except OSError:
       pass
-  for _ in range(_KILL_ROUNDS):   # v1: repeat, a fork may land between reading and killing
-    pids = _procs(directory)
-    if not pids:
-      return True
-    for pid in pids:
+  deadline = time.monotonic() + deadline_s
+  pause, frozen, passes = 0.002, False, 0
+  try:
+    while True:
+      pids = _procs(directory)
+      if not pids:
+        return True
+      if time.monotonic() > deadline:
+        return False
+      passes += 1
+      if passes == 3 and not frozen and os.path.exists(freeze_file):
+        try:
+          _write(freeze_file, "1")
+          frozen = True
+        except OSError:
+          pass
+      for pid in pids:
+        try:
+          os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+          pass
+      time.sleep(pause)
+      pause = min(pause * 2, 0.1)
+  finally:
+    if frozen:
       try:
-        os.kill(pid, signal.SIGKILL)
-      except ProcessLookupError:
+        _write(freeze_file, "0")
+      except OSError:
         pass
-    time.sleep(0.005)
-  return not _procs(directory)
 
 
 def _rmdir(directory: str) -> None:

@@ -17,11 +17,14 @@ answers done at once; ``replay:FILE`` plays a JSON list of raw model outputs as 
 JSON object mapping task names to such lists), then done. The oracle must pass every generated
 task and noop none (a task noop passes is broken). The last line printed is one JSON object:
 {"tasks", "episodes", "passed", "pass_rate", "pass_at_attempts", "failures": {reason: count},
-"excluded": {kind: count}, "leaked"} (episodes, passed, pass_rate, failures and excluded -- the
-failures training leaves out of fitness -- count episodes; pass_at_attempts is the share of
-tasks passed in at least one of their --attempts). Exit status 1 when
+"excluded": {kind: count}, "tests_run_agent_code": [task], "leaked"} (episodes, passed,
+pass_rate, failures and excluded -- the failures training leaves out of fitness -- count
+episodes; pass_at_attempts is the share of tasks passed in at least one of their --attempts;
+tests_run_agent_code names the tasks whose tests import or execute files from the agent's home,
+whose passes the agent's code could have reported itself). Exit status 1 when
 anything leaked, or the oracle missed / noop passed a task; 2 (with one line saying why) when a
-task folder cannot be loaded or the sandbox cannot start.
+task folder cannot be loaded, the sandbox cannot start, or its engine stops answering (the
+summary is printed first, with "leaked": null).
 """
 from __future__ import annotations
 
@@ -39,6 +42,7 @@ from jaxes.envs import generator, make_sandbox, protocol
 from jaxes.envs.sandbox import SandboxError
 from jaxes.envs.checking import exit_status, read_replay
 from jaxes.envs.task import Task
+from jaxes.envs.task_images import DEFAULT_MAX_IMAGE_MB
 
 DONE = "<action>done</action>"
 FAILED_TESTS = "FAILED_TESTS"     # the episode ran normally but the final tests failed
@@ -95,9 +99,10 @@ def descendant_pids() -> set[int]:
 
 def run_checks(sandbox, tasks: list[Task], agent_spec: str, workers: int = 1,
                progress: bool = True, attempts: int = 1,
-               ) -> tuple[list[tuple[Task, protocol.EpisodeOutcome | str]], int]:
+               ) -> tuple[list[tuple[Task, protocol.EpisodeOutcome | str]], int | None]:
   """Plays every task ``attempts`` times; returns (task, outcome or the reason it could not be
-  played) pairs, in task order, and the number of leftovers."""
+  played) pairs, in task order, and the number of leftovers (None: the sandbox could not say,
+  its engine gone)."""
   factory = make_agent(agent_spec)
   # Only what the episodes leave counts: a caller (a test process, a notebook) may have children
   # of its own that are none of the check's business.
@@ -119,7 +124,11 @@ def run_checks(sandbox, tasks: list[Task], agent_spec: str, workers: int = 1,
     for fut in tqdm.tqdm(concurrent.futures.as_completed(futures), total=len(futures),
                          disable=not progress, desc="episodes", file=sys.stderr):
       results.append(fut.result())
-  leaked = sum(sandbox.leftovers().values()) + len(descendant_pids() - before)
+  try:
+    leaked = sum(sandbox.leftovers().values()) + len(descendant_pids() - before)
+  except SandboxError as err:   # the engine is gone: what leaked cannot be known
+    print(f"check: cannot count leftovers: {err}", file=sys.stderr)
+    leaked = None
   order = {t.name: i for i, t in enumerate(tasks)}
   results.sort(key=lambda r: order[r[0].name])
   return results, leaked
@@ -134,8 +143,10 @@ def summarize(results, leaked: int) -> dict:
       failures[outcome.failure or FAILED_TESTS] += 1
   passed = sum(not isinstance(o, str) and o.passed for _t, o in results)
   by_task = collections.defaultdict(bool)
+  tests_run_agent_code = {}
   for task, outcome in results:
     by_task[task.name] |= not isinstance(outcome, str) and outcome.passed
+    tests_run_agent_code[task.name] = task.tests_run_agent_code
   return {"tasks": len(by_task), "episodes": len(results), "passed": passed,
           "pass_rate": passed / len(results) if results else 0.0,
           "pass_at_attempts": sum(by_task.values()) / len(by_task) if by_task else 0.0,
@@ -143,27 +154,31 @@ def summarize(results, leaked: int) -> dict:
           # What training would leave out of fitness (infrastructure failures), by kind; every
           # other failure, SANDBOX_BROKEN included, is a failed episode that counts.
           "excluded": {k: n for k, n in sorted(failures.items()) if k in protocol.EXCLUDED},
+          # Tasks whose tests run the agent's code in-process: their passes are not proof.
+          "tests_run_agent_code": sorted(n for n in by_task if tests_run_agent_code[n]),
           "leaked": leaked}
 
 
 def task_table(results, builds: dict | None = None) -> str:
   """Per task: attempts, passes, pass@attempts, image build seconds ("cached" when none was
-  needed, "-" for the shared image) and mean episode seconds (container start to close)."""
+  needed, "-" for the shared image), mean episode seconds (container start to close) and
+  whether its tests run the agent's code (``Task.tests_run_agent_code``: a pass there is no
+  proof)."""
   rows: dict[str, list] = {}
   for task, outcome in results:
-    row = rows.setdefault(task.name, [0, 0, 0.0])
+    row = rows.setdefault(task.name, [0, 0, 0.0, task.tests_run_agent_code])
     row[0] += 1
     if not isinstance(outcome, str):
       row[1] += outcome.passed
       row[2] += outcome.timings.get("start_s", 0.0) + outcome.timings.get("total_s", 0.0)
   width = max([len(name) for name in rows] + [4])
   lines = [f"{'task':<{width}} {'attempts':>8} {'passed':>6} {'pass@n':>6} {'build_s':>8} "
-           f"{'episode_s':>9}"]
-  for name, (n, passed, seconds) in rows.items():
+           f"{'episode_s':>9} {'agent_code':>10}"]
+  for name, (n, passed, seconds, agent_code) in rows.items():
     built = (builds or {}).get(name)
     build = "-" if built is None else f"{built.seconds:.1f}" if built.built else "cached"
     lines.append(f"{name:<{width}} {n:>8} {passed:>6} {int(passed > 0):>6} {build:>8} "
-                 f"{seconds / n:>9.2f}")
+                 f"{seconds / n:>9.2f} {'yes' if agent_code else '-':>10}")
   return "\n".join(lines)
 
 
@@ -224,11 +239,20 @@ def main(argv: list[str] | None = None) -> int:
                   "the shared image; auto: docker on the docker backend")
   ap.add_argument("--rebuild", action="store_true",
                   help="--task-build docker: rebuild task images even when cached")
+  ap.add_argument("--build-network", default="none", metavar="MODE",
+                  help="--task-build docker: the network the recipes' RUN steps get (default "
+                  "none; 'default' or 'bridge' for suites that install packages as they build)")
+  ap.add_argument("--max-image-mb", type=int, default=DEFAULT_MAX_IMAGE_MB, metavar="MB",
+                  help="--task-build docker: refuse a task image larger than this "
+                  f"(default {DEFAULT_MAX_IMAGE_MB})")
   ap.add_argument("--pytest", action="store_true", help="local backend: run final tests with "
                   "real pytest instead of the light runner")
   ap.add_argument("--isolation", choices=("auto", "bwrap", "unshare", "none"), default="auto",
                   help="local backend: bubblewrap (auto), or for a manual check only the weak "
                   "unshare / none mechanisms (warned about; never used for training)")
+  ap.add_argument("--verifier-network", metavar="NAME", help="docker backend: the docker "
+                  "network a Harbor test.sh joins once the agent's processes are gone (for "
+                  "tests that install their tools at test time; default: none)")
   ap.add_argument("--no-progress", action="store_true")
   args = ap.parse_args(argv)
   if args.generated is not None and args.generated < 1:
@@ -254,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     from jaxes.envs.task_images import TaskImageBuilder, TaskImageError
     try:
       if task_build == "docker":
-        builder = TaskImageBuilder(rebuild=args.rebuild)
+        builder = TaskImageBuilder(rebuild=args.rebuild, network=args.build_network,
+                                   max_image_mb=args.max_image_mb)
       tasks = load_tasks(args.tasks, builder=builder)
     except (TaskLoadError, TaskImageError) as e:
       print(f"check: {e}", file=sys.stderr)
@@ -262,6 +287,11 @@ def main(argv: list[str] | None = None) -> int:
   else:
     tasks = generator.split(args.split, args.generated, seed=args.seed)
   kwargs = {}
+  if args.verifier_network is not None:
+    if args.backend != "docker":
+      print("check: --verifier-network needs --backend docker", file=sys.stderr)
+      return 2
+    kwargs["verifier_network"] = args.verifier_network
   if args.backend == "local":
     kwargs = {"use_pytest": args.pytest, "isolation": args.isolation,
               "allow_weak_isolation": args.isolation in ("unshare", "none")}
@@ -289,6 +319,10 @@ def main(argv: list[str] | None = None) -> int:
     for failed in oracle_failures(results):
       print(f"check: the oracle failed task {failed}", file=sys.stderr)
   print(json.dumps(summary))
+  if leaked is None:
+    print("check: the sandbox's engine stopped answering during the check; the summary above "
+          "counts its episodes as SANDBOX_ERROR", file=sys.stderr)
+    return 2
   return exit_status(args.agent, summary["passed"], summary["episodes"], leaked)
 
 

@@ -18,6 +18,7 @@ import dataclasses
 import io
 import os
 import queue
+import re
 import shlex
 import socket
 import tarfile
@@ -31,7 +32,7 @@ import requests
 from jaxes.envs import final_tests, harbor
 from jaxes.envs.image import DEFAULT_TAG, SANDBOX_HOME, SANDBOX_UID, SANDBOX_USER
 from jaxes.envs.sandbox import (ExecResult, HostError, OutputCapture, Sandbox, SandboxError,
-                                SandboxHandle, TestReport)
+                                SandboxHandle, TestReport, refused_command)
 from jaxes.envs.task import Limits, Task
 
 LABEL = "jaxes.sandbox"
@@ -84,6 +85,19 @@ shift
 """
 # Existing directories (/tmp, the home) keep their owner and mode.
 _UNSTAGE = f"tar -C {STAGE} -cf - . | tar -C / -xpf - --no-overwrite-dir && rm -rf {STAGE}\n"
+# Prints each argument that the agent's user could write, or owns, or whose parent directories it
+# could write or owns (it could have put anything there).
+_AGENT_WRITABLE = """\
+for path in "$@"; do
+  p="$path"
+  while [ -n "$p" ]; do
+    if [ -e "$p" ] && { [ -w "$p" ] || [ -O "$p" ]; }; then printf '%s\\n' "$path"; break; fi
+    [ "$p" = / ] && break
+    p="${p%/*}"; p="${p:-/}"
+  done
+done"""
+ROOT_HOME = "/root"                               # test.sh's HOME, as in Harbor, when the agent
+VERIFIER_HOME = "/var/lib/jaxes-verifier/home"   # could not touch it; else this one, made fresh
 _DOCKER_ERRORS = (docker.errors.DockerException, requests.exceptions.RequestException)
 
 
@@ -145,7 +159,9 @@ class ContainerSpec:
 
 def _force_remove(container) -> None:
   try:
-    container.remove(force=True)
+    # v: with the anonymous volumes a task image's VOLUME made (they would outlive it on the
+    # host's disk, holding what the agent wrote there).
+    container.remove(force=True, v=True)
   except docker.errors.NotFound:
     pass
   except _DOCKER_ERRORS:
@@ -212,13 +228,17 @@ class DockerSandbox(Sandbox):
   exec_grace_s:   an exec still running this long after its timeout is an infrastructure fault
                   (the container is removed and SandboxError raised).
   check_initial_state: run the task's initial_tests after setup; failing ones raise SandboxError.
+  verifier_network: a docker network a Harbor test.sh gets (None: none, the default), joined
+                  only once every agent process is gone and left before the reward is read:
+                  for Terminal-Bench-2 tests that install their tools at test time.
   """
 
   def __init__(self, image: str = DEFAULT_TAG, run_label: str | None = None, pool_size: int = 0,
                cpus: float = 1.0, memory_mb: int = 2048, pids: int = 256,
                create_retries: int = 3, retry_backoff_s: float = 0.5,
                exec_grace_s: float = 15.0, setup_timeout_s: float = 120.0,
-               check_initial_state: bool = False, client=None):
+               check_initial_state: bool = False, verifier_network: str | None = None,
+               client=None):
     if pool_size < 0 or create_retries < 0:
       raise ValueError("pool_size and create_retries must be >= 0")
     try:
@@ -236,9 +256,18 @@ class DockerSandbox(Sandbox):
     self.create_retries, self.retry_backoff_s = create_retries, retry_backoff_s
     self.exec_grace_s, self.setup_timeout_s = exec_grace_s, setup_timeout_s
     self.check_initial_state = check_initial_state
+    self.verifier_network = verifier_network
+    if verifier_network is not None:
+      try:
+        self._client.networks.get(verifier_network)
+      except _DOCKER_ERRORS as err:
+        raise SandboxError(f"verifier_network={verifier_network!r}: no such docker network "
+                           f"({err})") from err
     self.pool_size = pool_size
     self._owner = owner_tag()
     self._closed = threading.Event()
+    self._volumes: set[str] = set()   # anonymous volumes of this run's containers not seen gone
+    self._volumes_lock = threading.Lock()
     self.orphans_removed = remove_orphans(self._client)
     for container in list_run_containers(self._client, self.run_label):
       _force_remove(container)
@@ -265,13 +294,19 @@ class DockerSandbox(Sandbox):
                          blank, disk_mb=task.limits.disk_mb)
 
   def _create_container(self, spec: ContainerSpec):
+    # entrypoint=[]: a task image's ENTRYPOINT (and CMD) never runs; the episode's only
+    # processes are docker's init, `sleep` and the execs we start.
     container = self._client.containers.create(
-      spec.image, ["sleep", "infinity"], init=True, network_mode="none", user="root",
+      spec.image, ["sleep", "infinity"], entrypoint=[], init=True, network_mode="none",
+      user="root",
       working_dir=SANDBOX_HOME, environment={key: "" for key in spec.blank_env} or None,
       mem_limit=f"{spec.memory_mb}m",
       memswap_limit=f"{spec.memory_mb}m", pids_limit=spec.pids, nano_cpus=int(spec.cpus * 1e9),
       security_opt=["no-new-privileges"], tmpfs=agent_tmpfs(spec.disk_mb, spec.image == self.image),
       labels={LABEL: "1", RUN_LABEL: self.run_label, OWNER_LABEL: self._owner})
+    with self._volumes_lock:
+      self._volumes.update(m["Name"] for m in container.attrs.get("Mounts") or ()
+                           if m.get("Type") == "volume")
     try:
       container.start()
     except BaseException:
@@ -338,11 +373,24 @@ class DockerSandbox(Sandbox):
     return handle
 
   def leftovers(self) -> dict[str, int]:
-    """Containers of this run that still exist (pooled ones included until shutdown)."""
+    """Containers of this run that still exist (pooled ones included until shutdown), and the
+    anonymous volumes (a task image's VOLUME) they made that still exist."""
     try:
-      return {"containers": len(list_run_containers(self._client, self.run_label))}
+      containers = len(list_run_containers(self._client, self.run_label))
+      with self._volumes_lock:
+        names = list(self._volumes)
+      left = []
+      for name in names:
+        try:
+          self._client.volumes.get(name)
+          left.append(name)
+        except docker.errors.NotFound:
+          pass
+      with self._volumes_lock:
+        self._volumes &= set(left) | (self._volumes - set(names))
     except _DOCKER_ERRORS as err:
       raise SandboxError(f"cannot list containers: {err}") from err
+    return {"containers": containers, "volumes": len(left)}
 
   def shutdown(self) -> None:
     """Removes every container this run created (pooled, live or leaked). Idempotent."""
@@ -370,17 +418,36 @@ class DockerHandle(SandboxHandle):
     self._env = {**SHELL_ENV, **dict(task.env)}
     self._broken: SandboxError | None = None
     self._closed = False
+    self._removed_by_us = False
 
   @property
   def container_id(self) -> str:
     return self._container.id
 
   def _fail(self, reason: str, cause: BaseException | None = None):
-    # An engine that does not answer is the host's fault; anything else (a container gone, an
-    # exec that hangs) the agent's commands may have caused.
-    host = isinstance(cause, requests.exceptions.ConnectionError)
+    # An engine that does not answer, or a container stopped or removed by someone else (an
+    # operator, the engine) is the host's fault: retried, left out of fitness. Anything else
+    # (an exec that hangs, the container OOM-killed by what the agent ran) the agent's
+    # commands may have caused: a failed episode.
+    host = isinstance(cause, requests.exceptions.ConnectionError) or self._stopped_from_outside()
+    if host and not isinstance(cause, requests.exceptions.ConnectionError):
+      reason += " (the container was stopped from outside, not by its memory limit)"
     self._broken = (HostError if host else SandboxError)(reason)
     raise self._broken from cause
+
+  def _stopped_from_outside(self) -> bool:
+    """Whether the container is gone or stopped, and not by the kernel's OOM killer (docker's
+    ``State.OOMKilled``: the agent's processes filled its memory limit)."""
+    if self._removed_by_us:
+      return False
+    try:
+      self._container.reload()
+    except docker.errors.NotFound:
+      return True
+    except _DOCKER_ERRORS:
+      return False
+    state = self._container.attrs.get("State") or {}
+    return not state.get("Running", True) and not state.get("OOMKilled", False)
 
   def _exec(self, argv: list[str], user: str, timeout_s: float, cap_chars: int,
             environment: dict[str, str] | None = None) -> tuple[int, str, int, float, bool]:
@@ -420,6 +487,7 @@ class DockerHandle(SandboxHandle):
     reader.start()
     reader.join(timeout_s + self._sandbox.exec_grace_s)
     if reader.is_alive():
+      self._removed_by_us = True
       _force_remove(self._container)  # ends the stream, frees the reader thread
       reader.join(5.0)
       self._fail(f"exec in container {self._container.short_id} still running "
@@ -489,6 +557,9 @@ class DockerHandle(SandboxHandle):
                            f"{report.report[-2000:]}")
 
   def exec(self, command: str, timeout_s: float) -> ExecResult:
+    refused = refused_command(command)
+    if refused is not None:
+      return refused
     limits = self._task.limits
     prelude = _PRELUDE.format(cpu=limits.cpu_s, fsize_blocks=limits.file_size_mb * 1024,
                               home=SANDBOX_HOME, ctl=CTL, reap=_REAP)
@@ -539,33 +610,72 @@ class DockerHandle(SandboxHandle):
       return TestReport(False, 0, final_tests.count_tests(source), False, output)
     if status != "ok":
       self._fail(f"the verifier could not run ({status}): {output[-500:]}")
+    if not final_tests.counts_hold(source, num_passed, num_failed):
+      return TestReport(False, 0, final_tests.count_tests(source), False,
+                        f"{output}\n{final_tests.MORE_THAN_COLLECTED}")
     num_tests = num_passed + num_failed if collected else final_tests.count_tests(source)
     passed = collected and num_tests > 0 and num_failed == 0
     return TestReport(passed=passed, num_passed=num_passed if collected else 0,
                       num_tests=num_tests, timed_out=False, report=output)
 
   def _as_agent(self, script: str, timeout_s: float, environment: dict[str, str] | None = None,
-                cap_chars: int = 200_000):
-    """Runs a bash script as the agent's user (not the agent's shell: no saved state)."""
+                cap_chars: int = 200_000, argv_tail: list[str] = ()):
+    """Runs a bash script (with ``argv_tail`` as its arguments) as the agent's user (not the
+    agent's shell: no saved state)."""
     argv = [TIMEOUT, "-s", "KILL", f"{timeout_s:g}s",
             SETPRIV, f"--reuid={SANDBOX_UID}", f"--regid={SANDBOX_UID}", "--init-groups",
-            "--inh-caps=-all", "--", BASH, "--noprofile", "--norc", "-c", script]
+            "--inh-caps=-all", "--", BASH, "--noprofile", "--norc", "-c", script, "jaxes-check",
+            *argv_tail]
     exit_code, output, _, seconds, _ = self._exec(argv, "root", timeout_s, cap_chars,
                                                   environment)
     return exit_code, output, seconds
 
+  def _verifier_env(self) -> dict[str, str]:
+    """test.sh's environment: the image's ENV (Harbor's), minus every PATH entry, and every
+    variable naming a path, that the agent could have written (an entry that is not absolute
+    is such a path: it names the working directory), with root's HOME (what the image put
+    there, a pre-installed tool, stays usable) unless the agent could write it, else a fresh
+    one, and python's implicit imports (the working directory, the user site) off."""
+    env = dict(SHELL_ENV)
+    env.update(self._task.env)
+    paths = sorted({p for value in env.values() for p in re.split(r"[\s:;,=]+", value)
+                    if p.startswith("/")} | {ROOT_HOME})
+    # One shell as the agent's user says which of them (or of their parents) it can write or
+    # owns. Its processes are all gone by now; what they left is what counts.
+    code, output, _ = self._as_agent(_AGENT_WRITABLE, 30.0, SHELL_ENV, argv_tail=paths)
+    if code != 0:
+      self._fail(f"task {self._task.name}: could not check the verifier's paths: {output[-300:]}")
+    tainted = set(output.splitlines())
+    env["PATH"] = ":".join(p for p in env.get("PATH", "").split(":")
+                           if p.startswith("/") and p not in tainted) or SHELL_ENV["PATH"]
+    env = {key: value for key, value in env.items() if key == "PATH" or not (
+      set(re.split(r"[\s:;,=]+", value)) & tainted)}
+    env.update(HOME=VERIFIER_HOME if ROOT_HOME in tainted else ROOT_HOME, USER="root", LOGNAME="root", PYTHONNOUSERSITE="1",
+               PYTHONSAFEPATH="1", PYTHONDONTWRITEBYTECODE="1")
+    return env
+
   def _run_test_script(self) -> TestReport:
-    """Harbor's verifier: once the agent's processes are gone, a fresh ``/tests`` (root-owned,
-    so the tests cannot be edited) and an empty ``/logs/verifier`` are made, ``tests/test.sh``
-    runs in the image's working directory, and its reward file is read. test.sh runs as the
-    agent's user, not as root as in Harbor: it runs the agent's programs, and on a task-built
-    image whatever the agent planted (a ``pytest.py`` in the working directory, say) must not
-    gain root by it. Its leftovers are killed before the reward is read."""
+    """Harbor's verifier, run so that no file of the agent's can steer it: once every process
+    of the agent's user is gone, the working directory is handed back to root, a fresh
+    root-owned ``/tests`` and ``/logs/verifier`` (unwritable by the agent's uid) are made,
+    and ``tests/test.sh`` runs as root, as in Harbor, in the image's working directory with
+    ``_verifier_env``. The reward files are read by the host (regular files only, at most
+    ``harbor.MAX_REWARD_BYTES``); anything unreadable is a failed episode, never an excluded one.
+    Tests that run the agent's programs give them root in the container, as Harbor does: those
+    programs can write the reward (docs/envs.md, "Harbor's verifier")."""
     self._kill_agent_processes()
     task, timeout_s = self._task, self._task.limits.test_timeout_s
+    workdir = shlex.quote(task.workdir or SANDBOX_HOME)
+    env = self._verifier_env()
+    # The working directory goes back to root (as it was in the image, and as it is after a
+    # Harbor agent, who runs as root): nothing in it is the agent's to change any more.
+    give_back = f" && chown -hR 0:0 {workdir}" if workdir != "/" else ""
     exit_code, output, _ = self._root_script(
-      f"rm -rf {harbor.TESTS_DIR} {harbor.LOGS_DIR} && mkdir -p {harbor.LOGS_DIR} && "
-      f"chown {SANDBOX_UID}:{SANDBOX_UID} {harbor.LOGS_DIR}", 30.0, environment=SHELL_ENV)
+      f"rm -rf {harbor.TESTS_DIR} {harbor.LOGS_DIR} {VERIFIER_HOME} && "
+      f"install -d -o 0 -g 0 -m 0755 /logs {harbor.LOGS_DIR} && "
+      f"install -d -o 0 -g 0 -m 0700 {VERIFIER_HOME} && "
+      f"{{ [ -d {ROOT_HOME} ] || install -d -o 0 -g 0 -m 0700 {ROOT_HOME}; }}{give_back}", 30.0,
+      environment=SHELL_ENV)
     if exit_code != 0:
       self._fail(f"task {task.name}: could not prepare the verifier's folders: {output[-500:]}")
     files = [(f"{harbor.TESTS_DIR}/{path}", data) for path, data in task.verifier_files]
@@ -573,24 +683,35 @@ class DockerHandle(SandboxHandle):
       self._container.put_archive("/", _tar_files(files, SANDBOX_HOME))
     except _DOCKER_ERRORS as err:
       self._fail(f"copying tests failed: {err}", err)
-    workdir = shlex.quote(task.workdir or SANDBOX_HOME)
-    exit_code, output, seconds = self._as_agent(
-      f"cd {workdir} && exec {BASH} {harbor.TESTS_DIR}/test.sh", timeout_s, self._env)
+    network = self._sandbox.verifier_network
+    if network is not None:   # docker joins no network to a container still in "none"
+      self._network("disconnect", "none")
+      self._network("connect", network)
+    exit_code, output, seconds = self._root_script(
+      f"cd {workdir} && exec {BASH} {harbor.TESTS_DIR}/test.sh", timeout_s, environment=env)
+    if network is not None:
+      self._network("disconnect", network)
     timed_out = exit_code == KILL_EXIT_CODE and seconds >= timeout_s
-    self._kill_agent_processes()
     if timed_out:
       return TestReport(False, 0, 1, True, output)
     texts = []
     for path in (harbor.REWARD_TXT, harbor.REWARD_JSON):
-      code, text, _ = self._as_agent(f"exec /usr/bin/head -c {harbor.MAX_REWARD_BYTES} -- {path}",
-                                     10.0, SHELL_ENV)
+      code, text, _ = self._root_script(
+        f"[ -f {path} ] && [ ! -L {path} ] || exit 3; exec /usr/bin/head -c "
+        f"{harbor.MAX_REWARD_BYTES + 1} -- {path}", 10.0, environment=SHELL_ENV)
       texts.append(text if code == 0 else None)
     try:
       reward = harbor.parse_reward(*texts)
     except harbor.RewardError as err:
-      return TestReport(False, 0, 1, False, f"{output}\n{err}")
+      return TestReport(False, 0, 1, False, f"{output}\n{err}\nreward: 0")
     passed = reward >= 1.0
     return TestReport(passed, int(passed), 1, False, f"{output}\nreward: {reward:g}")
+
+  def _network(self, action: str, name: str) -> None:
+    try:
+      getattr(self._sandbox._client.networks.get(name), action)(self._container)
+    except _DOCKER_ERRORS as err:
+      self._fail(f"could not {action} the verifier's network {name}: {err}", err)
 
   def run_tests(self) -> TestReport:
     if self._task.verifier_files:

@@ -31,6 +31,8 @@ NO_PYTEST = "no-pytest"          # a verifier status besides "ok": an infrastruc
 # The agent's home is not usable as the tests' working directory (e.g. it ran `chmod 000` on it):
 # the agent's doing, so a failed episode (reward 0), never an excluded one.
 CWD_UNUSABLE = "cwd-unusable"
+# What a failed report says when its counts exceed the test file's own (expected_count).
+MORE_THAN_COLLECTED = "the verdict counts more tests than the file has: forged by code the tests ran"
 
 # Runs inside the sandbox. Whatever goes wrong, its result line is the last thing it prints.
 # It holds the key and signs; the tests run in RUNNER, a fresh interpreter it starts, which never
@@ -252,3 +254,94 @@ def count_tests(source: str) -> int:
   except SyntaxError:
     return 0
   return sum(isinstance(n, ast.FunctionDef) and n.name.startswith("test") for n in ast.walk(tree))
+
+
+def _multiplier(node: ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) -> int | None:
+  """How many items pytest makes of one test (parametrize with literal value lists multiply);
+  None where only running pytest could tell."""
+  n = 1
+  for decorator in node.decorator_list:
+    call = decorator if isinstance(decorator, ast.Call) else None
+    name = ast.unparse(call.func if call else decorator)
+    if name.split(".")[-1] == "parametrize":
+      values = call.args[1] if call is not None and len(call.args) >= 2 else None
+      if not isinstance(values, (ast.List, ast.Tuple)) or any(
+          isinstance(e, ast.Starred) for e in values.elts):
+        return None
+      n *= len(values.elts)
+  return n
+
+
+def expected_count(source: str) -> int | None:
+  """How many tests pytest collects from this file, read from its source alone (so no code of
+  the agent's has run when it is known); None where that needs pytest (parametrize over
+  computed values, parametrized fixtures, test names bound by assignment or import,
+  ``pytest_generate_tests``, inherited test classes). A verdict claiming more tests than this
+  is forged by code the tests ran in-process."""
+  try:
+    tree = ast.parse(source)
+  except SyntaxError:
+    return None
+  total = 0
+  for node in tree.body:
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+      if any((a.asname or a.name).split(".")[-1].startswith(("test", "Test")) for a in node.names):
+        return None
+    elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+      targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+      if any(isinstance(t, ast.Name) and t.id.startswith(("test", "Test")) for t in targets):
+        return None
+    elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+      if node.name == "pytest_generate_tests" or any(
+          "params" in {k.arg for k in d.keywords} for d in node.decorator_list
+          if isinstance(d, ast.Call)):
+        return None
+      if node.name.startswith("test"):
+        n = _multiplier(node)
+        if n is None:
+          return None
+        total += n
+    elif isinstance(node, ast.ClassDef) and node.name.startswith("Test"):
+      outer = _multiplier(node)
+      if node.bases or outer is None:
+        return None
+      for item in node.body:
+        if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and item.name.startswith("test"):
+          n = _multiplier(item)
+          if n is None:
+            return None
+          total += outer * n
+  return total
+
+
+def counts_hold(source: str, passed: int, failed: int) -> bool:
+  """Whether a verdict's counts can be the file's: never more tests than it has."""
+  expected = expected_count(source)
+  return expected is None or passed + failed <= expected
+
+
+_RUNS_CODE = ("exec", "eval", "compile", "__import__", "import_module", "spec_from_file_location",
+              "SourceFileLoader", "run_path", "run_module", "run", "call", "check_call",
+              "check_output", "Popen", "system", "popen", "execv", "execve", "execvp", "execl",
+              "execlp", "spawnv", "spawnl", "getoutput", "getstatusoutput", "load_source")
+
+
+def runs_agent_code(source: str, home: str = "/home/user") -> bool:
+  """Whether tests (a Python file, or a test.sh) import or execute a file from the agent's
+  home, read statically: a call that runs code (import machinery, exec, subprocess, os.system…)
+  or a ``sys.path`` change with a string naming ``home`` among its arguments; for a shell script,
+  ``home`` named at all. Such tests run the agent's code in the verifier's process or as its
+  user: that code can report any verdict with the right counts, so check lists these tasks."""
+  try:
+    tree = ast.parse(source)
+  except SyntaxError:
+    return home in source
+  names_home = lambda node: any(isinstance(n, ast.Constant) and isinstance(n.value, str)
+                                and n.value.startswith(home) for n in ast.walk(node))
+  for node in ast.walk(tree):
+    if not isinstance(node, ast.Call):
+      continue
+    func = ast.unparse(node.func)
+    if (func.split(".")[-1] in _RUNS_CODE or func.startswith("sys.path.")) and names_home(node):
+      return True
+  return False

@@ -42,27 +42,66 @@ def limits_from_toml(config: dict, where: str) -> dict:
   return limits
 
 
-def parse_reward(reward_txt: str | None, reward_json: str | None) -> float:
-  """The reward test.sh wrote: reward.txt's number, else reward.json's "reward" (or its only
-  value). Raises RewardError, saying what was found, when neither holds a finite number."""
-  if reward_txt is not None and reward_txt.strip():
-    try:
-      value = float(reward_txt.strip())
-    except ValueError:
-      raise RewardError(f"{REWARD_TXT} is not a number: {reward_txt.strip()[:80]!r}") from None
-  elif reward_json is not None and reward_json.strip():
-    try:
-      data = json.loads(reward_json)
-    except json.JSONDecodeError as err:
-      raise RewardError(f"{REWARD_JSON} is not JSON: {err.msg}") from None
-    if isinstance(data, dict) and "reward" not in data and len(data) == 1:
-      data = {"reward": next(iter(data.values()))}
-    value = data.get("reward") if isinstance(data, dict) else data
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-      raise RewardError(f"{REWARD_JSON} has no numeric \"reward\": {reward_json.strip()[:80]!r}")
-    value = float(value)
-  else:
-    raise RewardError(f"test.sh wrote no reward ({REWARD_TXT} or {REWARD_JSON})")
+MAX_JSON_DEPTH = 32
+
+
+def _json_depth(text: str) -> int:
+  """The deepest nesting of ``[``/``{`` outside strings (checked before json.loads, whose
+  recursion a 4,096-deep reward.json would exhaust)."""
+  depth = deepest = 0
+  in_string = escaped = False
+  for char in text:
+    if in_string:
+      escaped, in_string = (False, True) if escaped else (char == "\\", char != '"')
+    elif char == '"':
+      in_string = True
+    elif char in "[{":
+      depth += 1
+      deepest = max(deepest, depth)
+    elif char in "]}":
+      depth -= 1
+  return deepest
+
+
+def _number(value, where: str, shown: str) -> float:
+  if isinstance(value, bool) or not isinstance(value, (int, float)):
+    raise RewardError(f"{where} has no numeric \"reward\": {shown}")
+  value = float(value)
   if not math.isfinite(value):
     raise RewardError(f"reward {value} is not finite")
   return value
+
+
+def _text_reward(reward_txt: str | None) -> float:
+  if reward_txt is None:
+    raise RewardError(f"test.sh wrote no reward ({REWARD_TXT} or {REWARD_JSON})")
+  if len(reward_txt) > MAX_REWARD_BYTES:
+    raise RewardError(f"{REWARD_TXT} is larger than {MAX_REWARD_BYTES} bytes")
+  try:
+    value = float(reward_txt.strip())
+  except ValueError:
+    raise RewardError(f"{REWARD_TXT} is not a number: {reward_txt.strip()[:80]!r}") from None
+  return _number(value, REWARD_TXT, repr(reward_txt[:80]))
+
+
+def parse_reward(reward_txt: str | None, reward_json: str | None) -> float:
+  """The reward test.sh wrote, as Harbor's verifier reads it: reward.json when it exists (an
+  object; its numeric "reward", else reward.txt's number), else reward.txt. None: no such
+  regular file. Raises RewardError, saying what was found, for anything else (empty, too large,
+  nested deeper than MAX_JSON_DEPTH, not a finite number): the caller fails the episode."""
+  if reward_json is None:
+    return _text_reward(reward_txt)
+  shown = repr(reward_json.strip()[:80])
+  if len(reward_json) > MAX_REWARD_BYTES:
+    raise RewardError(f"{REWARD_JSON} is larger than {MAX_REWARD_BYTES} bytes")
+  if _json_depth(reward_json) > MAX_JSON_DEPTH:
+    raise RewardError(f"{REWARD_JSON} is nested deeper than {MAX_JSON_DEPTH} levels")
+  try:
+    data = json.loads(reward_json)
+  except (ValueError, RecursionError) as err:
+    raise RewardError(f"{REWARD_JSON} is not JSON: {err}"[:200]) from None
+  if not isinstance(data, dict):
+    raise RewardError(f"{REWARD_JSON} is not a JSON object: {shown}")
+  if "reward" not in data:
+    return _text_reward(reward_txt)
+  return _number(data["reward"], REWARD_JSON, shown)

@@ -40,7 +40,7 @@ import warnings
 
 from jaxes.envs import cgroups, final_tests
 from jaxes.envs.sandbox import (ExecResult, HostError, OutputCapture, Sandbox, SandboxError,
-                                SandboxHandle, TestReport)
+                                SandboxHandle, TestReport, refused_command)
 from jaxes.envs.task import Task
 
 log = logging.getLogger(__name__)
@@ -92,9 +92,13 @@ def _system_binds() -> tuple[str, ...]:
   return tuple(args)
 
 
-def _bwrap_argv(ep_dir: str, tmp_bytes: int = 1 << 30) -> list[str]:
+def _bwrap_argv(ep_dir: str, tmp_bytes: int = 1 << 30, as_pid_1: bool = False) -> list[str]:
+  """as_pid_1: the command itself is the namespace's pid 1 (the verifier: non-dumpable, so
+  nothing the tests run can ptrace and stop it), not bwrap's reaper, which the command's own
+  uid could stop and so hang the namespace until its timeout."""
   size = ["--size", str(tmp_bytes)]
-  argv = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", *_system_binds(),
+  argv = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session",
+          *(["--as-pid-1"] if as_pid_1 else []), *_system_binds(),
           "--dev", "/dev", "--proc", "/proc", *size, "--tmpfs", "/tmp", *size, "--tmpfs", "/var/tmp",
           "--dir", "/run", "--dir", "/home",
           "--bind", os.path.join(ep_dir, "home"), HOME,
@@ -457,6 +461,9 @@ class LocalHandle(SandboxHandle):
   def exec(self, command: str, timeout_s: float) -> ExecResult:
     if self._closed:
       raise HostError("exec on a closed sandbox")
+    refused = refused_command(command)
+    if refused is not None:
+      return refused
     try:
       if not os.path.isdir(self.home):   # removed under us (not by the agent: it cannot)
         raise FileNotFoundError(f"{self.home} vanished")
@@ -485,10 +492,10 @@ class LocalHandle(SandboxHandle):
       return text
     return text.replace(self.home, HOME).replace(self.ctl, CTL)
 
-  def _argv(self, inner: list[str]) -> list[str]:
+  def _argv(self, inner: list[str], as_pid_1: bool = False) -> list[str]:
     iso = self._sb.isolation
     if iso == "bwrap":
-      argv = _bwrap_argv(self.ep_dir, self.task.limits.disk_mb << 20) + inner
+      argv = _bwrap_argv(self.ep_dir, self.task.limits.disk_mb << 20, as_pid_1) + inner
     elif iso == "unshare":
       argv = _unshare_argv(self.ep_dir) + inner
     else:
@@ -500,7 +507,8 @@ class LocalHandle(SandboxHandle):
   def _run(self, command: str, timeout_s: float, argv: list[str] | None = None,
            stdin_data: bytes | None = None, task_env: bool = True) -> ExecResult:
     limits = self.task.limits
-    if argv is None:
+    shell = argv is None
+    if shell:
       # Through the shell's stdin: a host-side file would live in the episode's tmpfs, which
       # the agent can fill (ENOSPC on our write would be a SandboxError, an excluded episode).
       stdin_data = (self._localise(command) + "\n").encode("utf-8", errors="replace")
@@ -513,7 +521,7 @@ class LocalHandle(SandboxHandle):
       # One line, so bash reports errors as "bash: x: command not found", without line numbers.
       one_line = "; ".join(line for line in prelude.splitlines() if line.strip())
       argv = ["bash", "--noprofile", "--norc", "-c", one_line]
-    full = self._argv(argv)
+    full = self._argv(argv, as_pid_1=not shell)
     as_user = _as_user(self._sb.uid)
     if self.cgroup is not None:
       # A root sh joins the episode's cgroup, then becomes the sandbox uid: nothing the
@@ -589,6 +597,9 @@ class LocalHandle(SandboxHandle):
       raise SandboxError(f"the verifier could not start ({status}): {res.output[-500:]}")
     if not collected:
       return TestReport(False, 0, expected, False, res.output)
+    if not final_tests.counts_hold(source, num_passed, num_failed):
+      return TestReport(False, 0, expected, False,
+                        f"{res.output}\n{final_tests.MORE_THAN_COLLECTED}")
     num_tests = num_passed + num_failed
     return TestReport(num_tests > 0 and num_failed == 0, num_passed, num_tests, False, res.output)
 

@@ -41,6 +41,26 @@ class TestReport:
     return self.num_passed / self.num_tests if self.num_tests else 0.0
 
 
+# One rule for a command both backends can carry: docker hands it to bash as one argv string
+# (execve refuses a NUL byte and a single string over 128 KiB, MAX_ARG_STRLEN); the local
+# backend's stdin could carry both. A command breaking it is refused, on both, before it runs.
+MAX_COMMAND_BYTES = 128 * 1024 - 1
+
+
+def refused_command(command: str) -> ExecResult | None:
+  """The result of a command neither backend runs (a NUL byte, or longer than
+  MAX_COMMAND_BYTES in UTF-8): exit status 2 and one line saying why, as bash would answer a
+  usage error; None for a command to run."""
+  if "\0" in command:
+    why = "it contains a NUL byte"
+  elif len(command.encode("utf-8", "surrogatepass")) > MAX_COMMAND_BYTES:
+    why = f"it is longer than {MAX_COMMAND_BYTES} bytes"
+  else:
+    return None
+  line = f"command refused, not run: {why}\n"
+  return ExecResult(exit_code=2, output=line, timed_out=False, output_chars=len(line))
+
+
 class SandboxHandle(abc.ABC):
   """One live episode's sandbox. ``close`` is idempotent and never raises."""
 

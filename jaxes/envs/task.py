@@ -51,3 +51,15 @@ class Task:
   image: str | None = None
   workdir: str | None = None
   verifier_files: tuple[tuple[str, bytes], ...] = ()
+
+  @property
+  def tests_run_agent_code(self) -> bool:
+    """Whether the task's tests import or execute a file from the agent's home (read from their
+    source, ``final_tests.runs_agent_code``): that code runs inside the verifier's tests and
+    can report whatever verdict it likes with the file's own counts, so ``check`` lists such
+    tasks apart."""
+    from jaxes.envs import final_tests   # the task model stays free of the verifier at import
+    sources = [self.final_tests, self.initial_tests or ""] + [
+      data.decode("utf-8", "replace") for path, data in self.verifier_files
+      if path.endswith((".py", ".sh"))]
+    return any(final_tests.runs_agent_code(source) for source in sources if source)

@@ -29,7 +29,7 @@ import time
 
 REPOSITORY = "jaxes-task"
 # Bumped when what goes into an image besides the folder changes (the probe, the translation).
-RECIPE_VERSION = "2"
+RECIPE_VERSION = "3"
 DEFAULT_LOG_DIR = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
                                "jaxes", "task-images")
 _NEEDS = {"/bin/bash": "bash", "/usr/bin/timeout": "coreutils (timeout)",
@@ -37,6 +37,7 @@ _NEEDS = {"/bin/bash": "bash", "/usr/bin/timeout": "coreutils (timeout)",
 SHELL_TOOLS = ("/bin/bash", "/usr/bin/timeout", "/usr/bin/setpriv")   # every episode's
 PYTHON = "/usr/bin/python3"          # the pytest verifier's (not needed by a Harbor test.sh)
 AGENT_UID = 1000
+DEFAULT_MAX_IMAGE_MB = 8192   # Terminal-Bench 2 images run to a few GiB
 AGENT_USER = f"the user 'user' with uid {AGENT_UID} and home /home/user"
 _PROBE_USER = (f"; [ \"$(id -u user 2>/dev/null)\" = {AGENT_UID} ] && [ -d /home/user ] || "
                f"echo {shlex.quote('missing: ' + AGENT_USER)}; true")
@@ -69,8 +70,11 @@ class BuildContext:
   files: tuple[tuple[str, bytes, int], ...]
   dockerfile: str = "Dockerfile"
 
-  def digest(self) -> str:
+  def digest(self, network: str = "none") -> str:
+    """Covers the files and the network the build's RUN steps had (what they could fetch)."""
     h = hashlib.sha256(f"jaxes task image {RECIPE_VERSION}\0{self.dockerfile}\0".encode())
+    if network != "none":
+      h.update(f"network {network}\0".encode())
     for path, data, mode in sorted(self.files):
       h.update(f"{path}\0{mode:o}\0{len(data)}\0".encode())
       h.update(data)
@@ -96,21 +100,27 @@ class BuiltImage:
   log_path: str | None
 
 
-def image_tag(name: str, context: BuildContext) -> str:
+def image_tag(name: str, context: BuildContext, network: str = "none") -> str:
   safe = re.sub(r"[^a-z0-9._-]+", "-", name.lower()).strip(".-_") or "task"
-  return f"{REPOSITORY}/{safe[:100]}:{context.digest()[:20]}"
+  return f"{REPOSITORY}/{safe[:100]}:{context.digest(network)[:20]}"
 
 
 class TaskImageBuilder:
   """Builds task images with the docker engine; ``rebuild`` builds even when cached, without
   the engine's layer cache either.
 
-  network: the build's network mode (None: the engine's default; "none" for builds that must
-           not reach out, as in the tests). Episodes always run without a network.
+  network: the network its ``RUN`` steps get: "none" (the default: a recipe reaches nothing,
+           not even services listening on the host's docker bridge), or a docker network mode
+           ("default", "bridge", "host", a network's name) for suites that install packages
+           as they build. Base images are pulled by the engine either way. Episodes never
+           have a network.
+  max_image_mb: an image larger than this (its size as the engine reports it, base layers
+           included) is removed and refused in one line.
   """
 
   def __init__(self, client=None, log_dir: str = DEFAULT_LOG_DIR, rebuild: bool = False,
-               network: str | None = None, timeout_s: float = 1800.0):
+               network: str = "none", timeout_s: float = 1800.0,
+               max_image_mb: int = DEFAULT_MAX_IMAGE_MB):
     import docker
     try:
       self.client = client or docker.from_env(timeout=int(timeout_s))
@@ -119,6 +129,7 @@ class TaskImageBuilder:
       raise TaskImageError(f"building task images needs a docker engine; none answers: {err}") \
         from err
     self.log_dir, self.rebuild, self.network = log_dir, rebuild, network
+    self.max_image_mb = max_image_mb
     self.builds: list[tuple[str, BuiltImage]] = []   # (task name, result), in load order
 
   def _cached(self, tag: str):
@@ -134,14 +145,26 @@ class TaskImageBuilder:
              needs: tuple[str, ...] = SHELL_TOOLS + (PYTHON,)) -> BuiltImage:
     """The task's image, built unless an image of this exact context exists; ``needs``: the
     executables the task's episodes use (a Harbor test.sh verifier needs no python3)."""
-    tag = image_tag(name, context)
+    tag = image_tag(name, context, self.network)
     image = None if self.rebuild else self._cached(tag)
     if image is not None:
+      self._check_size(name, image, tag)
       result = BuiltImage(tag, False, 0.0, _workdir(image), _env(image), None)
     else:
       result = self._build(name, tag, context, needs)
     self.builds.append((name, result))
     return result
+
+  def _check_size(self, name: str, image, tag: str) -> None:
+    size_mb = (image.attrs.get("Size") or 0) / (1 << 20)
+    if size_mb > self.max_image_mb:
+      try:
+        self.client.images.remove(tag, force=True)
+      except _errors():
+        pass
+      raise TaskImageError(f"task {name}: its image is {size_mb:,.0f} MiB, over the cap of "
+                           f"{self.max_image_mb:,} MiB (max_image_mb; check --max-image-mb); "
+                           "removed")
 
   def _stream(self, context: BuildContext, tag: str, lines: list[str]) -> tuple[str | None, str | None]:
     """Builds ``context`` as ``tag``, appending the log to ``lines``; returns (error, step)."""
@@ -197,6 +220,7 @@ class TaskImageBuilder:
                              f"{', '.join(missing)} (build FROM jaxes-sandbox:latest or add them; "
                              f"build log: {log_path})")
       image = self._cached(unchecked)
+      self._check_size(name, image, unchecked)
       repository, _, version = tag.rpartition(":")
       image.tag(repository, version)
     finally:
@@ -211,19 +235,25 @@ class TaskImageBuilder:
 
   def _probe(self, name: str, tag: str, needs: tuple[str, ...], log_path: str) -> list[str]:
     """What of ``needs`` (paths) and the agent's user the image lacks."""
-    import docker
     script = "; ".join(f"[ -x {path} ] || echo {shlex.quote('missing: ' + _NEEDS[path])}"
                        for path in needs) + _PROBE_USER
     try:
-      out = self.client.containers.run(tag, ["/bin/sh", "-c", script], entrypoint=[],
-                                        remove=True, network_mode="none", user="root")
-    except docker.errors.ContainerError as err:
-      stderr = (err.stderr or b"").decode(errors="replace")
-      raise TaskImageError(f"task {name}: the built image cannot run /bin/sh (exit "
-                           f"{err.exit_status}: {' '.join(stderr.split())[:200]}); jaxes' agent "
-                           f"protocol needs a shell (build log: {log_path})") from err
+      # Not containers.run(remove=True): that leaves the anonymous volumes of a VOLUME behind.
+      container = self.client.containers.create(tag, ["/bin/sh", "-c", script], entrypoint=[],
+                                                network_mode="none", user="root")
+      try:
+        container.start()
+        status = container.wait(timeout=120)["StatusCode"]
+        out = container.logs(stdout=True, stderr=False)
+        stderr = container.logs(stdout=False, stderr=True).decode(errors="replace")
+      finally:
+        container.remove(force=True, v=True)
     except _errors() as err:
       raise TaskImageError(f"task {name}: cannot start the built image {tag}: {err}") from err
+    if status != 0:
+      raise TaskImageError(f"task {name}: the built image cannot run /bin/sh (exit "
+                           f"{status}: {' '.join(stderr.split())[:200]}); jaxes' agent "
+                           f"protocol needs a shell (build log: {log_path})")
     return [line[len("missing: "):] for line in out.decode(errors="replace").splitlines()
             if line.startswith("missing: ")]
 

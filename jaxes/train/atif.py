@@ -78,8 +78,10 @@ def export(workdir: str, out: str | None = None) -> tuple[str, int]:
   model_name = model.get("path") or f"jaxes preset {model.get('preset', '?')}"
   run = os.path.basename(os.path.abspath(workdir))
   episodes = read_episodes(os.path.join(workdir, EPISODES))
-  with open(out + ".tmp", "w") as f:
-    f.writelines(json.dumps(trajectory(e, run, model_name)) + "\n" for e in episodes)
+  # json.dumps escapes what is not ASCII, lone surrogates (a non-UTF-8 task name) included.
+  with open(out + ".tmp", "w", encoding="ascii") as f:
+    f.writelines(json.dumps(trajectory(e, run, model_name), ensure_ascii=True) + "\n"
+                 for e in episodes)
   os.replace(out + ".tmp", out)
   return out, len(episodes)
 

@@ -81,6 +81,7 @@ def base_config() -> config_dict.ConfigDict:
   c.env.task_dir = ""
   c.env.heldout_task_dir = ""    # empty: the task_dir folders
   c.env.task_build = "auto"      # "auto" | "docker" | "translate"
+  c.env.task_build_network = "none"   # task_build docker: the RUN steps' network ("default"…)
   c.env.sandbox = "local"
   c.env.families = ""            # comma-separated subset of generator.FAMILIES; empty = all
   c.env.difficulty = 0            # 1..3; 0 cycles through 1, 2, 3 (as generator.split)

@@ -299,8 +299,10 @@ def page(title: str, body: str) -> str:
 
 
 def write_page(out: str, text: str) -> str:
-  """Writes a page atomically (a reader never sees half of it); returns its path."""
-  with open(out + ".tmp", "w", encoding="utf-8") as f:
+  """Writes a page atomically (a reader never sees half of it); returns its path. Text that is
+  not Unicode (a task folder's name in bytes that are not UTF-8, read as lone surrogates) is
+  written as its ``\\udcXX`` escapes: readable, and nothing lost."""
+  with open(out + ".tmp", "w", encoding="utf-8", errors="backslashreplace") as f:
     f.write(text)
   os.replace(out + ".tmp", out)
   return out

@@ -34,11 +34,11 @@ def task_build(config) -> str:
 
 
 @functools.lru_cache(maxsize=4)
-def _load(directory: str, build: str) -> tuple:
+def _load(directory: str, build: str, network: str = "none") -> tuple:
   # Once per folder and build per process: loading builds (or finds cached) each task's image.
   from jaxes.envs.task_images import TaskImageBuilder, TaskImageError
   try:
-    builder = TaskImageBuilder() if build == "docker" else None
+    builder = TaskImageBuilder(network=network) if build == "docker" else None
     return tuple(loaders.load_tasks(directory, builder=builder))
   except (loaders.TaskLoadError, TaskImageError) as err:
     raise ConfigError(f"config.env.task_dir: {err}") from err
@@ -62,7 +62,7 @@ class TaskFolders:
     if not directory:
       raise ConfigError("config.env.task_dir: empty; env.kind = 'task_folders' needs the folder "
                         "of a downloaded task suite")
-    tasks = _load(directory, task_build(config))
+    tasks = _load(directory, task_build(config), config.env.get("task_build_network", "none"))
     return [dataclasses.replace(task, limits=dataclasses.replace(
               task.limits, max_turns=config.env.max_turns))
             for task in (tasks[(start + i) % len(tasks)] for i in range(n))]

@@ -18,12 +18,12 @@ import json
 import os
 import re
 import sys
-import time
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
 from jaxes import cli
+from jaxes.train import run_dir
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to an ml-collections config file "
                                           "(configs/*.py; add :ARG for configs taking one).")
@@ -35,11 +35,6 @@ _VERBOSE = flags.DEFINE_bool("verbose", False, "Print the run's summary (summary
 flags.DEFINE_bool("config_help", False, "List every config key (--config.KEY=VALUE) with its "
                   "default, or with --config=FILE that config's value, and exit.")
 flags.mark_flags_as_required(["config", "workdir"])
-
-# What --restart leaves in place: earlier set-aside runs and the compiled programs (a cache, keyed
-# by program: a fresh run reads what fits it).
-KEPT_BY_RESTART = ("restarted-", "compile-cache")
-
 
 def _fail(message: str) -> None:
   cli.usage_error("error", message)
@@ -91,52 +86,6 @@ def _parse_flags(argv, help_ok: bool = True):
     _fail(last[-1] if last else type(e).__name__)
 
 
-def restart(workdir: str) -> str | None:
-  """Moves every file of the directory's previous run (all but ``KEPT_BY_RESTART``) into
-  ``workdir/restarted-<UTC time>/``; returns that path (None if there was nothing)."""
-  present = [n for n in os.listdir(workdir) if not n.startswith(KEPT_BY_RESTART)]
-  if not present:
-    return None
-  aside = os.path.join(workdir, time.strftime("restarted-%Y%m%dT%H%M%SZ", time.gmtime()))
-  n = 1
-  while os.path.exists(aside):   # two restarts within a second
-    aside, n = aside.split(".")[0] + f".{n}", n + 1
-  os.makedirs(aside)
-  for name in present:
-    os.rename(os.path.join(workdir, name), os.path.join(aside, name))
-  return aside
-
-
-def foreign_config(workdir: str) -> str | None:
-  """Why ``workdir``'s ``config.json`` is not a training run's (an exported Hugging Face model's,
-  say), or None: training would overwrite it, or fail to read it as the run's config."""
-  path = os.path.join(workdir, "config.json")
-  if not os.path.isfile(path):
-    return None
-  try:
-    with open(path) as f:
-      stored = json.load(f)
-  except (OSError, ValueError) as e:
-    return f"its config.json cannot be read as a run's config ({type(e).__name__})"
-  if isinstance(stored, dict) and {"model", "train", "env"} <= set(stored):
-    return None
-  kind = " (a Hugging Face model's)" if isinstance(stored, dict) and "model_type" in stored else ""
-  return f"its config.json was not written by python -m jaxes.train{kind}"
-
-
-def _writable(workdir: str) -> str | None:
-  """Why nothing can be written in ``workdir``, or None (tried, not guessed from the mode bits:
-  root may write where the bits say no, and a read-only mount refuses root too)."""
-  probe = os.path.join(workdir, f".jaxes-write-probe-{os.getpid()}")
-  try:
-    with open(probe, "w"):
-      pass
-    os.remove(probe)
-  except OSError as e:
-    return e.strerror
-  return None
-
-
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -159,12 +108,12 @@ def main(argv):
     os.makedirs(_WORKDIR.value, exist_ok=True)
   except OSError as e:   # a parent is a file, or not writable
     _fail(f"--workdir={_WORKDIR.value}: cannot create it ({e.strerror})")
-  if (why := _writable(_WORKDIR.value)) is not None:
+  if (why := run_dir.unwritable(_WORKDIR.value)) is not None:
     _fail(f"--workdir={_WORKDIR.value}: cannot write in it ({why})")
-  if not _RESTART.value and (why := foreign_config(_WORKDIR.value)):
+  if not _RESTART.value and (why := run_dir.foreign_config(_WORKDIR.value)):
     _fail(f"--workdir={_WORKDIR.value}: {why}; nothing was written. Use another --workdir, or "
           f"--restart to move what is there aside")
-  if _RESTART.value and (aside := restart(_WORKDIR.value)):
+  if _RESTART.value and (aside := run_dir.restart(_WORKDIR.value)):
     print(f"--restart: every file of the previous run in {_WORKDIR.value} was moved to {aside}",
           file=sys.stderr)
   if cli.platform_note and distributed.is_primary():

@@ -36,6 +36,7 @@ flags.DEFINE_bool("config_help", False, "List every config key (--config.KEY=VAL
                   "default, or with --config=FILE that config's value, and exit.")
 flags.mark_flags_as_required(["config", "workdir"])
 
+
 def _fail(message: str) -> None:
   cli.usage_error("error", message)
 
@@ -88,7 +89,7 @@ def _parse_flags(argv, help_ok: bool = True):
 
 def main(argv):
   if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    _fail(f"unexpected arguments: {argv[1:]}")
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
   # jaxes (and so JAX) is imported only after the flags parsed: a bad command line fails at once.
   cli.start_jax(init_backends=False)   # JAX_PLATFORMS=cpu where no accelerator is; no plugin noise

@@ -186,6 +186,12 @@ def main():
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--no-evosax", action="store_true")
   args = parser.parse_args()
+  if not args.no_evosax:   # before any timing
+    try:
+      import evosax  # noqa: F401
+    except ImportError:
+      parser.exit(2, "perturb_update: evosax is not installed: pip install -e '.[bench]' "
+                     "(or --no-evosax to leave its row out)\n")
 
   out = {"backend": jax.default_backend(), "devices": len(jax.devices())}
   out.update(bench_update(args.dim, args.population, args.repeats, not args.no_evosax))

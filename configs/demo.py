@@ -38,11 +38,23 @@ Choices, by measurement on a 2-core VM (benchmarks/RESULTS.md, "The CPU demo"; t
     rounding, does not depend on thread timing (measured cost: none, 1.00x).
   * ES trains on training-split tasks the warm start never saw (its own 256 come first).
   * 20 updates with three evaluations fit the 15-minute budget.
+
+``configs/demo.py:smoke``: the check of an install (docs/training.md, "Check an install"): the
+demo's first 10 updates, evaluated before and after (benchmarks/RESULTS.md, "Issue 57").
+
+``configs/demo.py:checkpoint``: the same tasks for a small real checkpoint (a local Qwen2.5
+directory, ``--config.model.path=DIR``, whose tokenizer it uses): no warm start, no size
+overrides (the checkpoint decides the shape), the protocol's full system prompt, longer turns.
+docs/training.md, "From a real checkpoint, offline".
 """
 from jaxes.train.defaults import base_config
 
+VARIANTS = ("", "smoke", "checkpoint")
 
-def get_config():
+
+def get_config(arg: str = ""):
+  if arg not in VARIANTS:
+    raise ValueError(f"configs/demo.py: unknown variant {arg!r}; choose one of smoke, checkpoint")
   c = base_config()
   c.model.preset = "tiny"
   c.model.vocab_size = 1024
@@ -102,4 +114,23 @@ def get_config():
   c.warmstart.batch_size = 8
   c.warmstart.learning_rate = 3e-3
   c.warmstart.seq_len = 256
+  if arg == "smoke":
+    # The demo's first half: the same warm start (what ES starts from), evaluated at 0 and 10,
+    # where 6 of 6 demo runs had gained (docs/log/results-notebook-2026-11-29-to-12-03.md).
+    c.train.num_updates = 10
+    c.train.eval_every = 0          # before and after
+    c.train.checkpoint_every = 10
+  elif arg == "checkpoint":
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                "num_kv_heads"):
+      c.model[key] = 0              # the checkpoint's
+    c.model.preset = "qwen2.5-0.5b"  # asks for model.path; the shape is the checkpoint's
+    c.model.path = ""               # required: --config.model.path=DIR (a local Qwen2.5 directory)
+    c.tokenizer.path = ""           # empty: the tokenizer in model.path
+    c.warmstart.steps = 0
+    c.warmstart.off_protocol_fraction = 0.0
+    c.env.system_prompt = ""        # the protocol's full prompt: a real model reads it
+    c.rollout.max_len = 2048
+    c.rollout.prefill_chunk = 256
+    c.rollout.max_new_tokens = 256
   return c

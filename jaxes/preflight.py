@@ -47,7 +47,7 @@ import re
 import sys
 import tempfile
 
-from jaxes import gpu_targets  # noqa: E402 -- imports no JAX: safe before the flags below
+from jaxes import cli, gpu_targets  # noqa: E402 -- import no JAX: safe before the flags below
 
 
 # Host devices must be configured before JAX initialises: `cpu:N` and the GPU estimates compile
@@ -71,6 +71,7 @@ if __name__ == "__main__":
   if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                f" --xla_force_host_platform_device_count={_n}").strip()
+  cli.start_jax(init_backends=False)   # without the CUDA plugin's import-time lines
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -111,8 +112,8 @@ def resolve_topology(name: str, device_memory_gib: float | None = None,
       from jax.experimental import topologies
       topo = topologies.get_topology_desc(TPU_TOPOLOGIES[name], "tpu")
     except Exception as e:  # libtpu missing or unable to describe the slice
-      raise SystemExit(f"preflight: cannot describe TPU topology {name!r} ({type(e).__name__}: "
-                       f"{str(e).splitlines()[0][:200]}); install libtpu: pip install -e '.[tpu]'")
+      cli.usage_error("preflight", f"cannot describe TPU topology {name!r} ({type(e).__name__}: "
+                      f"{str(e).splitlines()[0][:200]}); install libtpu: pip install -e '.[tpu]'")
     memory = override or TPU_MEMORY[name.split("-")[0]]
     return Target(name, list(topo.devices), memory, "tpu", False)
   if parsed := gpu_targets.parse(name):
@@ -136,15 +137,15 @@ def resolve_topology(name: str, device_memory_gib: float | None = None,
     n = int(m.group(1))
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return Target(name, _host_devices(name, n), override or host / n, "cpu", False)
-  raise SystemExit(f"preflight: unknown topology {name!r}; known: cpu:N, NxH100, NxH200 "
-                   f"(8xH100, 16xH200, ...), {', '.join(TPU_TOPOLOGIES)}")
+  cli.usage_error("preflight", f"unknown topology {name!r}; known: cpu:N, NxH100, NxH200 "
+                  f"(8xH100, 16xH200, ...), {', '.join(TPU_TOPOLOGIES)}")
 
 
 def _host_devices(name: str, n: int) -> list:
   devices = jax.devices("cpu")
   if len(devices) < n:
-    raise SystemExit(f"preflight: {name} needs {n} host devices, this process has {len(devices)} "
-                     f"(run it as `python -m jaxes.preflight`, which sets them up)")
+    cli.usage_error("preflight", f"{name} needs {n} host devices, this process has {len(devices)} "
+                    f"(run it as `python -m jaxes.preflight`, which sets them up)")
   return devices[:n]
 
 
@@ -374,7 +375,11 @@ def _render_one(report: dict, headroom: float) -> tuple[list[str], bool]:
                f"{sum(p['seconds'] for p in report['programs']):.0f} compile seconds" + (
                f" ({compiled['cpu_seconds']:.0f} CPU-seconds, {compiled['wall_seconds']:.0f} s wall "
                f"at {compiled['jobs']} job(s))" if compiled else ""))
-  if remat:
+  if report.get("only") and not remat and fits:   # what was left out may be the largest program
+    lines.append(f"fits, as far as compiled: peak {_gib(peak).strip()} <= {headroom:.0%} of "
+                 f"{_gib(memory).strip()} (partial: only the programs matching "
+                 f"{report['only']!r}; a full preflight may not fit)")
+  elif remat:
     name, line = remat[0]
     lines.append(f"does not fit: the {report['compiler'].upper()} compiler could not rematerialise "
                  f"{name or 'a program'} below the device's memory ({len(remat)} program(s)): "
@@ -398,7 +403,7 @@ def summary(report: dict, fits: bool, headroom: float = 0.9) -> dict:
          "per_device": report["per_device"], "programs": len(report["programs"]),
          "mesh": report["mesh"], "estimate": report["estimate"], "compiler": report["compiler"], "attention": report.get("attention"),
          "algorithm": report.get("algorithm", "es"), "compile": report.get("compile"),
-         "remat_failures": len(report.get("remat_failures", []))}
+         "remat_failures": len(report.get("remat_failures", [])), "partial": bool(report.get("only"))}
   if "es" in report:
     es = report["es"]
     out["es"] = {"peak_bytes_per_device": es["peak_bytes_per_device"], "per_device": es["per_device"],
@@ -423,6 +428,26 @@ def with_stand_in_checkpoint(config, directory: str):
   config = config.copy_and_resolve_references()
   config.model.path = directory
   return config
+
+
+def named_device_count(name: str) -> int | None:
+  """The device count of ``NxCHIP`` and ``cpu:N`` (None for TPU slices and unknown names)."""
+  if parsed := gpu_targets.parse(name):
+    return parsed[1]
+  m = re.fullmatch(r"cpu:(\d+)", name)
+  return int(m.group(1)) if m else None
+
+
+def check_mesh(config, num_devices: int, topology: str) -> None:
+  """The config's mesh over the topology's devices, and its slots over the mesh's data shards: a
+  ``ConfigError`` naming the key before anything is built (the engine would raise mid-build)."""
+  from jaxes.train import builders
+  from jaxes.train.errors import ConfigError
+  data, _, _ = builders.mesh_shape(config, num_devices)
+  if config.rollout.num_slots % data:
+    raise ConfigError(f"config.rollout.num_slots: {config.rollout.num_slots} is not divisible by "
+                      f"the mesh's data={data} on {topology} (every data shard holds the same "
+                      f"number of slots); set config.rollout.num_slots or config.mesh")
 
 
 def validate_run(config, validate, ConfigError) -> None:
@@ -460,7 +485,7 @@ def main(argv):
   from jaxes.train.config import ConfigError, validate
   FLAGS = flags.FLAGS
   if len(argv) > 1:
-    raise SystemExit(f"preflight: unexpected arguments {argv[1:]}")
+    cli.usage_error("preflight", f"unexpected arguments {argv[1:]}")
   with tempfile.TemporaryDirectory() as stand_in:
     config = with_stand_in_checkpoint(FLAGS.config, stand_in)
     try:
@@ -470,22 +495,30 @@ def main(argv):
       sys.exit(2)
     topology = FLAGS.topology or config.mesh.get("target", "")
     if not topology:
-      raise SystemExit("preflight: say --topology=... (the config names no mesh.target)")
+      cli.usage_error("preflight", "say --topology=... (the config names no mesh.target)")
     mismatch = mesh_mismatch(config, topology)
     if mismatch:
       print(mismatch, file=sys.stderr)
       sys.exit(2)
     if FLAGS.jobs < 1:
-      raise SystemExit(f"preflight: --jobs must be at least 1, got {FLAGS.jobs}")
+      cli.usage_error("preflight", f"--jobs must be at least 1, got {FLAGS.jobs}")
     # Every program compiled here, not read from a persistent cache: its compile seconds are the
     # measurement, and a cached program would not log the compiler's rematerialisation warning.
     jax.config.update("jax_enable_compilation_cache", False)
-    target = resolve_topology(topology, FLAGS.device_memory_gib, FLAGS.cpu_estimate)
+    try:   # before the topology's devices where their count is in the name (no compiler set-up)
+      if (count := named_device_count(topology)) is not None:
+        check_mesh(config, count, topology)
+      with cli.without_plugin_noise():
+        target = resolve_topology(topology, FLAGS.device_memory_gib, FLAGS.cpu_estimate)
+      check_mesh(config, len(target.devices), topology)
+    except ConfigError as e:
+      print(f"invalid config: {e}", file=sys.stderr)
+      sys.exit(2)
     log = (lambda *_: None) if FLAGS.json else (lambda m: print(m, file=sys.stderr, flush=True))
     try:
       report = plan(config, target, log=log, only=FLAGS.only, jobs=FLAGS.jobs)
     except NoProgramMatches as e:
-      raise SystemExit(f"preflight: {e}")
+      cli.usage_error("preflight", str(e))
   lines, fits = render(report, FLAGS.headroom)
   if FLAGS.json:
     print(json.dumps(report))
@@ -513,7 +546,20 @@ def _define_flags():
   flags.mark_flags_as_required(["config"])
 
 
+def _parse_flags(argv):
+  """absl's parsing, but ``--help`` exits 0 (absl's exits 1, the code that means "does not fit")."""
+  from absl import flags
+  try:
+    return flags.FLAGS(argv)
+  except SystemExit:
+    if cli.wants_help(argv):
+      sys.exit(0)
+    raise
+  except flags.Error as e:
+    cli.usage_error("preflight", str(e).splitlines()[-1] if str(e).strip() else type(e).__name__)
+
+
 if __name__ == "__main__":
   from absl import app
   _define_flags()
-  app.run(main)
+  app.run(main, flags_parser=_parse_flags)

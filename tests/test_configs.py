@@ -15,6 +15,19 @@ def test_demo_config_is_valid():
   validate(_load("demo"))
 
 
+def test_smoke_checkpoint_and_one_gpu_configs_are_valid(tmp_path):
+  smoke, demo = _load("demo", "smoke"), _load("demo")
+  validate(smoke)
+  assert smoke.train.num_updates < demo.train.num_updates and smoke.warmstart == demo.warmstart
+  (tmp_path / "config.json").write_text("{}")
+  for c in (_load("demo", "checkpoint"), _load("gpu1"), _load("gpu1", "sync")):
+    with pytest.raises(ConfigError, match=r"config\.model\.path"):
+      validate(c)   # a real-size preset needs its checkpoint
+    c.model.path = str(tmp_path)
+    validate(c)
+  assert _load("gpu1").mesh.target == "1xH100"
+
+
 @pytest.mark.parametrize("variant", ["sync", "async1", "delay4", "delay8", "allstale"])
 def test_paper_grid(variant, tmp_path):
   c = _load("paper", variant)

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from helpers_train import ROOT, build_tiny_tokenizer, tiny_config
+from jaxes import cli
 from jaxes.experiments import aggregate, grid, plots, rundirs, variants
 from jaxes.train import evaluation
 
@@ -265,10 +266,30 @@ def test_grid_end_to_end_tiny(grid_run, tiny_grid_config):
   assert "| async1 | finished |" in md and "| grpo | not available |" in md
   assert (w / "success.png").stat().st_size > 0 and (w / "staleness.png").stat().st_size > 0
   assert 'class="curve"' in (w / "report.html").read_text()
-  # --aggregate-only rereads the same runs into the same table
-  again = subprocess.run(_grid_cmd(tiny_grid_config, w, 2) + ["--aggregate-only"], cwd=ROOT,
+  # --aggregate-only of a variant with no runs (a typo, or grpo, which this config lacks) is one
+  # line and exit 2, and writes nothing; of the variants that ran, it rereads the same rows.
+  written = {f: (w / f).read_bytes() for f in ("table.md", "table.json", "grid.json", "report.html")}
+  for names in ("asink1", "sync,async1,grpo"):
+    typo = subprocess.run(_grid_cmd(tiny_grid_config, w, 2)[:-1] + [f"--variants={names}", "--aggregate-only"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    # (The grid imports JAX: the CUDA plugin's import-time lines, where installed, are not ours.)
+    said = [line for line in typo.stderr.strip().splitlines() if not cli.PLUGIN_NOISE.search(line)]
+    assert typo.returncode == 2 and len(said) == 1, typo.stderr
+    assert said[0].startswith(f"error: --aggregate-only: no runs of variant(s) {names.split(',')[-1]} "
+                              f"for seeds [0] in {w} (run directories there: async1-s0, ") and (
+        said[0].endswith("sync-s0); nothing was written")), said
+  assert {f: (w / f).read_bytes() for f in written} == written
+  again = subprocess.run(_grid_cmd(tiny_grid_config, w, 2)[:-1] + ["--variants=sync,async1", "--aggregate-only"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert again.returncode == 0 and json.load(open(w / "table.json"))["runs"] == table["runs"]
+  assert (w / "grid.json").read_bytes() == written["grid.json"]
+  # Another grid's command in this directory is refused before anything is written.
+  other = subprocess.run(_grid_cmd(tiny_grid_config, w, 2) + ["--config.es.sigma=0.5"], cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
-  assert again.returncode == 0 and json.load(open(w / "table.json")) == table
+  assert other.returncode == 2, other.stderr
+  assert len([line for line in other.stderr.strip().splitlines() if not cli.PLUGIN_NOISE.search(line)]) == 1
+  assert "holds another grid (overrides [] in its grid.json" in other.stderr and "--overwrite" in other.stderr
+  assert (w / "grid.json").read_bytes() == written["grid.json"]
 
 
 def test_killed_grid_rerun_skips_finished_runs(grid_run):

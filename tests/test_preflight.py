@@ -175,9 +175,13 @@ def test_a_config_that_cannot_fit_fails_naming_its_biggest_consumer(over_memory)
                                         "version_steps", "optimizer_state", "temporaries"}
 
 
-def test_unknown_topology_is_one_line(tmp_path):
+def test_unknown_topology_is_one_line_with_the_usage_exit_status_and_help_exits_0(tmp_path):
   out = _run(tmp_path, "--topology=v9z-8")
-  assert out.returncode != 0 and "unknown topology 'v9z-8'" in out.stderr
+  assert out.returncode == 2 and out.stderr.strip().splitlines() == [
+      f"preflight: unknown topology 'v9z-8'; known: cpu:N, NxH100, NxH200 (8xH100, 16xH200, ...), "
+      f"{', '.join(preflight.TPU_TOPOLOGIES)}"], out.stderr   # 1 means "does not fit"
+  helped = _run(tmp_path, "--help")
+  assert helped.returncode == 0 and "--topology" in helped.stdout, helped.stderr
 
 
 def _libtpu():

@@ -4,6 +4,7 @@ starts over, --restart sets a run aside, load_policy and the Hugging Face export
 the update log's replay equals an uninterrupted run. One finished run serves every test (copied
 where a test changes it), and is the uninterrupted run the replay is compared with."""
 import hashlib
+import json
 import os
 import pathlib
 import re
@@ -17,7 +18,7 @@ import pytest
 
 from helpers_train import ROOT, build_tiny_tokenizer, tiny_config, write_config_file
 from jaxes.models import check_logits, qwen2
-from jaxes.train import export, metrics
+from jaxes.train import compare, export, metrics
 from jaxes.train.policy import PolicyLoadError, load_policy
 from jaxes.train.state import RunStateError
 from jaxes.train.trainer import Trainer
@@ -119,6 +120,13 @@ def test_corrupt_newest_checkpoint_warns_falls_back_and_resumes_exactly(finished
   files = _array_files(workdir / "checkpoints" / "3")
   for f in files:
     _flip(f)
+  # Before the rerun a reader falls back to version 2, and compare will not call it version 3.
+  compared = []
+  with pytest.warns(RuntimeWarning, match="checkpoint step 3 .* corrupt"):
+    assert not compare.compare(str(workdir), str(src), log=compared.append)
+  assert compared[-1] == (f"parameters: NOT of the versions named above: {workdir} loaded version 2, "
+                          f"its newest checkpoint is 3 (unreadable; a rerun of the run sets it aside "
+                          f"and writes it again)")
   said = []
   with pytest.warns(RuntimeWarning, match="checkpoint step 3 .* corrupt"):
     resumed = Trainer(config, str(workdir), log=said.append).run()
@@ -129,6 +137,16 @@ def test_corrupt_newest_checkpoint_warns_falls_back_and_resumes_exactly(finished
   _params_equal(resumed["params"], whole["params"])
   versions = [r["version"] for r in metrics.read_metrics(str(workdir / "metrics.jsonl")) if "train" in r]
   assert versions == [1, 2, 3]
+  # The corrupt step is set aside and version 3 written again: every reader names version 3.
+  assert any("moved to" in line and "version 3, replayed from the update log, written again" in line
+             for line in said), said
+  assert (workdir / "checkpoints_superseded" / "3").is_dir()
+  policy = load_policy(str(workdir))   # no warning: step 3 reads back
+  assert policy.version == 3 == json.loads((workdir / "summary.json").read_text())["version"]
+  _params_equal(policy.params, whole["params"])
+  compared.clear()
+  assert compare.compare(str(workdir), str(src), log=compared.append), compared
+  assert compared[-1].startswith("parameters of version 3: all ")
 
 
 def test_no_restorable_checkpoint_stops_instead_of_starting_over(finished_run, tmp_path):
@@ -146,11 +164,15 @@ def test_no_restorable_checkpoint_stops_instead_of_starting_over(finished_run, t
   # The fresh run starts from the same version 0 (the finished run's, warmstart.init_from, rather
   # than making the same warm start again) and trains one update: it repeats the finished run's
   # update 1 exactly. The set-aside run's files leave with it, so its config binds nothing.
+  before = sorted(str(p.relative_to(workdir)) for p in workdir.rglob("*"))
+  assert {"episodes.jsonl", "report.html", "metrics.jsonl", "summary.json"} <= set(before)
   restarted = _train(write_config_file(config, tmp_path / "c.py"), workdir, "--restart",
                      "--config.train.num_updates=1", f"--config.warmstart.init_from={src}")
   assert restarted.returncode == 0, restarted.stderr[-2000:]
   aside = [p for p in workdir.iterdir() if p.name.startswith("restarted-")]
   assert len(aside) == 1 and (aside[0] / "checkpoints" / "3").is_dir()
+  # Every file of the old run moved aside, none left behind for the new run to overwrite.
+  assert sorted(str(p.relative_to(aside[0])) for p in aside[0].rglob("*")) == before
   assert (aside[0] / "metrics.jsonl").read_text() == lines_before
   assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()) == [0, 1]
   assert [r["version"] for r in metrics.read_metrics(str(workdir / "metrics.jsonl")) if "train" in r] == [1]
@@ -227,3 +249,28 @@ def test_update_log_replay_equals_uninterrupted(finished_run, tmp_path):
   versions = [r["version"] for r in metrics.read_metrics(str(workdir / "metrics.jsonl")) if "train" in r]
   assert versions == [1, 2, 3]
   assert [r["version"] for r in UpdateLog(str(workdir / "update_log")).records()] == [1, 2, 3]
+
+
+def test_a_run_starts_from_an_exported_checkpoint_whose_shape_the_config_cannot_override(finished_run, tmp_path):
+  """docs/training.md's offline recipe (configs/demo.py:checkpoint, model.path) on an exported
+  tiny checkpoint: a size set beside model.path that differs from the checkpoint's is one line
+  naming both; left at 0 the run says which model it loaded and starts from its weights."""
+  from jaxes.train.config import ConfigError, load_config_file, validate
+  src, config, whole = finished_run
+  out = tmp_path / "hf"
+  export.main([f"--workdir={src}", f"--out={out}"])
+  recipe = load_config_file(ROOT / "configs" / "demo.py", "checkpoint")
+  for section in ("env", "rollout", "es", "controller", "train", "eval", "mesh"):   # tiny sizes
+    recipe[section] = config[section]
+  recipe.model.path = str(out)
+  recipe.model.hidden_size = 64
+  with pytest.raises(ConfigError, match=rf"^config.model.hidden_size: 64, but the checkpoint "
+                                        rf"config.model.path={out} has hidden_size 32: "):
+    validate(recipe)
+  recipe.model.hidden_size = 0
+  recipe.train.num_updates, recipe.eval.num_tasks = 0, 0
+  said = []
+  Trainer(recipe, str(tmp_path / "run"), log=said.append).run()
+  assert f"model: config.model.path={out} (Qwen2, 1 layers, hidden 32, intermediate 64, heads 2/1, " \
+         f"vocab 400, float32)" in said, said
+  _params_equal(load_policy(str(tmp_path / "run"), 0).params, whole["params"])

@@ -15,7 +15,10 @@ every variant of the paper starts from one Instruct checkpoint. Then every run i
 ``WORKDIR/table.md``, ``table.json``, ``success.png`` (``reward.png`` on WebShop, whose score is
 the mean reward), ``staleness.png`` and ``report.html`` (curves side by side, the paper's
 numbers beside them); missing, failed and unfinished runs and unavailable
-variants are rows saying so. ``--aggregate-only`` only reads.
+variants are rows saying so. ``--aggregate-only`` only reads the runs (and rewrites the table,
+plots and report), and a variant with no run directory there is an error, not an empty row. A
+grid directory whose ``grid.json`` records another config or other overrides is refused unless
+``--overwrite``.
 """
 from __future__ import annotations
 
@@ -249,6 +252,8 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--launcher_args", default="", help="flags for the launch script, e.g. '--zone us-east5-a'")
   p.add_argument("--aggregate-only", "--aggregate_only", action="store_true", dest="aggregate_only",
                  help="only read the existing runs into the table and plots")
+  p.add_argument("--overwrite", action="store_true",
+                 help="run in a grid directory that grid.json says holds another grid")
   share = p.add_mutually_exclusive_group()
   share.add_argument("--shared_init", dest="shared_init", action="store_true", default=None,
                      help="one warm start per seed for all variants (default: when the config has one)")
@@ -279,6 +284,32 @@ def _csv(text: str, what: str, cast=str) -> list:
   return items
 
 
+def check_workdir(args, names: list[str], seeds: list[int], overrides: list[str]) -> None:
+  """GridError where the command would overwrite another grid's record or aggregate runs that
+  are not there (a misspelt variant would make an empty table over the real one)."""
+  if args.aggregate_only:
+    missing = [n for n in names if not any(
+        os.path.isdir(os.path.join(args.workdir, rundirs.run_name(n, s))) for s in seeds)]
+    if missing:
+      present = sorted(d for d in os.listdir(args.workdir) if re.fullmatch(r".+-s\d+", d)) \
+          if os.path.isdir(args.workdir) else []
+      raise GridError(f"--aggregate-only: no runs of variant(s) {', '.join(missing)} for seeds "
+                      f"{seeds} in {args.workdir} (run directories there: {', '.join(present) or 'none'});"
+                      f" nothing was written")
+    return
+  try:
+    with open(os.path.join(args.workdir, "grid.json")) as f:
+      recorded = json.load(f)
+  except (OSError, ValueError):
+    return
+  if args.overwrite:
+    return
+  for key, mine in (("config", args.config), ("overrides", overrides)):
+    if recorded.get(key) != mine:
+      raise GridError(f"{args.workdir} holds another grid ({key} {recorded.get(key)!r} in its grid.json, "
+                      f"{mine!r} here); use another --workdir, or --overwrite")
+
+
 def write_results(variants, runs, seeds, workdir) -> dict:
   from jaxes.experiments import plots
   result = aggregate.aggregate(variants, seeds, workdir, {(r.variant, r.seed): r.num_updates for r in runs})
@@ -301,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.parallel < 1:
       raise GridError(f"--parallel={args.parallel}: must be >= 1")
     variants, inits, runs = plan(args.config, names, seeds, args.workdir, overrides, args.shared_init)
+    if not args.print_launch:
+      check_workdir(args, names, seeds, overrides)
   except GridError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
@@ -319,11 +352,11 @@ def main(argv: list[str] | None = None) -> int:
     again = [a for a in argv if not a.startswith(("--print-launch", "--print_launch", "--launcher"))]
     print(f"# then: python -m jaxes.experiments.grid {shlex.join(again)} --aggregate-only")
     return 0
-  os.makedirs(args.workdir, exist_ok=True)
-  with open(os.path.join(args.workdir, "grid.json"), "w") as f:
-    json.dump({"config": args.config, "variants": names, "seeds": seeds, "overrides": overrides,
-               "runs": {r.name: r.command for r in inits + runs}}, f, indent=2)
   if not args.aggregate_only:
+    os.makedirs(args.workdir, exist_ok=True)
+    with open(os.path.join(args.workdir, "grid.json"), "w") as f:
+      json.dump({"config": args.config, "variants": names, "seeds": seeds, "overrides": overrides,
+                 "runs": {r.name: r.command for r in inits + runs}}, f, indent=2)
     runner = LocalRunner(args.parallel)
     signal.signal(signal.SIGTERM, _interrupt)
     try:

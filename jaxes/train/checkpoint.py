@@ -306,10 +306,16 @@ class Checkpointer:
   def _supersede(self, step: int) -> None:
     """Steps >= ``step`` belong to a timeline this run has left (it resumed from an older step or
     restarted): move them aside, never delete them."""
+    self.set_aside(step, f"saving checkpoint step {step} supersedes")
+
+  def set_aside(self, step: int, why: str = "set aside") -> list[str]:
+    """Moves every step >= ``step`` to ``<directory>_superseded/`` (a step already there keeps its
+    name: the newcomer is ``<step>.1``, ...) with a warning that starts with ``why``; returns
+    where they went."""
     # The manager's cached listing, so every process of a multi-host run sees the same steps.
     later = [s for s in self.steps() if s >= step]
     if not later:
-      return
+      return []
     self._manager.wait_until_finished()
     moved = []
     if jax.process_index() == 0:
@@ -323,8 +329,9 @@ class Checkpointer:
         moved.append(dest)
     distributed.barrier(f"jaxes-checkpoint-supersede-{step}")   # the others wait for the move
     self._manager.reload()
-    warnings.warn(f"saving checkpoint step {step} supersedes steps {later} of {self.directory}; "
-                  f"moved them to {moved or self.superseded_directory}", RuntimeWarning, stacklevel=3)
+    warnings.warn(f"{why} steps {later} of {self.directory}; moved them to "
+                  f"{moved or self.superseded_directory}", RuntimeWarning, stacklevel=3)
+    return moved
 
   # -- restoring ----------------------------------------------------------------------------------
   def steps(self) -> list[int]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 
 import jax
 import numpy as np
@@ -134,13 +135,24 @@ def compare(run_a: str, run_b: str, norm_rtol: float = 1e-6, log=print) -> bool:
   log(f"controller at versions {version_a} / {version_b}: " + ("identical" if same else "DIFFERS"))
   agree &= same
   policy_a, policy_b = load_policy(run_a), load_policy(run_b)
+  # load_policy falls back past an unreadable newest checkpoint: parameters of another version
+  # than the controller's above would be compared under its name.
+  fallen_back = [f"{run} loaded version {p.version}, its newest checkpoint is {v}"
+                 for run, p, v in ((run_a, policy_a, version_a), (run_b, policy_b, version_b))
+                 if p.version != v]
+  if fallen_back:
+    log("parameters: NOT of the versions named above: " + "; ".join(fallen_back) +
+        " (unreadable; a rerun of the run sets it aside and writes it again)")
+    return False
   diffs = param_differences(policy_a.params, policy_b.params)
   count = len(jax.tree.leaves(policy_a.params))
   if diffs:
     worst = max(diffs, key=diffs.get)
     log(f"parameters: {len(diffs)} of {count} leaves DIFFER, largest |delta| {diffs[worst]:.3g} in {worst}")
   else:
-    log(f"parameters of version {policy_a.version}: all {count} leaves bit-identical")
+    versions = (f"version {policy_a.version}" if policy_a.version == policy_b.version else
+                f"versions {policy_a.version} / {policy_b.version}")
+    log(f"parameters of {versions}: all {count} leaves bit-identical")
   return agree and not diffs
 
 
@@ -152,7 +164,11 @@ def main(argv=None) -> None:
                       help="relative tolerance of update_norm (a cross-device sum)")
   args = parser.parse_args(argv)
   try:
-    agree = compare(args.run_a, args.run_b, args.norm_rtol)
+    with warnings.catch_warnings(record=True) as said:   # a skipped corrupt step: one line each
+      warnings.simplefilter("always", RuntimeWarning)
+      agree = compare(args.run_a, args.run_b, args.norm_rtol)
+    for w in said:
+      print(f"compare: {w.message}", file=sys.stderr)
   except (PolicyLoadError, checkpoint.CheckpointError, ValueError) as e:
     print(f"compare: {e}", file=sys.stderr)
     sys.exit(2)

@@ -11,7 +11,7 @@ import re
 from ml_collections import config_dict
 
 from jaxes.envs import generator
-from jaxes.models import qwen2
+from jaxes.models import hf, qwen2
 from jaxes.train import algorithms, builders, coevolution, defaults, environments
 from jaxes.train.errors import ConfigError
 from jaxes.train.tracker import TRACKERS
@@ -65,7 +65,8 @@ def validate(config: config_dict.ConfigDict) -> None:
   given, schema = _flatten(config), _flatten(_schema())
   for key in given:
     if key not in schema:
-      raise ConfigError(f"{key}: unknown key (known keys are those of jaxes/train/defaults.py)")
+      raise ConfigError(f"{key}: unknown key{defaults.did_you_mean(key)} (known keys: python -m "
+                        f"jaxes.train --config_help)")
   for key in schema:
     if key not in given:
       raise ConfigError(f"{key}: missing (start experiment configs from jaxes.train.defaults.base_config())")
@@ -115,6 +116,7 @@ class _Checks:
     if c.model.path:
       self.check("model.path", os.path.isfile(os.path.join(c.model.path, "config.json")),
                  "must be a local directory containing config.json")
+      self.checkpoint_shape()
     elif not c.model.preset.startswith("tiny"):
       self.check("model.path", False, f"must name a local checkpoint directory for preset {c.model.preset!r}")
     for k in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"):
@@ -126,6 +128,24 @@ class _Checks:
       if c.model.vocab_size:
         self.check("tokenizer.vocab_size", c.tokenizer.vocab_size <= c.model.vocab_size,
                    "must be <= config.model.vocab_size")
+
+  # config.model.<key> -> the checkpoint's Qwen2Config field: what model.path decides.
+  CHECKPOINT_DECIDES = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                        "num_kv_heads")
+
+  def checkpoint_shape(self):
+    """The model's shape is the checkpoint's: a size also set in the config (not 0) must agree,
+    or the run would train the checkpoint's model while config.json records the other."""
+    try:
+      stored = qwen2.Qwen2Config.from_hf_dict(hf.read_config(self.c.model.path))
+    except (ValueError, TypeError, KeyError, hf.CheckpointError):
+      return   # not a readable Qwen2 config: loading it names what is wrong
+    for key in self.CHECKPOINT_DECIDES:
+      value = self.c.model[key]
+      if value and value != getattr(stored, key):
+        raise ConfigError(f"config.model.{key}: {value}, but the checkpoint config.model.path="
+                          f"{self.c.model.path} has {key} {getattr(stored, key)}: the checkpoint "
+                          f"decides the model's shape; set config.model.{key}=0 (or leave it out)")
 
   def mesh(self):
     m = self.c.mesh

@@ -1,6 +1,8 @@
 """The shared defaults of every training config, and so its schema: a config is
 ``base_config()`` plus overrides (``configs/*.py`` override only what differs), and validation
 rejects any key not defined here."""
+import difflib
+
 from ml_collections import config_dict
 
 from jaxes.rl import config as rl_config
@@ -194,3 +196,33 @@ def base_config() -> config_dict.ConfigDict:
   c.warmstart.off_protocol_fraction = 0.0
   c.warmstart.init_from = ""     # a workdir: take its version-0 (warm-started) params and tokenizer
   return c
+
+
+# Keys users bring from elsewhere (other tools, earlier names) -> the key that does it here.
+RENAMED = {"config.env.backend": "config.env.sandbox", "config.env.sandbox_backend": "config.env.sandbox",
+           "config.model.name": "config.model.preset", "config.model.checkpoint": "config.model.path",
+           "config.train.steps": "config.train.num_updates", "config.es.lr": "config.es.learning_rate",
+           "config.es.popsize": "config.es.population", "config.es.noise_std": "config.es.sigma"}
+
+
+def flat_keys(config=None, prefix: str = "config") -> dict:
+  """``{"config.es.sigma": 0.001, ...}``: every key of ``config`` (default: ``base_config()``)."""
+  out = {}
+  for k, v in (base_config() if config is None else config).items():
+    key = f"{prefix}.{k}"
+    out.update(flat_keys(v, key) if isinstance(v, (config_dict.ConfigDict, dict)) else {key: v})
+  return out
+
+
+def did_you_mean(key: str) -> str:
+  """`` (did you mean 'config.env.sandbox'?)`` for an unknown key (written with or without its
+  ``config.`` prefix): a renamed key, the same name in another section, or a close spelling;
+  empty when nothing is near."""
+  full = key if key.startswith("config.") else f"config.{key}"
+  known = list(flat_keys())
+  name = full.rsplit(".", 1)[-1]
+  guess = (RENAMED.get(full) or next((k for k in known if k.rsplit(".", 1)[-1] == name), None)
+           or next(iter(difflib.get_close_matches(full, known, n=1, cutoff=0.8)), None))
+  if guess is None:
+    return ""
+  return f" (did you mean {guess if key.startswith('config.') else guess.removeprefix('config.')!r}?)"

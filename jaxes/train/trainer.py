@@ -78,6 +78,7 @@ class Trainer:
       update_log = UpdateLog(os.path.join(self.workdir, UPDATE_LOG))
       stack.callback(update_log.close)
       self.state = self._initial_state(ckpt, update_log, transcripts)
+      self._set_aside_skipped(ckpt)
       self._contexts = coevolution.ContextEpisodes(c, builders.system_prompt(c))   # coevolve.enabled
       self._contexts.check(self.state.contexts, self.parts.tokenizer)
       if changes and host.primary:
@@ -141,6 +142,22 @@ class Trainer:
 
     return initial_state(self.config, self.workdir, self.parts, self.algorithm, ckpt, update_log,
                          transcripts, self.log, algorithm_for=algorithm_for)
+
+  def _set_aside_skipped(self, ckpt) -> None:
+    """After a resume that skipped corrupt newer checkpoints: they are moved to
+    ``checkpoints_superseded/`` and the version the update log replayed to is written, so that
+    ``load_policy``, ``export``, ``compare`` and ``summary.json`` all name the version the run holds
+    (not the corrupt one, nor the older one a reader would fall back to)."""
+    restored = self.state.restored_from
+    skipped = [s for s in ckpt.steps() if restored is not None and s > restored]
+    if not skipped:
+      return
+    ckpt.set_aside(skipped[0], "unreadable, so set aside:")
+    if self.state.version > restored:
+      self._save(ckpt)
+    self.log(f"checkpoint step(s) {skipped} could not be read: moved to {ckpt.superseded_directory}"
+             + (f"; version {self.state.version}, replayed from the update log, written again"
+                if self.state.version > restored else ""))
 
   def _save(self, ckpt) -> None:
     save(ckpt, self.state, self.config, self.algorithm)

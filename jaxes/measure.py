@@ -118,8 +118,12 @@ def peak_bandwidth(device_kind: str) -> tuple[float | None, str]:
 
 def program_bytes(compiled) -> float | None:
   """The compiler's cost analysis of a compiled program: bytes it accesses (per device), or None
-  where the backend gives none. Loops count their body once."""
-  analysis = compiled.cost_analysis()
+  where the backend gives none (the GPU compiler without a GPU, jaxes.gpu_targets, has no cost
+  analysis; a GPU with one has). Loops count their body once."""
+  try:
+    analysis = compiled.cost_analysis()
+  except Exception:  # noqa: BLE001 -- "UNIMPLEMENTED" on compile-only clients: no number, not an error
+    return None
   if isinstance(analysis, (list, tuple)):   # older JAX: one dict per computation
     analysis = analysis[0] if analysis else None
   if not analysis or "bytes accessed" not in analysis:
@@ -150,7 +154,7 @@ def measure_config(config, model_shape: str, num_devices: int):
   return c
 
 
-def _vocab(config) -> int:
+def vocab_size(config) -> int:
   preset = qwen2.PRESETS.get(config.model.preset, {})
   return int(config.model.vocab_size or preset.get("vocab_size") or config.tokenizer.vocab_size)
 
@@ -362,7 +366,7 @@ def measure(config, model_shape: str, steps: int, log=print, hardware: dict | No
   kind = devices[0].device_kind
   turn_budget = config.rollout.max_new_tokens
   config = measure_config(config, model_shape, len(devices))
-  vocab = _vocab(config)
+  vocab = vocab_size(config)
   model = builders.build_model(config, vocab)
   mesh = builders.build_mesh(config)
   modes = _modes(config)
@@ -404,7 +408,15 @@ def measure(config, model_shape: str, steps: int, log=print, hardware: dict | No
         f"({hows.count('read')} read from the persistent cache)")
     return run, hows
 
+  phase_s, clock = {}, [time.perf_counter()]
+
+  def phase(name: str) -> None:   # wall seconds of each part, for sizing a rental
+    now = time.perf_counter()
+    phase_s[name] = now - clock[0]
+    clock[0] = now
+
   cold, cold_hows = compile_pass("cold")
+  phase("compile_cold")
   jax.clear_caches()   # the next pass reads the persistent cache, not this process's memory
   cached, _ = compile_pass("from the cache")
   compile_s = {"cold": cold.wall_seconds, "cached": cached.wall_seconds, "programs": len(cold.programs),
@@ -412,11 +424,13 @@ def measure(config, model_shape: str, steps: int, log=print, hardware: dict | No
                "cold_read_from_cache": cold_hows.count("read"),
                "slowest": max(((p.seconds, p.name) for p in cold.programs), default=(0.0, ""))[1]}
   compiler_bytes = {p.name: p.result for p in cold.programs}
+  phase("compile_cached")
 
   # 2. The preflight's prediction for the config's own run, on these devices.
   target = preflight.Target("local", devices, _device_memory(devices), platform_name, False)
   plan = preflight.plan(modes[run_mode][0], target, log=lambda *_: None, jobs=jobs)
   predicted = int(plan["peak_bytes_per_device"])
+  phase("preflight_plan")
 
   # 3. Weights and the ES state, then each mode's steady decode, the config's own run first.
   params = builders.initial_params(config, model)
@@ -467,6 +481,7 @@ def measure(config, model_shape: str, steps: int, log=print, hardware: dict | No
     log(f"  {name}: {decode[name]['tokens'] / decode[name]['seconds'] / len(devices):.1f} decode "
         f"tokens/s per chip over {decode[name]['steps']} steps")
     del engine
+    phase(f"decode_{name}")
 
   # 4. The numbers.
   per_chip = {n: (d["tokens"] / d["seconds"] / len(devices) if d else None) for n, d in decode.items()}
@@ -485,6 +500,7 @@ def measure(config, model_shape: str, steps: int, log=print, hardware: dict | No
   egg_shape = EGGROLL_CPU_SHAPE if platform_name == "cpu" else EGGROLL_SHAPE
   log(f"  EGGROLL's microbenchmark at {egg_shape} ...")
   egg = eggroll(egg_shape, jnp.dtype(model.config.dtype))
+  phase("eggroll")
   egg["end_to_end_lowrank_over_plain"] = es_over_plain.get("lowrank")
   tests = hardware or {"platform": platform_name, "status": "not run (--hardware_tests=False)"}
   return {
@@ -500,9 +516,10 @@ def measure(config, model_shape: str, steps: int, log=print, hardware: dict | No
     "roofline": {"peak_bytes_per_s": bandwidth, "source": source, "modes": roofline,
                  **({} if bandwidth is not None else {"reason": source})},
     "host_gap_s": {n: d["host_gap_s"] for n, d in decode.items() if d},
+    "calls_per_step": {n: d["calls"] / d["steps"] for n, d in decode.items() if d},
     "update_s": update, "cohort_decode_s": cohort_decode_s,
     "updates_per_hour_sandbox_free": 3600.0 / (update + cohort_decode_s),
-    "compile_s": compile_s, "eggroll": egg, "hardware_tests": tests,
+    "compile_s": compile_s, "phase_s": phase_s, "eggroll": egg, "hardware_tests": tests,
     "machine": platform.node(), "cpu_count": os.cpu_count(), "python": platform.python_version(),
     "jax": jax.__version__, "jaxlib": jaxlib.__version__, "date": datetime.date.today().isoformat(),
   }
@@ -510,8 +527,8 @@ def measure(config, model_shape: str, steps: int, log=print, hardware: dict | No
 
 SUMMARY_KEYS = ("device_kind", "num_devices", "decode_tokens_per_s", "es_over_plain",
                 "peak_bytes_measured", "peak_bytes_predicted", "memory_measured_over_predicted",
-                "roofline_fraction", "roofline", "host_gap_s", "update_s",
-                "updates_per_hour_sandbox_free", "compile_s", "eggroll", "hardware_tests",
+                "roofline_fraction", "roofline", "host_gap_s", "calls_per_step", "update_s",
+                "updates_per_hour_sandbox_free", "compile_s", "phase_s", "eggroll", "hardware_tests",
                 "model_shape", "steps", "num_slots", "machine", "jax", "jaxlib", "date")
 
 

@@ -27,7 +27,7 @@ def test_on_cpu_every_key_has_a_value_and_the_roofline_says_why_not(tmp_path):
   out = subprocess.run([sys.executable, "-m", "jaxes.measure", "--config=configs/demo.py",
                         "--model_shape=tiny", "--steps=1", "--config.rollout.max_len=64",
                         "--config.rollout.prefill_tokens=1024"],
-                       capture_output=True, text=True, cwd=ROOT, env=launch_env(tmp_path), timeout=600)
+                       capture_output=True, text=True, cwd=ROOT, env=launch_env(tmp_path), timeout=900)
   assert out.returncode == 0, out.stderr[-3000:]
   lines = out.stdout.strip().splitlines()
   report = json.loads(lines[-1])

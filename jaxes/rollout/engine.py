@@ -84,6 +84,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from typing import Any, Callable
 
 import jax
@@ -675,7 +676,9 @@ class Engine:
       (out_tokens, out_logprobs, taken, last), self.cache = self._call_fn(
           span, params, noiser, self.cache, *args)
     self.stats.host_syncs += 1
+    waited = time.perf_counter()
     counts, last = np.asarray(taken), np.asarray(last)   # replicated: on every process
+    self.stats.device_wait_s += time.perf_counter() - waited
     out_tokens, out_logprobs = _own_rows(out_tokens, -1), _own_rows(out_logprobs, np.nan)
     taken = [int(counts[j]) for j in where]
     out = []

@@ -79,6 +79,8 @@ class EngineStats:
   tokens_read: int = 0           # sampled tokens whose ids this process read: its own rows'
                                  # (multi-process: only they are read, nothing is exchanged)
   loop_steps: int = 0            # decode steps run by width-1 calls' device loops
+  device_wait_s: float = 0.0     # seconds the host waited for calls' sampled tokens: a step's
+                                 # wall time less this is the host's share (``jaxes.measure``)
 
   @property
   def utilisation(self) -> float:

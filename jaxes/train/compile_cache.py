@@ -57,6 +57,11 @@ class Compiles:
   "read" (the persistent cache served it), "written" (compiled, then cached) or "compiled" (not
   cached: the cache is off or the program is under its size or time thresholds)."""
   programs: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+  seconds: list[float] = dataclasses.field(default_factory=list)   # each one's backend seconds
+
+  def seconds_by_how(self, how: str) -> float:
+    """Backend seconds of the compiles that went ``how`` ("read": the cache's loads)."""
+    return sum(s for (_, h), s in zip(self.programs, self.seconds) if h == how)
 
   def of(self, name: str) -> list[str]:
     """How each compile of the program ``name`` (e.g. "jit(apply)") went."""
@@ -73,9 +78,10 @@ def watch():
     if event in (CACHE_HIT, CACHE_WRITE):
       pending.how = "read" if event == CACHE_HIT else "written"
 
-  def on_duration(event: str, _seconds: float, fun_name: str = "", **_):
+  def on_duration(event: str, seconds: float, fun_name: str = "", **_):
     if event == BACKEND_COMPILE:
       seen.programs.append((fun_name, getattr(pending, "how", "compiled")))
+      seen.seconds.append(seconds)
       pending.how = "compiled"
 
   monitoring.register_event_listener(on_event)

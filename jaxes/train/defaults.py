@@ -149,7 +149,7 @@ def base_config() -> config_dict.ConfigDict:
   c.rollout.switch_versions = False
 
   c.train = config_dict.ConfigDict()
-  c.train.algorithm = "es"       # "es", or "grpo" (the baseline: jaxes.rl's learner in the same trainer)
+  c.train.algorithm = "es"       # "es", "grpo" or "sao" (jaxes.train.algorithms: jaxes.rl's learners in the same trainer)
   c.train.num_updates = 100
   c.train.checkpoint_every = 1
   c.train.keep_checkpoints = 3
@@ -170,6 +170,9 @@ def base_config() -> config_dict.ConfigDict:
   # Held-out evaluation of the unperturbed policy.
   # The GRPO baseline (train.algorithm = "grpo"): jaxes.rl.config documents every key.
   c.grpo = rl_config.default_config()
+  # SAO (train.algorithm = "sao"): one episode per task, a value-head baseline, strict clipping;
+  # jaxes.rl.config.SAO_KEYS documents its own keys, GRPOConfig the learner's.
+  c.sao = rl_config.sao_default_config()
 
   c.eval = config_dict.ConfigDict()
   c.eval.num_tasks = 100

@@ -84,6 +84,11 @@ def base_config() -> config_dict.ConfigDict:
   c.env.sandbox = "local"
   c.env.families = ""            # comma-separated subset of generator.FAMILIES; empty = all
   c.env.difficulty = 0            # 1..3; 0 cycles through 1, 2, 3 (as generator.split)
+  # A changing environment: from update shift_at_update on, training episodes run tasks of
+  # shift_families (same counts) instead of families; evaluation reports both mixes' held-out
+  # success (the metrics line's eval.shifted). Empty: one mix throughout.
+  c.env.shift_families = ""
+  c.env.shift_at_update = 0
   c.env.num_train_tasks = 1000
   c.env.num_heldout_tasks = 100
   c.env.partial_credit = False

@@ -132,7 +132,7 @@ class GRPO:
 
   def spec(self, job: Job) -> EpisodeSpec:
     c = self.config   # one stream per episode: a group's samples must differ
-    return EpisodeSpec(TrainEpisode(job), self.parts.train_tasks[job.task], job.version, -1,
+    return EpisodeSpec(TrainEpisode(job), self.parts.train_task(job), job.version, -1,
                        job.job_id, c.rollout.temperature, c.rollout.top_p)
 
   def on_result(self, state: GRPOState, result) -> None:

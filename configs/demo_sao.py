@@ -11,8 +11,8 @@ optimisation with a value-head baseline and strict double-side clipping.
     evaluation stays greedy.
   * the policy's learner settings are demo_grpo.py's (lr 1e-4, 4 micro-batches, token-level
     mean) with DAPO's asymmetric clip range 0.2 / 0.28, now strict on both sides.
-  * the value head: Adam at 1e-2, the first 2 updates train it alone (a warm-up, so the first
-    policy updates' baseline is not 0).
+  * the value head: Adam at 2e-2 (each step moves V by about that), the first 4 updates train
+    it alone (a warm-up, so the first policy updates' baseline is not 0).
 """
 import os
 
@@ -36,7 +36,7 @@ def get_config():
   c.sao.clip_eps_low = 0.2
   c.sao.clip_eps_high = 0.28
   c.sao.aggregation = "token"
-  c.sao.value_learning_rate = 1e-2
-  c.sao.value_warmup_updates = 2
+  c.sao.value_learning_rate = 2e-2
+  c.sao.value_warmup_updates = 4
   c.sao.turn_values = True
   return c

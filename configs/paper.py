@@ -154,7 +154,7 @@ def sao(c):
   applies (ET's lr, warm-up, weight decay, grad-norm clip and 0.2 / 0.28 clip range, now strict on
   both sides) at the GRPO row's 256 episodes per update, one per task, asynchronous (Async-1's
   controller; SAO's point). Not published for this setting, our choices: one learner step per
-  batch, the token-level mean, the value head's Adam lr 1e-4 and 10 value-only warm-up updates."""
+  batch, the token-level mean, the value head's Adam lr 1e-2 and 10 value-only warm-up updates."""
   from jaxes.rl.config import sao_default_config
   c.train.algorithm = "sao"
   c.rollout.temperature = 0.6        # ET sampling_params.temperature, as the GRPO row
@@ -171,7 +171,7 @@ def sao(c):
   s.clip_eps_high = 0.28             # ET eps_clip_high
   s.aggregation = "token"
   s.master_weights = True
-  s.value_learning_rate = 1e-4
+  s.value_learning_rate = 1e-2      # the head's steps move V by ~lr (features / d): rewards are 0..1
   s.value_warmup_updates = 10
   s.turn_values = True
   s.micro_batches = s.tasks_per_update // c.mesh.data   # one episode row per data shard, as GRPO's

@@ -6,7 +6,7 @@ token-level clip instead of PPO's one-sided one.
     state = learner.init(params)
     state, metrics = learner.step(state, batch, train_policy=True)
 
-The value model is a scalar head (a linear map of the policy's last hidden state, float32) on
+The value model is a scalar head (an affine map of the policy's last hidden state / d, float32) on
 the policy's own forward, read through ``stop_gradient``: the value loss trains the head only
 and never moves the policy, and the head costs ``hidden_size + 1`` parameters instead of a
 second model (docs/training.md, "SAO", argues the choice at 7B). Its target is the episode's
@@ -144,7 +144,10 @@ class SAOLearner:
         chunk=c.logprob_chunk)
     # The head reads the trunk, never trains it: the value loss leaves the policy as it is.
     h = jax.lax.stop_gradient(hidden).astype(jnp.float32)
-    values = h @ head["w"] + head["b"]                       # [n, S]: after tokens 0..t
+    # Features scaled by 1 / d: Adam's early steps move every weight by about the learning rate,
+    # so unscaled a step would move V by ~lr * d (at 7B, d = 3584) and overshoot; scaled, w and b
+    # each move V by ~lr per step at any width.
+    values = h @ head["w"] / self.hidden_size + head["b"]   # [n, S]: after tokens 0..t
     before = jnp.pad(values[:, :-1], ((0, 0), (1, 0)))      # the state before token t
     positions = value_positions(mb["sampled"], v.turn_values)
     returns = mb["rewards"][:, None]

@@ -17,7 +17,9 @@ async1_switch (Async-1 with the in-flight version change, rollout.switch_version
 and grpo: the same warm start, tasks, engine
 and evaluation trained by GRPO (configs/demo_grpo.py's learner settings) at the ES variants'
 episode budget -- 4 tasks x 4 sampled episodes = 16 per update, as 8 members x 2 episodes --
-synchronous and on-policy.
+synchronous and on-policy; sao, sao_delay4, sao_delay8: configs/demo_sao.py (one episode per
+task, a value-head baseline, strict double-side clipping) at the same 16 episodes per update,
+under Async-1 and its two delay schedules.
 
 Sizing, by measurement (the results notebook in docs/log/, "Experiment grid"; CPU seconds measured on a
 loaded 2-core VM, extrapolated, since the grid itself could not run there): the demo's ES
@@ -39,7 +41,9 @@ from jaxes.train.config import load_config_file
 
 VARIANTS = ("sync", "async1", "delay4", "delay8", "allstale", "async1_weight",
             "async1_baseline_only", "async1_pace", "async2_throttle", "coevolve", "async1_switch",
-            "grpo")
+            "grpo", "sao", "sao_delay4", "sao_delay8")
+# SAO's variants: configs/demo_sao.py under an ES variant's controller (Async-1, its delays).
+SAO_VARIANTS = {"sao": "async1", "sao_delay4": "delay4", "sao_delay8": "delay8"}
 NUM_UPDATES = 48
 EVAL_EVERY = 16
 EPISODES_PER_MEMBER = 2
@@ -50,7 +54,8 @@ def get_config(variant: str = "async1"):
   if variant not in VARIANTS:
     raise ValueError(f"configs/demo_grid.py: unknown variant {variant!r}; choose one of {VARIANTS}")
   here = os.path.dirname(os.path.abspath(__file__))
-  c = load_config_file(os.path.join(here, "demo_grpo.py" if variant == "grpo" else "demo.py"))
+  base = {"grpo": "demo_grpo.py", **dict.fromkeys(SAO_VARIANTS, "demo_sao.py")}.get(variant, "demo.py")
+  c = load_config_file(os.path.join(here, base))
   c.train.num_updates = NUM_UPDATES
   c.train.eval_every = EVAL_EVERY
   c.train.checkpoint_every = 8
@@ -58,5 +63,8 @@ def get_config(variant: str = "async1"):
   if variant == "grpo":
     c.grpo.tasks_per_update, c.grpo.group_size = GRPO_TASKS, GRPO_GROUP
     return c
+  if variant in SAO_VARIANTS:   # one episode per task: the same 16 episodes per update
+    c.sao.tasks_per_update = GRPO_TASKS * GRPO_GROUP
+    return apply_es_variant(c, SAO_VARIANTS[variant])
   c.controller.episodes_per_member = EPISODES_PER_MEMBER
   return apply_es_variant(c, variant)

@@ -22,6 +22,9 @@ Every variant names the devices it is sized for: `configs/paper.py:async1,v5p-64
 over `data` (the KV cache, 240 x 16384 tokens = 210 GiB in bf16, dominates), the model over
 `tensor` (Qwen2.5-7B has 4 KV heads, so at most tensor=4 also splits the cache).
 
+`configs/paper.py:sao[,TARGET]` (and `sao_delay4`, `sao_delay8`) is the SAO row (`sao()`), its
+preflight sizing the policy, the value head and both optimizers' states.
+
 `configs/paper.py:grpo[,TARGET]` is the paper's GRPO row: the same model, tasks, engine and
 evaluation, trained by `jaxes.rl` (GRPO) instead of ES; its preflight reports GRPO's per-device
 memory beside ES's on the same mesh. With the learner's per-layer remat, blockwise causal
@@ -35,7 +38,9 @@ from jaxes.train.defaults import base_config
 
 VARIANTS = ("sync", "async1", "delay4", "delay8", "allstale", "async1_weight",
             "async1_baseline_only", "async1_pace", "async2_throttle", "coevolve", "async1_switch",
-            "grpo")
+            "grpo", "sao", "sao_delay4", "sao_delay8")
+# SAO's variants: the SAO row under an ES variant's controller (Async-1, its delays).
+SAO_VARIANTS = {"sao": "async1", "sao_delay4": "delay4", "sao_delay8": "delay8"}
 # target -> (data, fsdp, tensor); data x tensor = 8 and more shard the cache 8 ways or more.
 TARGETS = {
   "8xH100": (2, 1, 4),
@@ -102,6 +107,8 @@ def get_config(arg: str = "async1"):
 
   if variant == "grpo":
     return grpo(c)
+  if variant in SAO_VARIANTS:
+    return apply_es_variant(sao(c), SAO_VARIANTS[variant])
   return apply_es_variant(c, variant)
 
 
@@ -139,4 +146,34 @@ def grpo(c):
   # episode row per data shard per micro-batch.
   g.micro_batches = g.group_size * g.tasks_per_update // c.mesh.data
   c.grpo = g
+  return c
+
+
+def sao(c):
+  """The paper config as the SAO row (arXiv 2607.07508): the GRPO row's policy learner where it
+  applies (ET's lr, warm-up, weight decay, grad-norm clip and 0.2 / 0.28 clip range, now strict on
+  both sides) at the GRPO row's 256 episodes per update, one per task, asynchronous (Async-1's
+  controller; SAO's point). Not published for this setting, our choices: one learner step per
+  batch, the token-level mean, the value head's Adam lr 1e-2 and 10 value-only warm-up updates."""
+  from jaxes.rl.config import sao_default_config
+  c.train.algorithm = "sao"
+  c.rollout.temperature = 0.6        # ET sampling_params.temperature, as the GRPO row
+  c.rollout.top_p = 1.0
+  s = sao_default_config()
+  s.tasks_per_update = 256           # the GRPO row's 16 x 16 episodes, one per task
+  s.updates_per_batch = 1
+  s.seq_len = 0
+  s.learning_rate = 5e-7             # ET policy optimizer lr
+  s.warmup_steps = 20                # ET num_warmup_steps
+  s.weight_decay = 0.01              # ET weight_decay
+  s.max_grad_norm = 0.1              # ET max_grad_norm
+  s.clip_eps_low = 0.2               # ET eps_clip_low
+  s.clip_eps_high = 0.28             # ET eps_clip_high
+  s.aggregation = "token"
+  s.master_weights = True
+  s.value_learning_rate = 1e-2      # the head's steps move V by ~lr (features / d): rewards are 0..1
+  s.value_warmup_updates = 10
+  s.turn_values = True
+  s.micro_batches = s.tasks_per_update // c.mesh.data   # one episode row per data shard, as GRPO's
+  c.sao = s
   return c

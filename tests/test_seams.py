@@ -92,7 +92,7 @@ def test_algorithms_are_chosen_by_name_and_validated_by_their_own_rules(monkeypa
 
   c = defaults.base_config()
   c.train.algorithm = "frozen"
-  with pytest.raises(ConfigError, match=r"^config.train.algorithm: must be one of \('es', 'grpo'\)"):
+  with pytest.raises(ConfigError, match=r"^config.train.algorithm: must be one of \('es', 'grpo', 'sao'\)"):
     train_config.validate(c)
   monkeypatch.setitem(algorithms.ALGORITHMS, "frozen", Frozen)
   with pytest.raises(ConfigError, match=r"^config.es.learning_rate: frozen runs take 0.5$"):
@@ -105,3 +105,18 @@ def test_algorithms_are_chosen_by_name_and_validated_by_their_own_rules(monkeypa
   c.controller.overage = "weight"
   with pytest.raises(ConfigError, match=r"^config.controller.overage='weight' weighs ES results"):
     algorithms.controller_config(c)
+
+
+def test_the_loop_and_its_builders_name_no_algorithm():
+  """The seam's grep (issue 55): adding an algorithm is a module in jaxes/train/algorithms/, its
+  config block and tests; the trainer, its builders and the run state never branch on which."""
+  import pathlib
+  import re
+  root = pathlib.Path(__file__).resolve().parents[1] / "jaxes" / "train"
+  from jaxes.train import algorithms
+  names = "|".join(map(re.escape, algorithms.ALGORITHMS))
+  branch = re.compile(rf"algorithm\s*(==|!=|\bin\b)|\.algorithm\b\s*\)?\s*(==|!=)|[\"']({names})[\"']")
+  hits = [f"{path.name}:{n}: {line.strip()}" for path in (root / "trainer.py", root / "builders.py",
+                                                           root / "state.py")
+          for n, line in enumerate(path.read_text().splitlines(), 1) if branch.search(line)]
+  assert hits == [], hits

@@ -133,3 +133,70 @@ def from_run_config(c) -> GRPOConfig:
     raise ValueError(f"config.grpo.micro_batches: must divide group_size * tasks_per_update = {rows}, "
                      f"got {config.micro_batches}")
   return config
+
+
+# -- SAO (jaxes.rl.sao): one episode per task, a value head for the baseline, strict clipping ------
+# GRPOConfig fields SAO does not use: no group (so no group advantage) and no KL term.
+SAO_UNUSED = ("kl_coef", "advantage", "advantage_eps")
+# The trainer's and the value head's keys of the ``sao`` block, beside the learner's.
+SAO_KEYS = dict(
+  tasks_per_update=16,       # episodes per update, one per task (no group)
+  seq_len=0,                 # token rows of a batch; 0 = rollout.max_len
+  updates_per_batch=1,       # learner steps per batch
+  value_learning_rate=1e-3,  # Adam on the value head (its own optimizer, not the policy's)
+  value_warmup_updates=0,    # the first N updates train the value head only (the policy stays)
+  turn_values=True,          # a value per assistant turn (the state before it); False: per episode
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class SAOValueConfig:
+  """What ``SAOLearner`` takes beside the policy's ``GRPOConfig``."""
+  learning_rate: float = 1e-3
+  turn_values: bool = True
+
+
+def sao_default_config():
+  """The ``sao`` block of a run config with every key at its default (clipping as DAPO's
+  asymmetric 0.2 / 0.28, token-level mean)."""
+  from ml_collections import config_dict
+  learner = {f.name: f.default for f in dataclasses.fields(GRPOConfig)
+             if f.name not in FROM_ROLLOUT + SAO_UNUSED}
+  learner["clip_eps_high"] = 0.28
+  return config_dict.ConfigDict({**learner, **SAO_KEYS})
+
+
+def sao_from_run_config(c) -> tuple[GRPOConfig, SAOValueConfig]:
+  """The policy learner's and the value head's configs from a run config (``c.sao``,
+  ``c.rollout``); errors name the run config's key (``config.sao.tasks_per_update: ...``)."""
+  block = dict(c.sao)
+  for key, lo in (("tasks_per_update", 1), ("seq_len", 0), ("updates_per_batch", 1),
+                  ("value_warmup_updates", 0)):
+    v = block.get(key, SAO_KEYS[key])
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+      raise ValueError(f"config.sao.{key}: must be an int >= {lo}, got {v!r}")
+  lr = block.get("value_learning_rate", SAO_KEYS["value_learning_rate"])
+  if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
+    raise ValueError(f"config.sao.value_learning_rate: must be a number > 0, got {lr!r}")
+  if not isinstance(block.get("turn_values", True), bool):
+    raise ValueError(f"config.sao.turn_values: must be a bool, got {block['turn_values']!r}")
+  if block.get("seq_len", 0) > c.rollout.max_len:
+    raise ValueError(f"config.sao.seq_len: must be <= config.rollout.max_len={c.rollout.max_len} "
+                     f"(0 = equal to it), got {block['seq_len']!r}")
+  for key in SAO_UNUSED + FROM_ROLLOUT:
+    if key in block:
+      raise ValueError(f"config.sao.{key}: not an SAO key" + (
+          f" (set config.rollout.{key}: episodes are sampled at it)" if key in FROM_ROLLOUT else
+          " (SAO has no group advantage and no KL term)"))
+  learner = {k: v for k, v in block.items() if k not in SAO_KEYS}
+  try:
+    config = GRPOConfig.from_dict({**learner, **{k: c.rollout[k] for k in FROM_ROLLOUT}})
+  except ValueError as err:
+    key = str(err).split(":")[0].removeprefix("GRPOConfig.")
+    block_name = "rollout" if key in FROM_ROLLOUT else "sao"
+    raise ValueError(f"config.{block_name}.{str(err).removeprefix('GRPOConfig.')}") from None
+  rows = block.get("tasks_per_update", SAO_KEYS["tasks_per_update"])
+  if rows % config.micro_batches:
+    raise ValueError(f"config.sao.micro_batches: must divide tasks_per_update = {rows}, "
+                     f"got {config.micro_batches}")
+  return config, SAOValueConfig(float(lr), block.get("turn_values", True))

@@ -50,6 +50,13 @@ def _is_f32(tree) -> bool:
   return all(x.dtype == jnp.float32 for x in jax.tree.leaves(tree))
 
 
+def split_micro_batches(rows, k: int):
+  """``rows`` (a tree of [N, ...] arrays) as k micro-batches [k, N / k, ...]. Micro-batch i takes
+  rows i, i + k, ...: a batch sharded over `data` in contiguous blocks then gives every
+  micro-batch rows of every data shard (each device trains its own rows)."""
+  return jax.tree.map(lambda x: x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1), rows)
+
+
 class GRPOLearner:
   def __init__(self, graphdef, config: GRPOConfig):
     self.graphdef, self.config = graphdef, config
@@ -160,9 +167,7 @@ class GRPOLearner:
                 weights=objective.token_weights(batch.sampled, c.aggregation),
                 advantages=objective.group_advantages(batch.rewards, batch.group_ids,
                                                       c.advantage, c.advantage_eps))
-    # Micro-batch i takes rows i, i + k, ...: a batch sharded over `data` in contiguous blocks
-    # then gives every micro-batch rows of every data shard (each device trains its own rows).
-    micro = jax.tree.map(lambda x: x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1), rows)
+    micro = split_micro_batches(rows, k)
     grad_fn = jax.value_and_grad(self._micro_loss, has_aux=True)
 
     def placed(tree):  # sums split over data shards: each micro-batch's gradient reduce-scattered
@@ -181,6 +186,14 @@ class GRPOLearner:
 
   def _step_impl(self, state: LearnerState, batch: Batch, grad_shardings=None):
     loss, grads, sums = self._loss_and_grads(state.params, state.ref_params, batch, grad_shardings)
+    metrics = dict(loss=loss, grad_norm=optax.tree.norm(grads),
+                   tokens=batch.sampled.sum(dtype=jnp.int32),
+                   episodes=(batch.group_ids >= 0).sum(dtype=jnp.int32), **sums)
+    return self.apply_gradients(state, grads), metrics
+
+  def apply_gradients(self, state: LearnerState, grads) -> LearnerState:
+    """The state after one optimizer step on float32 ``grads`` (a tree like the params), traced
+    inside a caller's jitted step (another learner's step that shares this optimizer)."""
     target = state.params if state.master is None else state.master
     grads = jax.tree.map(lambda g, t: g.astype(t.dtype), grads, target)
     updates, opt_state = self.tx.update(grads, state.opt_state, target)
@@ -190,10 +203,7 @@ class GRPOLearner:
     else:
       params = jax.tree.map(lambda m, p: m.astype(p.dtype), target, state.params)
       master = target
-    metrics = dict(loss=loss, grad_norm=optax.tree.norm(grads),
-                   tokens=batch.sampled.sum(dtype=jnp.int32),
-                   episodes=(batch.group_ids >= 0).sum(dtype=jnp.int32), **sums)
-    return LearnerState(params, master, opt_state, state.ref_params, state.step + 1), metrics
+    return LearnerState(params, master, opt_state, state.ref_params, state.step + 1)
 
   def _jitted_step(self, state: LearnerState):
     """The step jitted so the new state keeps the given state's shardings (left to itself, XLA's

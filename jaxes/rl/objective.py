@@ -59,11 +59,21 @@ def sequence_logprobs(graphdef, params, tokens: jax.Array, valid: jax.Array, tem
   model's layers under ``jax.checkpoint`` (``Qwen2ForCausalLM``'s ``remat``), for a gradient that
   keeps one layer's activations. ``chunk`` > 0: the LM head and log-softmax run ``chunk`` positions at a
   time (``chunked_logprobs``), so the float32 logits [N, S, V] never exist whole."""
+  return sequence_logprobs_and_hidden(graphdef, params, tokens, valid, temperature, top_p,
+                                      remat=remat, chunk=chunk)[0]
+
+
+def sequence_logprobs_and_hidden(graphdef, params, tokens: jax.Array, valid: jax.Array,
+                                 temperature: float, top_p: float, remat: bool = False,
+                                 chunk: int = 0) -> tuple[jax.Array, jax.Array]:
+  """``sequence_logprobs`` and the trunk's last hidden states [N, S, d] it was computed from
+  (position t: the state after reading tokens 0..t), for a head that reads the same forward
+  (a value head)."""
   positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
   model = nnx.merge(graphdef, params)
   hidden, _ = model(tokens, positions, valid, remat=remat, head=False)
   logp = chunked_logprobs(model.lm_logits, hidden[:, :-1], tokens[:, 1:], temperature, top_p, chunk)
-  return jnp.pad(logp, ((0, 0), (1, 0)))
+  return jnp.pad(logp, ((0, 0), (1, 0))), hidden
 
 
 def chunked_logprobs(head: Callable[[jax.Array], jax.Array], hidden: jax.Array, targets: jax.Array,

@@ -41,6 +41,25 @@ def heldout_tasks(config) -> list:
   return make_tasks(config, "heldout", config.env.num_heldout_tasks)
 
 
+@dataclasses.dataclass(frozen=True)
+class TaskShift:
+  """A changing environment (``env.shift_families``): training episodes of versions >=
+  ``at_update`` run ``train_tasks`` (the same count, of the later mix) in place of the first
+  mix's; evaluation also runs ``heldout_tasks``, the later mix's held-out split."""
+  at_update: int
+  train_tasks: list
+  heldout_tasks: list
+
+
+def task_shift(config) -> TaskShift | None:
+  """The later task mix: the config with ``env.families = env.shift_families`` (None: no shift)."""
+  if not config.env.shift_families:
+    return None
+  later = config.copy_and_resolve_references()
+  later.env.families = config.env.shift_families
+  return TaskShift(config.env.shift_at_update, training_tasks(later), heldout_tasks(later))
+
+
 def warmstart_tasks(config) -> list:
   return make_tasks(config, "train", max(config.warmstart.num_tasks, 1))
 

@@ -178,6 +178,20 @@ class _Checks:
     for fam in filter(None, (f.strip() for f in c.env.families.split(","))):
       self.check("env.families", fam in generator.FAMILIES,
                  f"{fam!r} is not a task family; known: {', '.join(generator.FAMILIES)}")
+    shifted = [f.strip() for f in c.env.shift_families.split(",") if f.strip()]
+    for fam in shifted:
+      self.check("env.shift_families", fam in generator.FAMILIES,
+                 f"{fam!r} is not a task family; known: {', '.join(generator.FAMILIES)}")
+    if shifted:
+      self.check("env.shift_families", c.env.kind == "terminal",
+                 "changes the generated terminal tasks' families, which only env.kind 'terminal' has")
+      self.check("env.shift_at_update", isinstance(c.env.shift_at_update, int)
+                 and 1 <= c.env.shift_at_update <= c.train.num_updates,
+                 "must be an update of the run (1..config.train.num_updates) when "
+                 "config.env.shift_families is set")
+    else:
+      self.check("env.shift_at_update", c.env.shift_at_update == 0,
+                 "needs config.env.shift_families (the later mix); 0 = no shift")
     self.one_of("env.difficulty", (0, 1, 2, 3))
     for k in ("num_train_tasks", "num_heldout_tasks", "max_turns", "sandbox_workers"):
       self.at_least(f"env.{k}", 1)

@@ -87,6 +87,11 @@ def base_config() -> config_dict.ConfigDict:
   c.env.sandbox = "local"
   c.env.families = ""            # comma-separated subset of generator.FAMILIES; empty = all
   c.env.difficulty = 0            # 1..3; 0 cycles through 1, 2, 3 (as generator.split)
+  # A changing environment: from update shift_at_update on, training episodes run tasks of
+  # shift_families (same counts) instead of families; evaluation reports both mixes' held-out
+  # success (the metrics line's eval.shifted). Empty: one mix throughout.
+  c.env.shift_families = ""
+  c.env.shift_at_update = 0
   c.env.num_train_tasks = 1000
   c.env.num_heldout_tasks = 100
   c.env.partial_credit = False
@@ -152,7 +157,7 @@ def base_config() -> config_dict.ConfigDict:
   c.rollout.switch_versions = False
 
   c.train = config_dict.ConfigDict()
-  c.train.algorithm = "es"       # "es", or "grpo" (the baseline: jaxes.rl's learner in the same trainer)
+  c.train.algorithm = "es"       # "es", "grpo" or "sao" (jaxes.train.algorithms: jaxes.rl's learners in the same trainer)
   c.train.num_updates = 100
   c.train.checkpoint_every = 1
   c.train.keep_checkpoints = 3
@@ -173,6 +178,9 @@ def base_config() -> config_dict.ConfigDict:
   # Held-out evaluation of the unperturbed policy.
   # The GRPO baseline (train.algorithm = "grpo"): jaxes.rl.config documents every key.
   c.grpo = rl_config.default_config()
+  # SAO (train.algorithm = "sao"): one episode per task, a value-head baseline, strict clipping;
+  # jaxes.rl.config.SAO_KEYS documents its own keys, GRPOConfig the learner's.
+  c.sao = rl_config.sao_default_config()
 
   c.eval = config_dict.ConfigDict()
   c.eval.num_tasks = 100

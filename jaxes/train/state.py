@@ -69,6 +69,13 @@ class Parts:
   model: builders.Model
   train_tasks: list
   heldout_tasks: list
+  shift: builders.TaskShift | None = None   # a changing environment (env.shift_families)
+
+  def train_task(self, job):
+    """The task of a training job: its index into the mix in force for the job's version."""
+    if self.shift is not None and job.version >= self.shift.at_update:
+      return self.shift.train_tasks[job.task]
+    return self.train_tasks[job.task]
 
 
 # -- checkpoints ----------------------------------------------------------------------------------
@@ -224,4 +231,4 @@ def build_parts(config, workdir: str, transcripts: list[list[dict]], log=print) 
   tokenizer = (builders.load_tokenizer(path) if path is not None
                else builders.build_tokenizer(config, workdir, transcripts, log))
   return Parts(tokenizer, builders.build_model(config, len(tokenizer)), builders.training_tasks(config),
-               builders.heldout_tasks(config))
+               builders.heldout_tasks(config), builders.task_shift(config))

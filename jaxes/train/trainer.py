@@ -257,13 +257,20 @@ class Trainer:
 
   # -- evaluation -----------------------------------------------------------------------------
   def evaluate(self) -> dict:
-    """Held-out success of the unperturbed current policy (``evaluation.evaluate``)."""
+    """Held-out success of the unperturbed current policy (``evaluation.evaluate``); in a
+    changing environment also on the later mix's held-out tasks (``shifted``)."""
     c, state = self.config, self.state
-    result = evaluation.evaluate(
-        self.runner, state.params_by_version, state.version, self.parts.heldout_tasks[:c.eval.num_tasks],
-        seeds=c.eval.seeds, temperature=c.eval.temperature, top_p=c.rollout.top_p,
-        on_training_result=self._report, log=self.log,
-        prepare=lambda spec: self._contexts.spec(spec, state.contexts))
+
+    def on(tasks):
+      return evaluation.evaluate(
+          self.runner, state.params_by_version, state.version, tasks[:c.eval.num_tasks],
+          seeds=c.eval.seeds, temperature=c.eval.temperature, top_p=c.rollout.top_p,
+          on_training_result=self._report, log=self.log,
+          prepare=lambda spec: self._contexts.spec(spec, state.contexts))
+
+    result = on(self.parts.heldout_tasks)
+    if self.parts.shift is not None:
+      result["shifted"] = on(self.parts.shift.heldout_tasks)
     state.evals.append(result)
     return result
 
@@ -284,6 +291,8 @@ class Trainer:
                "seed": c.seed,
                "before": before, "after": after, "change": evaluation.paired_change(before, after),
                "reward_change": evaluation.paired_change(before, after, evaluation.REWARD),
+               **({"shifted_change": evaluation.paired_change(before["shifted"], after["shifted"])}
+                  if before and after and "shifted" in before and "shifted" in after else {}),
                "train_s": run_s, "updates_per_hour": _per_hour(len(windows), run_s),
                "updates_this_run": updates,
                "this_invocation": {"updates": updates, "train_s": mine, "wall_s": train_s,

@@ -5,11 +5,11 @@ and one entry in ``ALGORITHMS``; the trainer, run state, checkpoints and update 
 """
 from __future__ import annotations
 
-from jaxes.train.algorithms import evolution, grpo
+from jaxes.train.algorithms import evolution, grpo, sao
 from jaxes.train.algorithms.base import Algorithm, TrainEpisode, UpdateContext
 from jaxes.train.errors import ConfigError
 
-ALGORITHMS = {"es": evolution.EvolutionStrategies, "grpo": grpo.GRPO}
+ALGORITHMS = {"es": evolution.EvolutionStrategies, "grpo": grpo.GRPO, "sao": sao.SAO}
 
 __all__ = ["ALGORITHMS", "Algorithm", "TrainEpisode", "UpdateContext", "build", "checkpoint_item",
            "controller_config"]

@@ -101,7 +101,7 @@ class EvolutionStrategies:
   def spec(self, job: Job) -> EpisodeSpec:
     c = self.config
     stream = training_stream(job, c.es.antithetic, c.rollout.common_random_numbers)
-    return EpisodeSpec(TrainEpisode(job), self.parts.train_tasks[job.task], job.version,
+    return EpisodeSpec(TrainEpisode(job), self.parts.train_task(job), job.version,
                        job.member, stream, c.rollout.temperature, c.rollout.top_p)
 
   def on_result(self, state, result) -> None:

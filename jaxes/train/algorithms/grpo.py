@@ -70,6 +70,7 @@ class GRPO:
   name = "GRPO"
   checkpoint_item = "learner"
   logs_updates = False
+  block = "grpo"   # its config block, and its metrics line's key
 
   def __init__(self, config, parts, mesh):
     self.config, self.parts, self.mesh = config, parts, mesh
@@ -114,6 +115,10 @@ class GRPO:
   def params(self, state: GRPOState):
     return state.learner.params
 
+  def learner_step(self, learner, batch, context: UpdateContext):
+    """One learner step of ``update`` (a subclass's learner may take the context into account)."""
+    return self.learner.step(learner, batch)
+
   def restored(self, item: LearnerState, host: dict) -> GRPOState:
     return GRPOState(item, _episodes_from_rows(host["episodes"]))
 
@@ -127,7 +132,7 @@ class GRPO:
 
   def spec(self, job: Job) -> EpisodeSpec:
     c = self.config   # one stream per episode: a group's samples must differ
-    return EpisodeSpec(TrainEpisode(job), self.parts.train_tasks[job.task], job.version, -1,
+    return EpisodeSpec(TrainEpisode(job), self.parts.train_task(job), job.version, -1,
                        job.job_id, c.rollout.temperature, c.rollout.top_p)
 
   def on_result(self, state: GRPOState, result) -> None:
@@ -138,27 +143,28 @@ class GRPO:
   def update(self, state: GRPOState, results: list, context: UpdateContext) -> tuple[GRPOState, dict]:
     c, t = self.config, time.perf_counter()
     old = context.version - 1
-    batch, group_std = self._batch(state, results)
+    batch, batch_metrics = self._batch(state, results)
     if old in context.keep:   # the step donates the learner state; stale rows still need θ_old
-      context.params_by_version[old] = jax.tree.map(jnp.copy, state.learner.params)
+      context.params_by_version[old] = jax.tree.map(jnp.copy, self.params(state))
     learner, sums = state.learner, {}
-    for _ in range(c.grpo.updates_per_batch):
-      learner, step_metrics = self.learner.step(learner, batch)
+    steps = c[self.block].updates_per_batch
+    for _ in range(steps):
+      learner, step_metrics = self.learner_step(learner, batch, context)
       for k, v in step_metrics.items():   # replicated scalars: this process's copy
         sums[k] = sums.get(k, 0.0) + float(np.asarray(v.addressable_data(0)))
     new_state = GRPOState(learner, state.episodes)
     _forget(new_state, context.controller, context.version)
-    steps, update_s = c.grpo.updates_per_batch, time.perf_counter() - t
+    update_s = time.perf_counter() - t
     return new_state, {**{k: v / steps for k, v in sums.items() if k not in ("tokens", "episodes")},
                        "tokens": int(sums["tokens"] / steps), "episodes": int(sums["episodes"] / steps),
                        "learner_tokens_per_s": sums["tokens"] / update_s if update_s > 0 else 0.0,
-                       "group_reward_std": group_std}
+                       **batch_metrics}
 
   def replay(self, state, results: list, version: int):
     raise NotImplementedError("GRPO keeps no update log (logs_updates is False)")
 
   def record(self, window, update, results: list, metrics: dict, runner_stats: dict) -> dict:
-    return {**window.common(update.version + 1, update, results, runner_stats), "grpo": metrics}
+    return {**window.common(update.version + 1, update, results, runner_stats), self.block: metrics}
 
   def plot_label(self) -> str:
     return f"GRPO ({self.config.controller.mode})"
@@ -169,11 +175,22 @@ class GRPO:
     return {"grpo_step": functools.partial(self.learner.lower, state.learner,
                                            self._abstract_batch(self.mesh))}
 
+  def group_size(self) -> int:
+    """Episodes of one task per controller member."""
+    return self.config.grpo.group_size
+
+  def batch_rows(self) -> int:
+    """Episode rows of a learner batch: every episode of an update's members."""
+    return self.group_size() * self.config[self.block].tasks_per_update
+
+  def seq_len(self) -> int:
+    c = self.config
+    return c[self.block].seq_len or c.rollout.max_len
+
   def _abstract_batch(self, mesh) -> rl_batch.Batch:
     """A batch of ``group_size x tasks_per_update`` episode rows of ``seq_len`` tokens, abstract,
     in ``batch_sharding`` on ``mesh`` (where ``_batch`` puts a real one)."""
-    c = self.config
-    rows, seq = c.grpo.group_size * c.grpo.tasks_per_update, c.grpo.seq_len or c.rollout.max_len
+    rows, seq = self.batch_rows(), self.seq_len()
     where = batch_sharding(mesh, rows)
 
     def arg(shape, dtype):
@@ -193,15 +210,14 @@ class GRPO:
             {"master_weights": state.master, "optimizer_state": state.opt_state,
              "reference_params": state.ref_params, "learner_batch": self._abstract_batch(mesh)})
 
-  def _batch(self, state: GRPOState, results: list) -> tuple[rl_batch.Batch, float]:
-    """The consumed groups' episodes, padded to ``tasks_per_update * group_size`` rows, and the
-    mean over groups of their rewards' std (0: every episode of a group scored alike, and the
-    group teaches nothing)."""
-    c = self.config
+  def _batch(self, state: GRPOState, results: list) -> tuple[rl_batch.Batch, dict]:
+    """The consumed groups' episodes, padded to ``tasks_per_update * group_size`` rows, and
+    ``group_reward_std``, the mean over groups of their rewards' std (0: every episode of a group
+    scored alike, and the group teaches nothing)."""
     im_end = builders.stop_ids(self.parts.tokenizer)[1]
     episodes, rewards, groups = [], [], []
     for version, group, _ in results:
-      for e in range(c.grpo.group_size):
+      for e in range(self.group_size()):
         kept = state.episodes.pop((version, group, e), None)
         if kept is None:   # failed for good after its retries: not part of the group
           continue
@@ -215,9 +231,10 @@ class GRPO:
     for g, r in zip(groups, rewards):
       by_group.setdefault(g, []).append(r)
     group_std = float(np.mean([np.std(r) for r in by_group.values()])) if by_group else 0.0
-    batch = rl_batch.build_batch(episodes, rewards, groups, seq_len=c.grpo.seq_len or c.rollout.max_len,
-                                 num_rows=c.grpo.tasks_per_update * c.grpo.group_size)
-    return distributed.place(batch, batch_sharding(self.mesh, batch.num_rows)), group_std
+    batch = rl_batch.build_batch(episodes, rewards, groups, seq_len=self.seq_len(),
+                                 num_rows=self.batch_rows())
+    return (distributed.place(batch, batch_sharding(self.mesh, batch.num_rows)),
+            {"group_reward_std": group_std})
 
 
 def _forget(state: GRPOState, controller: ControllerConfig, version: int) -> None:

@@ -277,6 +277,9 @@ def _plan(config, target: Target, log, only: str | None, algorithm: str, jobs: i
     resident |= {"noiser_state": versions * noiser_bytes,
                  "version_steps": _bytes_per_device(engine.abstract_version_steps())}
   resident |= {name: _bytes_per_device(tree) for name, tree in update_state.items()}
+  if config.eval.drift:   # jaxes.train.drift: θ_{v-1} kept one update longer for update_cosine,
+    # and θ₀ read from the version-0 checkpoint for each evaluation unless an anchor holds it
+    resident["drift_params"] = (1 + ("initial_params" not in update_state)) * _bytes_per_device(params)
   total = sum(resident.values())
   peaks = {p.name: max(p.required, total) if p.required else total + p.extra for p in programs}
   worst = max(programs, key=lambda p: peaks[p.name])

@@ -70,6 +70,10 @@ class GRPO:
   name = "GRPO"
   checkpoint_item = "learner"
   logs_updates = False
+  # The anchor (grpo.anchor) pulls toward the learner's own reference params, so the trainer holds
+  # no θ₀ for it; the learner step donates its state, params included.
+  needs_initial_params = False
+  donates_params = True
 
   def __init__(self, config, parts, mesh):
     self.config, self.parts, self.mesh = config, parts, mesh
@@ -154,7 +158,7 @@ class GRPO:
                        "learner_tokens_per_s": sums["tokens"] / update_s if update_s > 0 else 0.0,
                        "group_reward_std": group_std}
 
-  def replay(self, state, results: list, version: int):
+  def replay(self, state, results: list, version: int, initial_params=None):
     raise NotImplementedError("GRPO keeps no update log (logs_updates is False)")
 
   def record(self, window, update, results: list, metrics: dict, runner_stats: dict) -> dict:

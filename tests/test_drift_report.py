@@ -1,0 +1,50 @@
+"""Drift and probes where a researcher reads them: the run report, the grid's table and report,
+and compare's side-by-side lines and tolerances (synthetic records: no training)."""
+import json
+
+from jaxes.experiments import aggregate, plots
+from jaxes.train import compare, report
+
+
+def _eval(version, drift, kl, probe):
+  return {"version": version, "eval": {
+      "version": version, "success": 0.2, "stderr": 0.1, "reward": 0.3, "reward_stderr": 0.1,
+      "param_drift": drift, "kl_to_initial": kl, "update_cosine": None,
+      "param_drift_groups": {"embeddings": drift / 2, "attention": 0.0, "mlp": drift / 3, "norms": 0.0},
+      "probe": {"success": probe, "stderr": 0.05, "reward": probe, "reward_stderr": 0.05}}}
+
+
+def test_run_report_shows_drift_kl_cosine_and_probe(tmp_path):
+  lines = [_eval(0, 0.0, 0.0, 0.25), _eval(6, 1.5, 0.02, 0.125)]
+  (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+  page = report.render(str(tmp_path))
+  assert "distance from version 0" in page and "KL(π_θ₀ ‖ π_θv)" in page
+  assert "probe success (off-task)" in page
+  cosine = report.drift_charts([], [{"version": 2, "update_cosine": -0.4}, {"version": 3, "update_cosine": 0.1}])
+  assert len(cosine) == 1 and "cosine between consecutive updates" in cosine[0]
+  assert report.drift_charts([{"version": 0, "success": 0.1}], []) == []   # a run without drift
+
+
+def test_compare_prints_drift_side_by_side_and_tolerates_reduction_order():
+  a = [_eval(0, 0.0, 0.0, 0.25), _eval(6, 1.5, 0.02, 0.125), {"version": 7, "update_cosine": 0.3}]
+  b = json.loads(json.dumps(a))
+  b[1]["eval"]["param_drift"] *= 1 + 1e-8   # another mesh's sum
+  b[2]["update_cosine"] += 1e-10
+  assert compare.metrics_differences(a, b) == []
+  b[1]["eval"]["param_drift_groups"]["mlp"] = 9.0
+  assert compare.metrics_differences(a, b) == ["version 6: eval/param_drift_groups/mlp 0.5 against 9.0"]
+  assert compare.drift_lines(a, b)[1] == ("drift: version 6: param_drift 1.5 / 1.5, kl_to_initial "
+                                          "0.02 / 0.02, probe success 0.125 / 0.125")
+
+
+def test_grid_table_and_report_carry_drift():
+  runs = [{"variant": v, "seed": s, "status": "finished", "evals": [
+      {"version": 0, "value": 0.1, **aggregate.drift_of(_eval(0, 0.0, 0.0, 0.25)["eval"])},
+      {"version": 6, "value": 0.3, **aggregate.drift_of(_eval(6, d + s, 0.01, 0.2)["eval"])}]}
+      for v, d in (("sync", 2.0), ("sync_l2", 1.0)) for s in (0, 1)]
+  variants = [{"variant": v, "status": "finished", "after": {"mean": 0.3, "stderr": 0.0}}
+              for v in ("sync", "sync_l2")]
+  assert [e["param_drift"] for e in runs[1]["evals"]] == [0.0, 3.0]
+  html = plots.grid_html({"workdir": "/g", "seeds": [0, 1], "measure": "success", "variants": variants,
+                          "runs": runs})
+  assert "(param_drift)" in html and "KL(π_θ₀ ‖ π_θv)" in html and "probe success" in html

@@ -317,7 +317,12 @@ ADVICE = {
   "optimizer_state": "use es.optimizer=sgd (stateless) or shard the model over mesh.fsdp",
   "temporaries": "lower rollout.prefill_chunk (the widest step's activations) or shard more",
   "master_weights": "shard the model over mesh.fsdp / mesh.tensor, or grpo.master_weights=False",
-  "reference_params": "grpo.kl_coef=0 (no reference policy) or shard the model over mesh.fsdp",
+  "reference_params": "grpo.kl_coef=0 and grpo.anchor='none' (no reference policy) or shard the "
+                      "model over mesh.fsdp",
+  "initial_params": "es.anchor='none' (no θ₀ held for the anchor) or shard the model over "
+                    "mesh.fsdp / mesh.tensor",
+  "drift_params": "eval.drift=False (no θ₀ read for evaluations, no θ_{v-1} kept for "
+                  "update_cosine) or shard the model over mesh.fsdp / mesh.tensor",
   "learner_batch": "lower grpo.tasks_per_update x grpo.group_size or grpo.seq_len",
 }
 # A GRPO step's temporaries are its activations: say what bounds them.

@@ -1,8 +1,10 @@
 """Drift and probes where a researcher reads them: the run report, the grid's table and report,
 and compare's side-by-side lines and tolerances (synthetic records: no training)."""
 import json
+import os
 
-from jaxes.experiments import aggregate, plots
+from jaxes.experiments import aggregate, plots, rundirs
+from jaxes.experiments.variants import Variant
 from jaxes.train import compare, report
 
 
@@ -37,14 +39,29 @@ def test_compare_prints_drift_side_by_side_and_tolerates_reduction_order():
                                           "0.02 / 0.02, probe success 0.125 / 0.125")
 
 
-def test_grid_table_and_report_carry_drift():
-  runs = [{"variant": v, "seed": s, "status": "finished", "evals": [
-      {"version": 0, "value": 0.1, **aggregate.drift_of(_eval(0, 0.0, 0.0, 0.25)["eval"])},
-      {"version": 6, "value": 0.3, **aggregate.drift_of(_eval(6, d + s, 0.01, 0.2)["eval"])}]}
-      for v, d in (("sync", 2.0), ("sync_l2", 1.0)) for s in (0, 1)]
-  variants = [{"variant": v, "status": "finished", "after": {"mean": 0.3, "stderr": 0.0}}
-              for v in ("sync", "sync_l2")]
-  assert [e["param_drift"] for e in runs[1]["evals"]] == [0.0, 3.0]
-  html = plots.grid_html({"workdir": "/g", "seeds": [0, 1], "measure": "success", "variants": variants,
-                          "runs": runs})
+def _grid_run(path, seed, drift):
+  evals = [_eval(0, 0.0, 0.0, 0.25), _eval(2, drift, 0.01, 0.125)]
+  train = [{"version": v, "staleness_hist": [4], "time": {"wall_s": 5.0}, "train": {"success": 0.0},
+            "dropped": 0, "delayed": 0, "excluded": 0} for v in (1, 2)]
+  os.makedirs(path)
+  json.dump({"seed": seed, "train": {"num_updates": 2}}, open(os.path.join(path, "config.json"), "w"))
+  with open(os.path.join(path, "metrics.jsonl"), "w") as f:
+    f.writelines(json.dumps(r) + "\n" for r in train + evals)
+  json.dump({"version": 2, "before": evals[0]["eval"], "after": evals[1]["eval"]},
+            open(os.path.join(path, "summary.json"), "w"))
+  json.dump({"attempts": [{"command": ["x"], "returncode": 0, "wall_s": 1.0, "cpu_s": 1.0}]},
+            open(os.path.join(path, rundirs.GRID_RUN), "w"))
+
+
+def test_grid_table_and_report_carry_drift(tmp_path):
+  for variant, drift in (("sync", 2.0), ("sync_l2", 1.0)):
+    for seed in (0, 1):
+      _grid_run(str(tmp_path / rundirs.run_name(variant, seed)), seed, drift + seed)
+  result = aggregate.aggregate([Variant("sync", "c.py:sync", {}), Variant("sync_l2", "c.py:sync_l2", {})],
+                               [0, 1], str(tmp_path))
+  by = {v["variant"]: v for v in result["variants"]}
+  assert by["sync"]["final_param_drift"]["mean"] == 2.5 and by["sync_l2"]["final_param_drift"]["mean"] == 1.5
+  assert by["sync"]["final_probe"]["mean"] == 0.125 and by["sync"]["final_kl_to_initial"]["mean"] == 0.01
+  assert "| sync_l2 | 1.500 ± 0.500 | 0.0100 ± 0.0000 | 0.125 ± 0.000 |" in aggregate.to_markdown(result)
+  html = plots.grid_html(result)
   assert "(param_drift)" in html and "KL(π_θ₀ ‖ π_θv)" in html and "probe success" in html

@@ -278,6 +278,9 @@ def _plan(config, target: Target, log, only: str | None, algorithm: str, jobs: i
     resident |= {"noiser_state": versions * noiser_bytes,
                  "version_steps": _bytes_per_device(engine.abstract_version_steps())}
   resident |= {name: _bytes_per_device(tree) for name, tree in update_state.items()}
+  if config.eval.drift:   # jaxes.train.drift: θ_{v-1} kept one update longer for update_cosine,
+    # and θ₀ read from the version-0 checkpoint for each evaluation unless an anchor holds it
+    resident["drift_params"] = (1 + ("initial_params" not in update_state)) * _bytes_per_device(params)
   total = sum(resident.values())
   peaks = {p.name: max(p.required, total) if p.required else total + p.extra for p in programs}
   worst = max(programs, key=lambda p: peaks[p.name])
@@ -315,7 +318,12 @@ ADVICE = {
   "optimizer_state": "use es.optimizer=sgd (stateless) or shard the model over mesh.fsdp",
   "temporaries": "lower rollout.prefill_chunk (the widest step's activations) or shard more",
   "master_weights": "shard the model over mesh.fsdp / mesh.tensor, or grpo.master_weights=False",
-  "reference_params": "grpo.kl_coef=0 (no reference policy) or shard the model over mesh.fsdp",
+  "reference_params": "grpo.kl_coef=0 and grpo.anchor='none' (no reference policy) or shard the "
+                      "model over mesh.fsdp",
+  "initial_params": "es.anchor='none' (no θ₀ held for the anchor) or shard the model over "
+                    "mesh.fsdp / mesh.tensor",
+  "drift_params": "eval.drift=False (no θ₀ read for evaluations, no θ_{v-1} kept for "
+                  "update_cosine) or shard the model over mesh.fsdp / mesh.tensor",
   "learner_batch": "lower grpo.tasks_per_update x grpo.group_size or grpo.seq_len",
 }
 # A GRPO step's temporaries are its activations: say what bounds them.

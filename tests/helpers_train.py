@@ -43,6 +43,7 @@ def tiny_config(tokenizer_dir, **overrides):
   # compile would build (2.5x the CPU of test_train's first test; tests/test_precompile.py covers it).
   c.train.compile_jobs = 0
   c.eval.num_tasks, c.eval.seeds = 2, 1
+  c.eval.drift = False   # its programs' compile (~10 s): on in the tests that check it
   c.warmstart.steps, c.warmstart.num_tasks, c.warmstart.batch_size = 0, 8, 4
   c.warmstart.seq_len = 160
   c.warmstart.off_protocol_fraction = 0.0   # warm starts here must follow the protocol

@@ -134,6 +134,8 @@ def test_report_matches_the_real_arrays_on_8_cpu_devices(over_memory, monkeypatc
   step_bytes = sum(x.nbytes for x in jax.tree.leaves(step))
   assert per_device["parameters"] == _device0_bytes(nnx.to_pure_dict(params))
   assert per_device["old_versions"] == per_device["parameters"]  # async, staleness <= 1
+  # eval.drift: θ₀ read for evaluations (no anchor holds it) and θ_{v-1} kept for update_cosine
+  assert per_device["drift_params"] == 2 * per_device["parameters"]
   assert per_device["kv_cache"] == _device0_bytes(engine.cache)
   # Per-row noise state sharded over data=4 like the engine's: a quarter of the rows' bytes.
   rows = sum(x.nbytes for x in jax.tree.leaves(noiser) if x.shape[0] == 8)
@@ -172,7 +174,8 @@ def test_a_config_that_cannot_fit_fails_naming_its_biggest_consumer(over_memory)
   assert summary["peak_bytes_per_device"] > summary["device_memory_bytes"]
   assert summary["device_memory_bytes"] == int(0.0001 * 2**30)
   assert set(summary["per_device"]) == {"parameters", "old_versions", "kv_cache", "noiser_state",
-                                        "version_steps", "optimizer_state", "temporaries"}
+                                        "version_steps", "optimizer_state", "drift_params",
+                                        "temporaries"}
 
 
 def test_unknown_topology_is_one_line_with_the_usage_exit_status_and_help_exits_0(tmp_path):

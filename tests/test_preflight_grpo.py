@@ -55,7 +55,7 @@ def test_grpo_report_matches_a_real_learner_state_and_its_compiled_step():
   rows = report["per_device"]
   assert report["algorithm"] == "grpo" and report["mesh"] == {"data": 4, "fsdp": 1, "tensor": 2}
   assert set(rows) == {"parameters", "old_versions", "kv_cache", "master_weights", "optimizer_state",
-                       "reference_params", "learner_batch", "temporaries"}
+                       "reference_params", "learner_batch", "drift_params", "temporaries"}
   assert rows["old_versions"] == 0 and rows["reference_params"] == 0  # sync, kl_coef 0
   assert [p["name"] for p in report["programs"]] == ["step[t=40,span=64]", "grpo_step"]
 

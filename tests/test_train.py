@@ -103,9 +103,12 @@ def test_few_updates_end_to_end_async_no_recompile_no_leftovers(tokenizer_dir, t
 
 
 def test_resume_equals_uninterrupted(tokenizer_dir, warm_start, tmp_path):
-  # Both runs start from the module's warm start; the resumed update moves θ (asserted).
+  # Both runs start from the module's warm start; the resumed update moves θ (asserted). With the
+  # L2 anchor toward version 0 (the resume reads θ₀ from checkpoint 0) and the drift measures.
   base = {**SYNC, "warmstart.init_from": warm_start, "controller.episodes_per_member": 2,
-          "train.transcripts_per_update": 8}   # every episode's transcript (_first_divergence)
+          "train.transcripts_per_update": 8,   # every episode's transcript (_first_divergence)
+          "es.anchor": "l2", "es.anchor_decay": 10.0, "eval.num_tasks": 2, "eval.drift": True,
+          "eval.kl_transcripts": 2, "eval.probe_families": "find_files", "eval.probe_tasks": 1}
   quiet = dict(log=lambda s: None)
   whole = Trainer(tiny_config(tokenizer_dir, **{**base, "train.num_updates": 3}), str(tmp_path / "a"), **quiet).run()
   norms = [r["update_norm"] for r in metrics.read_metrics(str(tmp_path / "a" / "metrics.jsonl")) if "train" in r]
@@ -121,6 +124,34 @@ def test_resume_equals_uninterrupted(tokenizer_dir, warm_start, tmp_path):
   _params_equal(resumed["params"], whole["params"])
   versions = [r["version"] for r in metrics.read_metrics(str(tmp_path / "b" / "metrics.jsonl")) if "train" in r]
   assert versions == [1, 2, 3]
+  _check_drift_and_replay(tmp_path / "a", whole["params"])
+
+
+def _check_drift_and_replay(workdir, final_params):
+  """The drift measures of an anchored run: 0 / 0 / the probe at version 0, ``param_drift`` as
+  numpy computes it on the checkpointed parameters; and the update log replayed from version 0
+  with θ₀ reproduces the run's parameters bit for bit."""
+  from jaxes.train import builders, drift
+  from jaxes.train.policy import load_policy
+  from jaxes.train.update_log import UpdateLog
+  evals = [r["eval"] for r in metrics.read_metrics(str(workdir / "metrics.jsonl")) if "eval" in r]
+  assert [e["version"] for e in evals] == [0, 3]
+  assert evals[0]["param_drift"] == 0 and evals[0]["kl_to_initial"] == 0
+  assert evals[0]["probe"]["episodes"] == 1 and "success" in evals[0]["probe"]
+  assert os.path.exists(workdir / drift.KL_TRANSCRIPTS) and evals[1]["kl_to_initial"] >= 0
+  start, end = load_policy(str(workdir), 0), load_policy(str(workdir), 3)
+  diffs = [np.asarray(b, np.float64) - np.asarray(a, np.float64)
+           for a, b in zip(jax.tree.leaves(start.params), jax.tree.leaves(end.params))]
+  want = np.sqrt(sum(np.sum(d * d) for d in diffs))
+  assert want > 0 and evals[1]["param_drift"] == pytest.approx(want, rel=1e-5)
+  groups = evals[1]["param_drift_groups"]   # every leaf of the model is in one group
+  assert sum(v * v for v in groups.values()) == pytest.approx(want * want, rel=1e-4)
+  strategy = builders.build_strategy(start.config)
+  state = strategy.init(start.params, jax.random.key(start.config.seed))
+  for record in UpdateLog(str(workdir / "update_log")).records():
+    state = strategy.update(state, [tuple(r) for r in record["results"]], start.params)[0]
+  assert int(state.version) == 3
+  _params_equal(state.params, final_params)
 
 
 def test_sigkill_at_random_moments_then_rerun_equals_uninterrupted(tokenizer_dir, warm_start, tmp_path):

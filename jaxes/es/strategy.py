@@ -15,7 +15,10 @@ Update rule (Qiu et al., 1/sigma folded into the learning rate ``alpha``)::
 (version, member), regenerated from its key. The factor ``sigma_{v_i}/sigma_0`` makes the step
 follow the displacement that was actually evaluated, ``sigma_{v_i} eps_i``; it is 1 under the
 constant schedule. ``s`` is the optional staleness weighting (1 by default, as in the paper).
-``tx`` is plain SGD by default (exactly the rule above), or Adam, with optional weight decay.
+``tx`` is plain SGD by default (exactly the rule above), or Adam, with optional weight decay
+(toward zero). ``anchor`` ("l2" / "l1") with ``anchor_decay`` λ > 0 then pulls the stepped
+parameters toward the run's starting point θ₀ by ``alpha * λ`` (``jaxes.es.anchor``), which
+``update`` then takes as its ``initial`` argument.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding
 
+from jaxes.es import anchor as anchoring
 from jaxes.es import noise, noiser, schedules, shaping, update
 
 MODES = ("full", "lowrank")
@@ -80,7 +84,8 @@ def _compiled(cfg: noise.NoiseConfig, tx: optax.GradientTransformation):
 
 
 @functools.lru_cache(maxsize=32)
-def _compiled_update(cfg: noise.NoiseConfig, tx: optax.GradientTransformation, layout):
+def _compiled_update(cfg: noise.NoiseConfig, tx: optax.GradientTransformation, layout,
+                     anchor: str = "none", anchor_step: float = 0.0):
   """The jitted update for one layout of ``(params, opt_state)`` (``(treedef, shardings)``, or
   None for unplaced arrays): its new params and optimizer state keep their inputs' shardings. Left
   to itself XLA's propagation may choose otherwise: for Qwen2.5-7B on 8xH100 the GPU compiler
@@ -89,7 +94,8 @@ def _compiled_update(cfg: noise.NoiseConfig, tx: optax.GradientTransformation, l
   if layout is not None:
     treedef, shardings = layout
     out = (*jax.tree.unflatten(treedef, shardings), None)
-  return jax.jit(functools.partial(update.apply, cfg=cfg, tx=tx), out_shardings=out)
+  return jax.jit(functools.partial(update.apply, cfg=cfg, tx=tx, anchor=anchor,
+                                   anchor_step=anchor_step), out_shardings=out)
 
 
 def _layout(params, opt_state):
@@ -115,7 +121,9 @@ class Strategy:
   * ``sigma_schedule``: ``"constant"`` / ``"cosine"`` (with ``sigma_final``, ``schedule_steps``) or
     any ``version -> sigma`` function that works on Python ints and on jnp arrays;
   * ``optimizer``: ``"sgd"`` / ``"adam"`` (built from ``learning_rate``, ``weight_decay``) or any
-    ``optax.GradientTransformation``, which then carries its own learning rate.
+    ``optax.GradientTransformation``, which then carries its own learning rate;
+  * ``anchor``: ``"none"`` / ``"l2"`` / ``"l1"`` decay toward θ₀ with ``anchor_decay`` λ (needs a
+    named optimizer: the pull's step is ``learning_rate * λ``; λ = 0 is no anchor).
 
   A strategy holds no run state: the run key lives in ``ESState``, and every call takes the state
   (or its ``run_key``), so one strategy serves any number of runs.
@@ -137,6 +145,8 @@ class Strategy:
   nonfinite: str = "error"
   staleness_weighting: float | Callable[[int], float] | None = None
   scanned: tuple[str, ...] = ("layers",)
+  anchor: str = "none"
+  anchor_decay: float = 0.0
 
   def __post_init__(self):
     if int(self.population) < 1:
@@ -170,6 +180,10 @@ class Strategy:
         raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay!r}")
       tx = _named_optimizer(self.optimizer, float(self.learning_rate), float(self.weight_decay))
       plain_sgd = self.optimizer == "sgd" and self.weight_decay == 0
+    anchoring.validate(self.anchor, self.anchor_decay)
+    if self.anchor != "none" and isinstance(self.optimizer, optax.GradientTransformation):
+      raise ValueError("anchor needs optimizer 'sgd' or 'adam' (its step is learning_rate * "
+                       "anchor_decay); an optax transformation carries no known learning rate")
     if self.nonfinite not in NONFINITE:
       raise ValueError(f"nonfinite must be one of {NONFINITE}, got {self.nonfinite!r}")
     sw = self.staleness_weighting
@@ -187,13 +201,19 @@ class Strategy:
                                   bool(self.perturb_vectors), self.scanned, self.frozen)
     self._tx = tx
     # theta_{v+1} - theta_v is the scaled noise sum itself only for an SGD this strategy built,
-    # without weight decay (no momentum, no state): then it is low-rank wherever the noise is.
-    self._plain_sgd = plain_sgd
+    # without weight decay or anchor (no momentum, no state): then it is low-rank wherever the
+    # noise is.
+    self._plain_sgd = plain_sgd and not self.anchored
     self._perturb, self._build_noiser = _compiled(self._cfg, tx)
 
   @property
   def noise_config(self) -> noise.NoiseConfig:
     return self._cfg
+
+  @property
+  def anchored(self) -> bool:
+    """True when ``update`` pulls toward θ₀ (an anchor with λ > 0) and so needs ``initial``."""
+    return self.anchor != "none" and self.anchor_decay > 0
 
   @property
   def tx(self) -> optax.GradientTransformation:
@@ -235,9 +255,10 @@ class Strategy:
     return self._perturb(state.params, state.run_key, jnp.int32(version), jnp.int32(m),
                          jnp.float32(self.sigma_at(version)))
 
-  def update(self, state: ESState, results: Sequence[tuple[int, int, float]]
+  def update(self, state: ESState, results: Sequence[tuple[int, int, float]], initial=None
              ) -> tuple[ESState, dict]:
     """Consume ``(version, member, fitness)`` results of any versions <= ``state.version``.
+    ``initial``: θ₀, the parameters the anchor pulls toward (required when ``anchored``).
 
     Returns the next state (version + 1, also when the step is zero) and metrics: ``version``,
     ``num_results``, ``excluded`` (non-finite fitness dropped under ``nonfinite="exclude"``),
@@ -250,7 +271,7 @@ class Strategy:
     fitness = np.array([r[2] for r in kept], np.float64)
     new_params, new_opt, norm = self._apply(state)(
         state.params, state.opt_state, state.run_key, *(jnp.asarray(x) for x in keyed[:3]),
-        jnp.int32(n))
+        jnp.int32(n), initial=self._initial(initial))
     new_state = ESState(new_params, new_opt, state.key, v_now + 1)
     hist = np.bincount(staleness, minlength=1) if n else np.zeros(1, np.int64)
     metrics = {
@@ -272,9 +293,21 @@ class Strategy:
 
   def _apply(self, state: ESState):
     """The jitted step ``update`` runs for ``state``'s layout."""
-    return _compiled_update(self._cfg, self._tx, _layout(state.params, state.opt_state))
+    if not self.anchored:
+      return _compiled_update(self._cfg, self._tx, _layout(state.params, state.opt_state))
+    return _compiled_update(self._cfg, self._tx, _layout(state.params, state.opt_state),
+                            self.anchor, float(self.learning_rate) * float(self.anchor_decay))
 
-  def lower_update(self, state: ESState) -> jax.stages.Lowered:
+  def _initial(self, initial):
+    """What the jitted update takes as θ₀: ``initial`` when anchored (then required), else None."""
+    if not self.anchored:
+      return None
+    if initial is None:
+      raise ValueError(f"anchor={self.anchor!r} with anchor_decay={self.anchor_decay}: update needs "
+                       "initial (θ₀, the parameters of version 0)")
+    return initial
+
+  def lower_update(self, state: ESState, initial=None) -> jax.stages.Lowered:
     """The program ``update`` runs, lowered for ``state`` (arrays, or ShapeDtypeStructs in their
     shardings) and a cohort of up to ``population`` noise keys, its arguments given as ``update``
     gives them: compiling it writes the persistent-cache entry the first such update reads."""
@@ -284,7 +317,8 @@ class Strategy:
     n = self._padded_size(self.population)
     keys = jax.ShapeDtypeStruct((n,), jnp.int32)   # host arrays, as ``update`` passes them
     return self._apply(state).lower(state.params, state.opt_state, run_key, keys, keys,
-                             jax.ShapeDtypeStruct((n,), jnp.float32), jax.ShapeDtypeStruct((), jnp.int32))
+                             jax.ShapeDtypeStruct((n,), jnp.float32), jax.ShapeDtypeStruct((), jnp.int32),
+                             initial=self._initial(initial))
 
   def member_noiser(self, params, versions, members, row_group, *, run_key: jax.Array
                     ) -> noiser.PopulationNoiser:
@@ -306,7 +340,7 @@ class Strategy:
   def steps_are_lowrank(self) -> bool:
     """True when ``update``'s change to every low-rank matrix is itself low-rank and regenerable
     from the cohort: low-rank mode and an SGD this strategy built from ``optimizer="sgd"``
-    without weight decay (any other transformation, Adam above all, is not)."""
+    without weight decay or anchor (any other transformation, Adam above all, is not)."""
     return self.mode == "lowrank" and self._plain_sgd
 
   def cohort(self, state: ESState, results: Sequence[tuple[int, int, float]]):

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxes.es import anchor as anchoring
 from jaxes.es import keys, noise
 
 
@@ -50,12 +51,17 @@ def direction(params, run_key: jax.Array, versions: jax.Array, members: jax.Arra
 
 def apply(params, opt_state, run_key: jax.Array, versions: jax.Array, members: jax.Array,
           weights: jax.Array, count: jax.Array, cfg: noise.NoiseConfig,
-          tx: optax.GradientTransformation):
+          tx: optax.GradientTransformation, initial=None, anchor: str = "none",
+          anchor_step: float = 0.0):
   """One step: ``theta += tx(-(1/count) * sum_i w_i eps_i)``; with ``optax.sgd(alpha)`` this is
-  ``theta += (alpha/N) sum_i w_i eps_i``. All-zero weights leave params and optimizer state
-  untouched. Arithmetic in float32; each leaf is cast back to its own dtype. Frozen leaves never
-  change. Returns ``(params, opt_state, update_norm)``, the norm of the applied change.
+  ``theta += (alpha/N) sum_i w_i eps_i``. With ``anchor`` ("l2" / "l1") the stepped parameters
+  are then pulled toward ``initial`` (θ₀, same tree) by ``anchor_step`` = α·λ
+  (``jaxes.es.anchor.pull``). All-zero weights leave params and optimizer state untouched (no
+  pull either). Arithmetic in float32; each leaf is cast back to its own dtype. Frozen leaves
+  never change. Returns ``(params, opt_state, update_norm)``, the norm of the applied change.
   """
+  anchors = (jax.tree_util.tree_leaves(initial) if anchor != "none"
+             else [None] * len(jax.tree_util.tree_leaves(params)))
   specs = noise.plan(params, cfg)
 
   def step(_):
@@ -64,12 +70,14 @@ def apply(params, opt_state, run_key: jax.Array, versions: jax.Array, members: j
     grads = jax.tree_util.tree_map(lambda d: -d / jnp.maximum(count, 1).astype(jnp.float32), g)
     updates, new_opt = tx.update(grads, opt_state, params32)
     new_leaves, sq = [], jnp.float32(0)
-    for spec, p, p32, u in zip(specs, jax.tree_util.tree_leaves(params),
-                               jax.tree_util.tree_leaves(params32), jax.tree_util.tree_leaves(updates)):
+    for spec, p, p32, u, p0 in zip(specs, jax.tree_util.tree_leaves(params),
+                                   jax.tree_util.tree_leaves(params32),
+                                   jax.tree_util.tree_leaves(updates), anchors):
       if spec.kind == "frozen":
         new_leaves.append(p)
         continue
-      new = (p32 + u).astype(p.dtype)
+      new = (p32 + u) if p0 is None else anchoring.pull(p32 + u, p0, anchor, anchor_step)
+      new = new.astype(p.dtype)
       sq = sq + jnp.sum(jnp.square(new.astype(jnp.float32) - p32))
       new_leaves.append(new)
     new_params = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params), new_leaves)

@@ -94,7 +94,22 @@ def run_row(run: rundirs.RunRecord, ref: rundirs.RunRecord | None, measure: Meas
           "staleness": staleness_summary(run.staleness_hist),
           "dropped": run.dropped, "delayed": run.delayed, "excluded": run.excluded,
           "cpu_s": run.cpu_s, "wall_s": run.wall_s,
-          "evals": [{"version": e["version"], "value": e[m.name]} for e in run.evals if m.name in e]}
+          "evals": [{"version": e["version"], "value": e[m.name], **drift_of(e, m)}
+                    for e in run.evals if m.name in e]}
+
+
+# What an evaluation says of drift and off-task probes (jaxes.train.drift, eval.probe_families).
+DRIFT = ("param_drift", "kl_to_initial", "probe")
+
+
+def drift_of(evaluation: dict, measure: Measure = SUCCESS) -> dict:
+  """The evaluation's ``param_drift``, ``kl_to_initial`` and probe ``measure`` (None if absent)."""
+  return {"param_drift": evaluation.get("param_drift"), "kl_to_initial": evaluation.get("kl_to_initial"),
+          "probe": (evaluation.get("probe") or {}).get(measure.name)}
+
+
+def _final(row: dict, key: str):
+  return row["evals"][-1].get(key) if row["evals"] else None
 
 
 def aggregate(variants: list[Variant], seeds: list[int], workdir: str,
@@ -130,6 +145,7 @@ def aggregate(variants: list[Variant], seeds: list[int], workdir: str,
         "updates_per_hour": _ms(r["updates_per_hour"] for r in done),
         "staleness": stale,
         "dropped": _ms(r["dropped"] for r in done), "delayed": _ms(r["delayed"] for r in done),
+        **{f"final_{k}": _ms(x for r in done if (x := _final(r, k)) is not None) for k in DRIFT},
     })
   return {"workdir": workdir, "seeds": list(seeds), "measure": measure.name, "variants": table, "runs": rows}
 
@@ -186,6 +202,14 @@ def to_markdown(result: dict) -> str:
                  f"{_num(r['before'])} | {_num(r['after'])} | {change} | {vs} | "
                  f"{_num(r['updates_per_hour'], '.0f')} | {_num(r['staleness']['mean'], '.2f')} | "
                  f"{r['dropped']} | {r['delayed']} | {r['cpu_s']:.0f} |")
+  if any(v.get("final_param_drift") for v in result["variants"]):
+    lines += ["", "Drift at the last version (jaxes.train.drift; mean ± s.e. over seeds): "
+              "param_drift = ‖θ − θ₀‖, kl_to_initial = KL(π_θ₀ ‖ π_θ) per token on version 0's "
+              f"held-out transcripts, probe = held-out {name} on eval.probe_families.", "",
+              "| variant | param_drift | kl_to_initial | probe |", "| --- | ---: | ---: | ---: |"]
+    lines += [f"| {v['variant']} | {_pm(v.get('final_param_drift'), 3)} | "
+              f"{_pm(v.get('final_kl_to_initial'), 4)} | {_pm(v.get('final_probe'))} |"
+              for v in result["variants"] if v.get("status") != "not available"]
   if notes:
     lines += ["", "Not in the means:", "", *notes]
   return "\n".join(lines) + "\n"

@@ -17,15 +17,18 @@ def _pyplot():
   return plt
 
 
-def measure_curves(result: dict) -> dict[str, dict]:
-  """variant -> {versions, mean, stderr, seeds}: the held-out measure at every version that each
-  of the variant's finished runs evaluated."""
+def measure_curves(result: dict, key: str = "value") -> dict[str, dict]:
+  """variant -> {versions, mean, stderr, seeds}: the held-out measure (``key``: or an evaluation's
+  ``param_drift``, ``kl_to_initial``, ``probe``) at every version that each of the variant's
+  finished runs evaluated."""
   curves = {}
   for v in result["variants"]:
     runs = [r for r in result["runs"] if r["variant"] == v["variant"] and r["status"] == "finished"]
     if not runs:
       continue
-    by_run = [{e["version"]: e["value"] for e in r["evals"]} for r in runs]
+    by_run = [{e["version"]: e[key] for e in r["evals"] if e.get(key) is not None} for r in runs]
+    if not all(by_run):
+      continue
     versions = sorted(set.intersection(*(set(b) for b in by_run)))
     stats = [mean_stderr([b[x] for b in by_run]) for x in versions]
     curves[v["variant"]] = {"versions": versions, "mean": [m for m, _ in stats],
@@ -102,6 +105,7 @@ def grid_html(result: dict) -> str:
     if measure == "success" and name in PAPER_SUCCESS:
       chart.line(x_range, [PAPER_SUCCESS[name]] * 2, "#555", "paper (7B, final)", markers=False, dash="5 3")
     charts.append(chart.svg())
+  charts += _drift_charts(result)
   rows = []
   for v in result["variants"]:
     after = v.get("after")
@@ -118,6 +122,28 @@ def grid_html(result: dict) -> str:
           f"<th>what it is</th></tr>{''.join(rows)}</table>"
           f'<h2>Curves</h2><div class="charts">{"".join(charts) or "<p>No finished run yet.</p>"}</div>')
   return report.page(f"jaxes grid: {result['workdir']}", body)
+
+
+def _drift_charts(result: dict) -> list[str]:
+  """Per variant on one chart each: param_drift, kl_to_initial and the probe measure against the
+  version (mean ± s.e. over seeds), where the runs measured them."""
+  from jaxes.train import report
+  charts = []
+  for key, label in (("param_drift", "‖θ_v − θ₀‖ (param_drift)"),
+                     ("kl_to_initial", "KL(π_θ₀ ‖ π_θv) per token"),
+                     ("probe", f"probe {result['measure']} (off-task families)")):
+    curves = measure_curves(result, key)
+    if not curves:
+      continue
+    ys = [y for c in curves.values() for m, s in zip(c["mean"], c["stderr"]) for y in (m - s, m + s)]
+    xs = [x for c in curves.values() for x in c["versions"]]
+    chart = report.Chart(label, report.value_range(xs, 0), report.value_range(ys, lo=0.0), "policy version", key)
+    for i, (name, c) in enumerate(curves.items()):
+      color = report.COLORS[i % len(report.COLORS)]
+      chart.errorbars(c["versions"], c["mean"], c["stderr"], color)
+      chart.line(c["versions"], c["mean"], color, name, dash="4 2" if name.endswith("_l2") else "")
+    charts.append(chart.svg())
+  return charts
 
 
 def write_grid_report(result: dict, workdir: str) -> str:

@@ -36,6 +36,10 @@ class GRPOConfig:
   clip_eps_low: float = 0.2        # ratio clipped to [1 - low, 1 + high] (DAPO: high 0.28)
   clip_eps_high: float = 0.2
   kl_coef: float = 0.0             # > 0: k3 KL to the reference params given to init
+  # Anchored weight decay toward the reference params (θ₀), after each AdamW step
+  # (jaxes.es.anchor: "l2" / "l1", step learning_rate * anchor_decay; "none" or 0: off).
+  anchor: str = "none"
+  anchor_decay: float = 0.0
   advantage: str = "zscore"        # "zscore" (GRPO) or "centered" (Dr.GRPO: no std division)
   advantage_eps: float = 1e-6
   aggregation: str = "token"       # "token" or "sequence" mean over the sampled tokens
@@ -46,6 +50,10 @@ class GRPOConfig:
   optimizer_over_data: bool = True  # master, moments, gradient sums also split over mesh.data
   temperature: float = 1.0         # of the sampling distribution the log-probs are under
   top_p: float = 1.0
+
+  @property
+  def anchored(self) -> bool:
+    return self.anchor != "none" and self.anchor_decay > 0
 
   def __post_init__(self):
     def fail(key, why):
@@ -83,6 +91,10 @@ class GRPOConfig:
       fail("advantage", f"must be one of {ADVANTAGES}")
     if self.aggregation not in AGGREGATIONS:
       fail("aggregation", f"must be one of {AGGREGATIONS}")
+    if self.anchor not in ("none", "l2", "l1"):
+      fail("anchor", "must be one of ('none', 'l2', 'l1')")
+    if number("anchor_decay") < 0:
+      fail("anchor_decay", "must be >= 0")
     for key in ("master_weights", "remat", "optimizer_over_data"):
       if not isinstance(getattr(self, key), bool):
         fail(key, "must be a bool")

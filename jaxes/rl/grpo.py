@@ -29,6 +29,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxes import sharding
+from jaxes.es import anchor as anchoring
 from jaxes.rl import objective
 from jaxes.rl.batch import Batch
 from jaxes.rl.config import GRPOConfig
@@ -61,8 +62,8 @@ class GRPOLearner:
   def __init__(self, graphdef, config: GRPOConfig):
     self.graphdef, self.config = graphdef, config
     c = config
-    schedule = (optax.linear_schedule(0.0, c.learning_rate, c.warmup_steps) if c.warmup_steps
-                else optax.constant_schedule(c.learning_rate))
+    self.schedule = schedule = (optax.linear_schedule(0.0, c.learning_rate, c.warmup_steps)
+                                if c.warmup_steps else optax.constant_schedule(c.learning_rate))
     adamw = optax.adamw(schedule, b1=c.adam_b1, b2=c.adam_b2, eps=c.adam_eps,
                         weight_decay=c.weight_decay)
     self.tx = optax.chain(optax.clip_by_global_norm(c.max_grad_norm), adamw) if c.max_grad_norm else adamw
@@ -70,7 +71,8 @@ class GRPOLearner:
     self.loss_and_grads = jax.jit(self._loss_and_grads)
 
   def init(self, params, ref_params=None) -> LearnerState:
-    """``ref_params``: the KL reference (default: a copy of ``params``) when ``kl_coef`` > 0.
+    """``ref_params``: the KL reference and the anchor's θ₀ (default: a copy of ``params``) when
+    ``kl_coef`` > 0 or an anchor is on.
     With params on one mesh, every leaf is made where ``abstract_state`` places it, by one
     jitted program (so also on a mesh that spans processes)."""
     shardings = [getattr(x, "sharding", None) for x in jax.tree.leaves(params)]  # (tracers have none)
@@ -87,7 +89,7 @@ class GRPOLearner:
     master = None
     if c.master_weights and not _is_f32(params):
       master = jax.tree.map(lambda x: x.astype(jnp.float32), params)
-    if c.kl_coef > 0:
+    if c.kl_coef > 0 or c.anchored:   # the KL's reference and the anchor's θ₀
       ref_params = jax.tree.map(jnp.copy, params if ref_params is None else ref_params)
     else:
       ref_params = None
@@ -147,7 +149,7 @@ class GRPOLearner:
     logp = objective.sequence_logprobs(self.graphdef, params, mb["tokens"], mb["valid"],
                                        c.temperature, c.top_p, remat=c.remat, chunk=c.logprob_chunk)
     ref_logp = None
-    if ref_params is not None:
+    if ref_params is not None and c.kl_coef > 0:   # (the anchor alone keeps them too)
       ref_logp = jax.lax.stop_gradient(objective.sequence_logprobs(
           self.graphdef, ref_params, mb["tokens"], mb["valid"], c.temperature, c.top_p,
           chunk=c.logprob_chunk))
@@ -198,6 +200,10 @@ class GRPOLearner:
     grads = jax.tree.map(lambda g, t: g.astype(t.dtype), grads, target)
     updates, opt_state = self.tx.update(grads, state.opt_state, target)
     target = optax.apply_updates(target, updates)
+    if self.config.anchored:   # decoupled like AdamW's decay: the step is lr_t * anchor_decay
+      step = self.schedule(state.step) * self.config.anchor_decay
+      target = jax.tree.map(lambda t, r: anchoring.pull(t.astype(jnp.float32), r, self.config.anchor,
+                                                        step).astype(t.dtype), target, state.ref_params)
     if state.master is None:
       params, master = target, None
     else:

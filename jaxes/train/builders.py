@@ -61,7 +61,25 @@ def task_shift(config) -> TaskShift | None:
 
 
 def warmstart_tasks(config) -> list:
-  return make_tasks(config, "train", max(config.warmstart.num_tasks, 1))
+  return make_tasks(_with_families(config, config.warmstart.families), "train",
+                    max(config.warmstart.num_tasks, 1))
+
+
+def probe_tasks(config) -> list:
+  """Held-out tasks of ``eval.probe_families`` (none when empty): off-task probes."""
+  if not config.eval.probe_families.strip():
+    return []
+  return make_tasks(_with_families(config, config.eval.probe_families), "heldout",
+                    config.eval.probe_tasks or config.eval.num_tasks)
+
+
+def _with_families(config, families: str):
+  """``config`` with ``env.families`` = ``families`` (as it is when ``families`` is empty)."""
+  if not families.strip():
+    return config
+  config = config.copy_and_resolve_references()
+  config.env.families = families
+  return config
 
 
 def system_prompt(config) -> str:
@@ -206,6 +224,7 @@ def build_strategy(config) -> es.Strategy:
                      optimizer=e.optimizer, weight_decay=e.weight_decay,
                      perturb_vectors=e.perturb_vectors,
                      frozen=[p.strip() for p in e.frozen.split(",") if p.strip()],
+                     anchor=e.anchor, anchor_decay=e.anchor_decay,
                      # The controller's stale-result policy weighs each result's shaped fitness.
                      staleness_weighting=policies.from_config(es_controller_config(config)).result_weight)
 

@@ -7,8 +7,10 @@ docs/multihost.md), or of a killed-and-resumed run against an uninterrupted one.
 * the config each run's updates were trained under: ``config.json`` and the changes a rerun
   recorded in ``config_history.json`` (from which version on), keys free to change left out;
 * every metrics line without its timings: the cohorts, staleness tags, fitness, pair ties,
-  drops and evaluation outcomes. ``update_norm`` is compared to a relative tolerance, since it
-  is a norm summed over the parameter's shards, whose reduction order follows the mesh;
+  drops and evaluation outcomes. ``update_norm`` and the drift measures (``param_drift``,
+  ``kl_to_initial``, ``update_cosine``) are compared to a relative tolerance, since they are
+  sums over the parameter's shards, whose reduction order follows the mesh; each evaluated
+  version's drift and probe success are printed side by side;
 * the controller's state in the newest checkpoint (its jobs, tags and bookkeeping);
 * the newest checkpoint's parameters, leaf by leaf: bit-identical, or the largest difference.
 
@@ -32,6 +34,28 @@ from jaxes.train.policy import PolicyLoadError, load_policy
 TIMING_KEYS = ("time", "episodes_per_s", "tokens_per_s", "seconds", "update_s", "learner_tokens_per_s")
 # The one float in a metrics line that is a cross-device reduction (see the module docstring).
 NORM_KEY = "update_norm"
+# The drift measures (jaxes.train.drift) are reductions over the parameters' shards too: compared
+# to the same relative tolerance, wherever they sit in a line (the evaluation's, the update's).
+DRIFT_KEYS = ("param_drift", "param_drift_groups", "kl_to_initial", "update_cosine")
+
+
+def drift_values(record) -> tuple[dict, dict[str, float]]:
+  """``record`` without its drift measures, and those measures by path (``eval/param_drift``)."""
+  values = {}
+
+  def strip(x, path):
+    if not isinstance(x, dict):
+      return x
+    out = {}
+    for k, v in x.items():
+      if k in DRIFT_KEYS:
+        for name, value in (v.items() if isinstance(v, dict) else [(None, v)]):
+          values["/".join(filter(None, (path, k, name)))] = value
+      else:
+        out[k] = strip(v, f"{path}/{k}" if path else k)
+    return out
+
+  return strip(record, ""), values
 
 
 def without_timings(record):
@@ -52,14 +76,35 @@ def metrics_differences(a: list[dict], b: list[dict], norm_rtol: float = 1e-6) -
     return [f"{len(a)} metrics lines against {len(b)}"]
   out = []
   for i, (x, y) in enumerate(zip(a, b)):
-    x, y = dict(x), dict(y)
+    (x, dx), (y, dy) = drift_values(x), drift_values(y)
     nx, ny = x.pop(NORM_KEY, None), y.pop(NORM_KEY, None)
     version = x.get("version", i)
     if (nx is None) != (ny is None) or (nx is not None and not np.isclose(nx, ny, rtol=norm_rtol, atol=0)):
       out.append(f"version {version}: {NORM_KEY} {nx} against {ny}")
+    for key in sorted(set(dx) | set(dy)):
+      a, b = dx.get(key), dy.get(key)
+      if (a is None) != (b is None) or (a is not None and not np.isclose(a, b, rtol=norm_rtol, atol=1e-9)):
+        out.append(f"version {version}: {key} {a} against {b}")
     for key in sorted(set(x) | set(y)):
       if x.get(key) != y.get(key):
         out.append(f"version {version}: {key} differs")
+  return out
+
+
+def drift_lines(a: list[dict], b: list[dict]) -> list[str]:
+  """``drift: version v: param_drift A / B, kl_to_initial A / B, probe success A / B`` for every
+  evaluated version of either run (what each moved from version 0 and kept off-task)."""
+  def by_version(lines):
+    return {r["eval"]["version"]: r["eval"] for r in lines if "eval" in r and "param_drift" in r["eval"]}
+  ea, eb = by_version(a), by_version(b)
+  fmt = lambda e, f: "—" if e is None or f(e) is None else f"{f(e):.4g}"
+  out = []
+  for v in sorted(set(ea) | set(eb)):
+    x, y = ea.get(v), eb.get(v)
+    parts = [f"{name} {fmt(x, f)} / {fmt(y, f)}" for name, f in (
+        ("param_drift", lambda e: e.get("param_drift")), ("kl_to_initial", lambda e: e.get("kl_to_initial")),
+        ("probe success", lambda e: (e.get("probe") or {}).get("success")))]
+    out.append(f"drift: version {v}: " + ", ".join(parts))
   return out
 
 
@@ -131,6 +176,8 @@ def compare(run_a: str, run_b: str, norm_rtol: float = 1e-6, log=print) -> bool:
                                              f"{norm_rtol:g} relative)" if not diffs else
                                              f"DIFFER in {len(diffs)} places: " + "; ".join(diffs[:5])))
   agree &= not diffs
+  for line in drift_lines(lines_a, lines_b):
+    log(line)
   same = version_a == version_b and ctrl_a == ctrl_b
   log(f"controller at versions {version_a} / {version_b}: " + ("identical" if same else "DIFFERS"))
   agree &= same

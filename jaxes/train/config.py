@@ -175,9 +175,14 @@ class _Checks:
                  "config.webshop.off_protocol_fraction instead")
       if c.webshop.data_path:
         self.check("webshop.data_path", os.path.isdir(c.webshop.data_path), "must be a directory")
-    for fam in filter(None, (f.strip() for f in c.env.families.split(","))):
-      self.check("env.families", fam in generator.FAMILIES,
-                 f"{fam!r} is not a task family; known: {', '.join(generator.FAMILIES)}")
+    for key in ("env.families", "eval.probe_families", "warmstart.families"):
+      value = self.given["config." + key]
+      for fam in filter(None, (f.strip() for f in value.split(","))):
+        self.check(key, fam in generator.FAMILIES,
+                   f"{fam!r} is not a task family; known: {', '.join(generator.FAMILIES)}")
+    if c.eval.probe_families.strip() or c.warmstart.families.strip():
+      self.check("eval.probe_families", c.env.kind == "terminal",
+                 "and config.warmstart.families name terminal task families (set them to '')")
     shifted = [f.strip() for f in c.env.shift_families.split(",") if f.strip()]
     for fam in shifted:
       self.check("env.shift_families", fam in generator.FAMILIES,
@@ -241,6 +246,9 @@ class _Checks:
                "must be <= config.env.num_heldout_tasks")
     self.at_least("eval.seeds", 1)
     self.at_least("eval.temperature", 0.0)
+    self.check("eval.drift", isinstance(c.eval.drift, bool), "must be a bool")
+    self.at_least("eval.kl_transcripts", 0)
+    self.at_least("eval.probe_tasks", 0)
 
   def warmstart(self):
     c, w = self.c, self.c.warmstart

@@ -52,6 +52,10 @@ def base_config() -> config_dict.ConfigDict:
   c.es.weight_decay = 0.0
   c.es.perturb_vectors = True
   c.es.frozen = ""               # comma-separated regexes of parameter names ES leaves alone
+  # Anchored weight decay toward version 0 (jaxes.es.anchor): "none" | "l2" | "l1", with
+  # lambda = anchor_decay (the pull's step is learning_rate * lambda; 0 = off).
+  c.es.anchor = "none"
+  c.es.anchor_decay = 0.0
 
   c.controller = config_dict.ConfigDict()
   c.controller.mode = "async"
@@ -186,6 +190,15 @@ def base_config() -> config_dict.ConfigDict:
   c.eval.num_tasks = 100
   c.eval.seeds = 3
   c.eval.temperature = 0.0
+  # Drift from version 0 at every evaluation (jaxes.train.drift): param_drift, kl_to_initial on
+  # the first kl_transcripts episodes of version 0's evaluation (0: no KL), update_cosine.
+  c.eval.drift = True
+  c.eval.kl_transcripts = 8
+  # Off-task probes: held-out success on these families (comma-separated; "" = none), which the
+  # run does not train on, reported as "probe" beside held-out success; probe_tasks of them
+  # (0 = eval.num_tasks).
+  c.eval.probe_families = ""
+  c.eval.probe_tasks = 0
 
   # Supervised warm start on oracle transcripts (0 steps = off; the CPU demo's stand-in for an
   # Instruct checkpoint).
@@ -202,6 +215,9 @@ def base_config() -> config_dict.ConfigDict:
   # Fraction of transcripts whose command turn is a fenced code block the protocol rejects
   # (warmstart.off_protocol): a warm start that follows the harness's protocol only partly.
   c.warmstart.off_protocol_fraction = 0.0
+  # Families of the warm start's tasks (comma-separated; "" = env.families): more than ES trains
+  # on gives eval.probe_families that the starting policy knows.
+  c.warmstart.families = ""
   c.warmstart.init_from = ""     # a workdir: take its version-0 (warm-started) params and tokenizer
   return c
 

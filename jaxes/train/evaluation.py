@@ -46,9 +46,12 @@ class EvalEpisode:
 def evaluate(runner: EpisodeRunner, params_by_version: dict, version: int, tasks: list, *,
              seeds: int, temperature: float, top_p: float,
              on_training_result: Callable[[EpisodeResult], None], log=print,
-             prepare: Callable[[EpisodeSpec], EpisodeSpec] = lambda spec: spec) -> dict:
+             prepare: Callable[[EpisodeSpec], EpisodeSpec] = lambda spec: spec,
+             name: str = "held-out", streams: dict | None = None) -> dict:
   """Success of ``params_by_version[version]`` unperturbed on ``tasks`` x ``seeds`` episodes.
-  ``prepare``: each episode's spec as the run runs it (co-evolution: with the best context)."""
+  ``prepare``: each episode's spec as the run runs it (co-evolution: with the best context).
+  ``name``: what the log line calls the tasks; ``streams``: filled with ``{task index: its
+  seed-0 episode's EpisodeStream}`` (the drift measure's transcripts)."""
   todo = [prepare(EpisodeSpec(EvalEpisode(s, i), task, version, -1, EVAL_STREAM_BASE + s * len(tasks) + i,
                               temperature, top_p))
           for s in range(seeds) for i, task in enumerate(tasks)]
@@ -65,6 +68,8 @@ def evaluate(runner: EpisodeRunner, params_by_version: dict, version: int, tasks
         continue
       s, i = r.spec.key.seed, r.spec.key.task
       passed[s, i], rewards[s, i] = float(r.passed), r.reward or 0.0
+      if streams is not None and s == 0 and r.tokens is not None:
+        streams[i] = r.tokens
       failures[r.failure or ("passed" if r.passed else "wrong")] += 1
       remaining -= 1
   per_task = passed.mean(axis=0)  # s.e. over held-out tasks of the per-task success rate
@@ -77,7 +82,7 @@ def evaluate(runner: EpisodeRunner, params_by_version: dict, version: int, tasks
             "episodes": int(passed.size), "seconds": time.perf_counter() - t,
             "failures": dict(failures), "per_task": per_task.tolist(),
             "per_task_reward": per_task_reward.tolist()}
-  log(f"held-out eval at version {version}: success {success:.3f} ± {stderr:.3f} "
+  log(f"{name} eval at version {version}: success {success:.3f} ± {stderr:.3f} "
       f"({passed.size} episodes, {result['seconds']:.0f}s)")
   return result
 

@@ -128,10 +128,45 @@ def heldout_chart(evals: list[dict], key: str, stderr: str, title: str) -> str:
   ys, es = [e.get(key) for e in evals], [e.get(stderr) for e in evals]
   lo = [y - e for y, e in zip(ys, es) if _finite(y) and _finite(e)]
   hi = [y + e for y, e in zip(ys, es) if _finite(y) and _finite(e)]
-  c = Chart(title, value_range(xs, 0), value_range(ys + lo + hi, lo=0.0), "policy version", f"held-out {key}")
+  probe = [(e.get("probe") or {}).get(key) for e in evals]   # eval.probe_families: off-task
+  c = Chart(title, value_range(xs, 0), value_range(ys + lo + hi + probe, lo=0.0), "policy version",
+            f"held-out {key}")
   c.errorbars(xs, ys, es, COLORS[0])
   c.line(xs, ys, COLORS[0], f"held-out {key} ± s.e.")
+  if any(_finite(p) for p in probe):
+    c.errorbars(xs, probe, [(e.get("probe") or {}).get(stderr) for e in evals], COLORS[4])
+    c.line(xs, probe, COLORS[4], f"probe {key} (off-task) ± s.e.", dash="4 2")
   return c.svg()
+
+
+def drift_charts(evals: list[dict], train: list[dict]) -> list[str]:
+  """``param_drift`` (total and per group) and ``kl_to_initial`` per evaluated version, and
+  ``update_cosine`` per update (jaxes.train.drift); none for a run without them."""
+  evals = [e for e in evals if _finite(e.get("param_drift"))]
+  charts = []
+  if evals:
+    xs = [e["version"] for e in evals]
+    groups = sorted({g for e in evals for g in e.get("param_drift_groups") or {}})
+    series = [("total", [e["param_drift"] for e in evals])] + [
+        (g, [(e.get("param_drift_groups") or {}).get(g) for e in evals]) for g in groups]
+    c = Chart("distance from version 0, ‖θ_v − θ₀‖", value_range(xs, 0),
+              value_range([v for _, ys in series for v in ys], lo=0.0), "policy version", "param_drift")
+    for i, (name, ys) in enumerate(series):
+      c.line(xs, ys, COLORS[i % len(COLORS)], name, dash="" if name == "total" else "4 2")
+    charts.append(c.svg())
+    kl = [e.get("kl_to_initial") for e in evals]
+    if any(_finite(k) for k in kl):
+      c = Chart("KL(π_θ₀ ‖ π_θv) per token, held-out transcripts", value_range(xs, 0),
+                value_range(kl, lo=0.0), "policy version", "nats / token")
+      c.line(xs, kl, COLORS[1], "kl_to_initial")
+      charts.append(c.svg())
+  cos = [(r["version"], r.get("update_cosine")) for r in train if _finite(r.get("update_cosine"))]
+  if cos:
+    c = Chart("cosine between consecutive updates", value_range([x for x, _ in cos], 0),
+              value_range([y for _, y in cos], lo=-0.1, hi=0.1), "update", "cosine")
+    c.line([x for x, _ in cos], [y for _, y in cos], COLORS[2], "update_cosine")
+    charts.append(c.svg())
+  return charts
 
 
 def training_chart(train: list[dict]) -> str:
@@ -278,6 +313,7 @@ def render(workdir: str) -> str:
   if evals:
     charts += [heldout_chart(evals, "success", "stderr", "held-out success per version"),
                heldout_chart(evals, "reward", "reward_stderr", "held-out mean reward per version")]
+  charts += drift_charts(evals, train)
   if train:
     charts += [training_chart(train), staleness_chart(train), time_chart(train),
                throughput_chart(train), failures_chart(train)]

@@ -48,6 +48,8 @@ class RunState:
   restored_from: int | None = None    # the checkpoint step this run resumed from
   replayed: list[dict] = dataclasses.field(default_factory=list)  # metrics of updates replayed from the log
   contexts: Coevolution | None = None  # co-evolved contexts (``coevolve.enabled``), else None
+  # θ₀ on the devices, where every update reads it (``Algorithm.needs_initial_params``), else None
+  initial_params: Any = None
 
   @property
   def version(self) -> int:
@@ -70,6 +72,7 @@ class Parts:
   train_tasks: list
   heldout_tasks: list
   shift: builders.TaskShift | None = None   # a changing environment (env.shift_families)
+  probe_tasks: list = dataclasses.field(default_factory=list)   # eval.probe_families' held-out tasks
 
   def train_task(self, job):
     """The task of a training job: its index into the mix in force for the job's version."""
@@ -109,7 +112,7 @@ def replay(state: RunState, records: list[dict], algorithm_for) -> list[dict]:
   for record in records:
     algorithm = algorithm_for(record["version"])
     new_state = algorithm.replay(state.algorithm_state, [tuple(r) for r in record["results"]],
-                                 record["version"])
+                                 record["version"], initial_params=state.initial_params)
     state.controller = Controller.from_state_dict(record["controller"])
     if state.contexts is not None:
       state.contexts = Coevolution.from_state_dict(state.contexts.library, record["contexts"])
@@ -180,6 +183,8 @@ def initial_state(config, workdir: str, parts: Parts, algorithm, ckpt: checkpoin
   config in force then; default: ``algorithm`` for every one)."""
   if ckpt.steps():
     state = _restore(ckpt, algorithm, config)
+    if algorithm.needs_initial_params:
+      state.initial_params = load_initial_params(ckpt, algorithm)
     if algorithm.logs_updates:
       state.replayed = replay(state, update_log.replay_after(state.restored_from),
                               algorithm_for or (lambda version: algorithm))
@@ -191,7 +196,22 @@ def initial_state(config, workdir: str, parts: Parts, algorithm, ckpt: checkpoin
   algorithm_state = algorithm.init(params)
   controller = Controller(algorithm.controller_config(), num_tasks=len(parts.train_tasks))
   return RunState(algorithm_state, {0: algorithm.params(algorithm_state)}, controller, [], timings,
-                  contexts=coevolution.from_config(config))
+                  contexts=coevolution.from_config(config),
+                  initial_params=(algorithm.params(algorithm_state) if algorithm.needs_initial_params
+                                  else None))
+
+
+def load_initial_params(ckpt: checkpoint.Checkpointer, algorithm):
+  """θ₀: the parameters of the version-0 checkpoint (kept for good), placed where the run keeps
+  its parameters (the ``params`` of ``algorithm.abstract_state()``, which every algorithm's item
+  has). A ``RunStateError`` (one line) when step 0 cannot be read."""
+  ckpt.wait()   # a fresh run's step 0 may still be being written
+  try:
+    return ckpt.restore_item(0, algorithm.checkpoint_item, {"params": algorithm.abstract_state().params},
+                             partial=True)["params"]
+  except checkpoint.CheckpointError as e:
+    raise RunStateError(f"θ₀ (version 0) is needed for es.anchor and the drift measures and cannot be "
+                        f"read: {e}") from None
 
 
 def version_zero_params(config, parts: Parts, transcripts: list[list[dict]], log=print
@@ -231,4 +251,5 @@ def build_parts(config, workdir: str, transcripts: list[list[dict]], log=print) 
   tokenizer = (builders.load_tokenizer(path) if path is not None
                else builders.build_tokenizer(config, workdir, transcripts, log))
   return Parts(tokenizer, builders.build_model(config, len(tokenizer)), builders.training_tasks(config),
-               builders.heldout_tasks(config), builders.task_shift(config))
+               builders.heldout_tasks(config), shift=builders.task_shift(config),
+               probe_tasks=builders.probe_tasks(config))

@@ -24,13 +24,13 @@ from ml_collections import config_dict
 
 from jaxes.envs.sandbox import Sandbox, SandboxError
 from jaxes.train import (algorithms, builders, checkpoint, coevolution, compile_cache, config_history,
-                         evaluation, metrics, multihost, precompile, report, tracker, warmstart)
+                         drift, evaluation, metrics, multihost, precompile, report, tracker, warmstart)
 from jaxes.train.algorithms import UpdateContext
 from jaxes.train.config import validate
 from jaxes.train.hooks import Hook, UpdateInfo, run_hooks
 from jaxes.train.transcripts import TranscriptSampler
-from jaxes.train.state import (UPDATE_LOG, RunState, build_parts, initial_state, log_record,
-                               needs_transcripts, save)
+from jaxes.train.state import (UPDATE_LOG, RunState, build_parts, initial_state, load_initial_params,
+                               log_record, needs_transcripts, save)
 from jaxes.train.update_log import UpdateLog
 
 class Trainer:
@@ -86,6 +86,11 @@ class Trainer:
         self.log(f"config changed from version {self.state.version} on (recorded in "
                  f"{config_history.HISTORY}): " + "; ".join(map(str, changes)))
       self._in_force = config_history.changed_in_force(self.workdir, c)
+      if c.eval.drift:
+        self._drift = drift.Meter(self.parts.model.graphdef, self.workdir,
+                                  initial=lambda: self._initial_params(ckpt),
+                                  kl_transcripts=c.eval.kl_transcripts, max_len=c.rollout.max_len,
+                                  im_end=builders.stop_ids(self.parts.tokenizer)[1], primary=host.primary)
       engine = self.algorithm.build_engine(self.state.algorithm_state, host.mesh)
       precompile.warm_up(precompile.run_programs(engine, self.algorithm, self.state.algorithm_state),
                          c.train.compile_jobs, self.log, progress=c.train.progress_bar and host.primary)
@@ -122,6 +127,8 @@ class Trainer:
       return self._train(ckpt, writer, hooks)
 
   _sampler: TranscriptSampler | None = None   # set by run() on the primary process
+  _drift: drift.Meter | None = None            # set by run() with eval.drift
+  _last_cosine: float | None = None
   _tracker: tracker.WandbTracker | None = None
 
   def _initial_state(self, ckpt, update_log: UpdateLog, transcripts) -> RunState:
@@ -164,6 +171,16 @@ class Trainer:
 
   def _current_params(self):
     return self.algorithm.params(self.state.algorithm_state)
+
+  def _initial_params(self, ckpt):
+    """θ₀ where it is at hand (held for an anchor, or version 0 still live), else from its
+    checkpoint (read for this evaluation only)."""
+    state = self.state
+    if state.initial_params is not None:
+      return state.initial_params
+    if 0 in state.params_by_version:
+      return state.params_by_version[0]
+    return load_initial_params(ckpt, self.algorithm)
 
   def _log_update(self, update_log: UpdateLog, info: UpdateInfo) -> None:
     if self.host.primary and self.algorithm.logs_updates:   # identical on every process: one writes it
@@ -247,12 +264,19 @@ class Trainer:
     results = sorted(update.results)  # a deterministic order: float sums do not depend on arrival
     keep = set(state.controller.live_versions()) | self.runner.live_versions()
     context = UpdateContext(state.controller.version, state.controller.config, self.runner.engine,
-                            state.params_by_version, keep)
+                            state.params_by_version, keep, state.initial_params)
+    if self._drift is not None:
+      self._drift.before_update(self._current_params(), state.params_by_version.get(state.version - 2),
+                                donated=self.algorithm.donates_params)
     new_state, update_metrics = self.algorithm.update(state.algorithm_state, results, context)
     state.advance(new_state, self.algorithm.params(new_state), keep)
+    if self._drift is not None:
+      self._last_cosine = self._drift.after_update(self._current_params())
     contexts = coevolution.after_update(state.contexts, state.version, results, keep)
     self._window.update_s += time.perf_counter() - t
     record = self.algorithm.record(self._window, update, results, update_metrics, self.runner.stats())
+    if self._drift is not None:
+      record["update_cosine"] = self._last_cosine
     return {**record, **contexts}, results
 
   # -- evaluation -----------------------------------------------------------------------------
@@ -260,17 +284,28 @@ class Trainer:
     """Held-out success of the unperturbed current policy (``evaluation.evaluate``); in a
     changing environment also on the later mix's held-out tasks (``shifted``)."""
     c, state = self.config, self.state
+    streams = {} if self._drift is not None and self._drift.wants_streams() and state.version == 0 else None
 
-    def on(tasks):
+    def run(tasks, name):
       return evaluation.evaluate(
-          self.runner, state.params_by_version, state.version, tasks[:c.eval.num_tasks],
-          seeds=c.eval.seeds, temperature=c.eval.temperature, top_p=c.rollout.top_p,
-          on_training_result=self._report, log=self.log,
-          prepare=lambda spec: self._contexts.spec(spec, state.contexts))
+          self.runner, state.params_by_version, state.version, tasks, seeds=c.eval.seeds,
+          temperature=c.eval.temperature, top_p=c.rollout.top_p, on_training_result=self._report,
+          log=self.log, prepare=lambda spec: self._contexts.spec(spec, state.contexts), name=name,
+          streams=streams if name == "held-out" else None)
 
-    result = on(self.parts.heldout_tasks)
+    result = run(self.parts.heldout_tasks[:c.eval.num_tasks], "held-out")
     if self.parts.shift is not None:
-      result["shifted"] = on(self.parts.shift.heldout_tasks)
+      result["shifted"] = run(self.parts.shift.heldout_tasks[:c.eval.num_tasks], "shifted")
+    if self.parts.probe_tasks:   # off-task: families the run does not train on
+      probe = run(self.parts.probe_tasks, "probe")
+      result["probe"] = {k: probe[k] for k in ("success", "stderr", "reward", "reward_stderr",
+                                               "episodes", "per_task", "failures")}
+    if self._drift is not None:
+      result |= self._drift.at_evaluation(state.version, self._current_params(), streams)
+      result["update_cosine"] = self._last_cosine
+      kl = result["kl_to_initial"]
+      self.log(f"drift at version {state.version}: param_drift {result['param_drift']:.4g}, "
+               f"kl_to_initial {'n/a' if kl is None else f'{kl:.4g}'} nats/token")
     state.evals.append(result)
     return result
 

@@ -30,6 +30,7 @@ class UpdateContext:
   engine: Engine                  # the rollout engine (an async low-rank run registers each step)
   params_by_version: dict         # every live version's parameters, the current one included
   keep: set[int]                  # the versions that must stay decodable after the update
+  initial_params: Any = None      # θ₀ (version 0), held when ``needs_initial_params``
 
 
 class Algorithm(Protocol):
@@ -40,6 +41,10 @@ class Algorithm(Protocol):
   checkpoint_item: str   # the checkpoint item holding its state (``load_policy`` reads its params)
   logs_updates: bool     # True: an update is a function of the state and its cohort, so updates
                          # after a checkpoint are replayed from the update log (``replay``)
+  needs_initial_params: bool  # True: every update reads θ₀ (an anchor toward version 0): the run
+                              # holds it on the devices and passes it (``UpdateContext``, ``replay``)
+  donates_params: bool   # True: ``update`` donates the current params' buffers (the trainer copies
+                         # them first where it needs them after the update: ``drift.update_cosine``)
 
   @staticmethod
   def check_config(config) -> None:
@@ -83,8 +88,9 @@ class Algorithm(Protocol):
     """The next state from a cohort of ``(version, member, fitness)`` results, in a
     deterministic order, and the update's metrics."""
 
-  def replay(self, state, results: list, version: int) -> Any:
-    """The next state, of ``version``, from a logged cohort (``logs_updates`` only)."""
+  def replay(self, state, results: list, version: int, initial_params=None) -> Any:
+    """The next state, of ``version``, from a logged cohort (``logs_updates`` only);
+    ``initial_params``: θ₀ where ``needs_initial_params``."""
 
   def record(self, window, update, results: list, metrics: dict, runner_stats: dict) -> dict:
     """The update's metrics line (``metrics.UpdateWindow`` has the shared part)."""

@@ -54,10 +54,13 @@ class EvolutionStrategies:
   name = "ES"
   checkpoint_item = "es"
   logs_updates = True
+  donates_params = False
 
   def __init__(self, config, parts, mesh):
     self.config, self.parts = config, parts
     self.strategy = builders.build_strategy(config)
+    # es.anchor: every update pulls toward θ₀, which the run then holds on the devices.
+    self.needs_initial_params = self.strategy.anchored
     # One device: arrays stay where they are made; a mesh of several: the rule table's shardings.
     self._shardings = es_shardings(self.strategy, parts.model, mesh if mesh.size > 1 else None)
 
@@ -109,15 +112,16 @@ class EvolutionStrategies:
 
   def update(self, state: es.ESState, results: list, context: UpdateContext
              ) -> tuple[es.ESState, dict]:
-    new_state, metrics = self.strategy.update(state, results)
+    new_state, metrics = self.strategy.update(state, results, context.initial_params)
     if context.engine.version_steps is not None:   # rows of the new version may join older calls
       context.engine.add_step(int(new_state.version), *self.strategy.cohort(state, results))
     if int(new_state.version) != context.version:
       raise RuntimeError(f"ES version {int(new_state.version)} != controller version {context.version}")
     return new_state, metrics
 
-  def replay(self, state: es.ESState, results: list, version: int) -> es.ESState:
-    new_state = self.strategy.update(state, results)[0]
+  def replay(self, state: es.ESState, results: list, version: int, initial_params=None
+             ) -> es.ESState:
+    new_state = self.strategy.update(state, results, initial_params)[0]
     if int(new_state.version) != version:
       raise RunStateError(f"update log: replaying the update to version {version} gave "
                           f"version {int(new_state.version)}")
@@ -131,13 +135,17 @@ class EvolutionStrategies:
 
   def update_lowerings(self, state: es.ESState) -> dict:
     """The update's program (``Strategy.update``'s own), lowered for ``state`` when called."""
-    return {"es_update": functools.partial(self.strategy.lower_update, state)}
+    initial = state.params if self.needs_initial_params else None   # θ₀ is laid out as they are
+    return {"es_update": functools.partial(self.strategy.lower_update, state, initial)}
 
   def abstract_update(self, params, mesh) -> tuple[dict, dict]:
     """``update_lowerings`` over ``params`` (ShapeDtypeStructs in their shardings) and the rest
     of the ES state where a run on ``mesh`` places it (``es_shardings``); and its optimizer
-    state."""
+    state, and θ₀ when an anchor holds it on the devices (``es.anchor``)."""
     state = abstract_es_state(self.strategy, self.parts.model, es_shardings(self.strategy, self.parts.model, mesh))
     state = dataclasses.replace(state, params=params)
-    return self.update_lowerings(state), {"optimizer_state": state.opt_state}
+    held = {"optimizer_state": state.opt_state}
+    if self.needs_initial_params:
+      held["initial_params"] = params
+    return self.update_lowerings(state), held
 

@@ -71,6 +71,10 @@ class GRPO:
   checkpoint_item = "learner"
   logs_updates = False
   block = "grpo"   # its config block, and its metrics line's key
+  # The anchor (grpo.anchor) pulls toward the learner's own reference params, so the trainer holds
+  # no θ₀ for it; the learner step donates its state, params included.
+  needs_initial_params = False
+  donates_params = True
 
   def __init__(self, config, parts, mesh):
     self.config, self.parts, self.mesh = config, parts, mesh
@@ -160,7 +164,7 @@ class GRPO:
                        "learner_tokens_per_s": sums["tokens"] / update_s if update_s > 0 else 0.0,
                        **batch_metrics}
 
-  def replay(self, state, results: list, version: int):
+  def replay(self, state, results: list, version: int, initial_params=None):
     raise NotImplementedError("GRPO keeps no update log (logs_updates is False)")
 
   def record(self, window, update, results: list, metrics: dict, runner_stats: dict) -> dict:

@@ -29,8 +29,9 @@ optimum, initial parameters, held-out tasks and noise keys).
 A config is ``default_config()`` (sections controller, es, objective, sim, train); any key may
 be a surface axis (``jaxes.experiments.surface``). The cells are the ``async1`` reference plus
 the axis values, beside ``sync`` and ``async1``. Writes ``table.md``, ``table.json`` and
-``surface.png`` (heat map with the paper's two points) to ``--workdir``; cells already in
-``table.json`` with the same config are not run again.
+``surface.png`` (heat map with the paper's two points) to ``--workdir``. A surface takes CPU
+seconds to minutes, so a rerun recomputes it (deterministically: the same numbers) instead of
+resuming.
 """
 from __future__ import annotations
 
@@ -366,15 +367,17 @@ def main(argv: list[str] | None = None) -> int:
       raise GridError(f"--seeds={args.seeds}: needs >= 2 for a standard error")
     base = default_config()
     for key in overrides:
-      surface.resolve_key(key, base) if "." in key else None
-      if "." not in key:
-        raise GridError(f"--config.{key}: write the dotted key (section.field)")
+      try:
+        if "." not in key:
+          raise GridError("write the dotted key (section.field)")
+        surface.resolve_key(key, base)
+      except GridError as e:
+        raise GridError(f"--config.{key}: {str(e).rpartition(': ')[2]}") from None
     base = apply_overrides(base, overrides)
     cells = cells_of(args.surface, base)
     rows = run_surface(base, cells, list(range(args.seeds)), log=lambda s: print(s, file=sys.stderr))
-  except (GridError, ValueError) as e:
-    print(f"error: {str(e).removeprefix('--surface: ')}" if isinstance(e, ValueError) else f"error: {e}",
-          file=sys.stderr)
+  except (GridError, ValueError) as e:   # a bad key, value or cell: one line, nothing written
+    print(f"error: {e}", file=sys.stderr)
     return 2
   os.makedirs(args.workdir, exist_ok=True)
   summary = stats.surface_summary(rows, seeds=args.seeds)

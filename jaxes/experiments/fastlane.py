@@ -68,7 +68,7 @@ def default_config() -> config_dict.ConfigDict:
       stress_all_stale=0, episodes_per_member=2))
   # population 20: a 10% delay holds back exactly 2 members of each cohort
   c.es = config_dict.ConfigDict(dict(mode="lowrank", population=20, rank=1, sigma=0.05,
-                                     learning_rate=0.2, shaping="centered_rank"))
+                                     learning_rate=0.2, shaping="centered_rank", antithetic=True))
   c.objective = config_dict.ConfigDict(dict(kind="regression", dim_in=32, dim_out=8, batch=16,
                                             noise=0.5, temperature=0.25, num_train_tasks=256,
                                             num_heldout_tasks=256))
@@ -150,7 +150,8 @@ class Schedule:
 
 
 def controller_config(c, seed: int) -> ControllerConfig:
-  return ControllerConfig.from_config(dict(c.controller), population=int(c.es.population), seed=seed)
+  return ControllerConfig.from_config(dict(c.controller), population=int(c.es.population), seed=seed,
+                                      antithetic=bool(c.es.antithetic))
 
 
 def schedule(c, seed: int) -> Schedule:
@@ -211,22 +212,22 @@ def _shape(f: jax.Array, valid: jax.Array, method: str) -> jax.Array:
 
 def _es_settings(c) -> tuple:
   return (c.es.mode, int(c.es.rank), int(c.es.population), float(c.es.sigma),
-          float(c.es.learning_rate), c.es.shaping)
+          float(c.es.learning_rate), c.es.shaping, bool(c.es.antithetic))
 
 
 def strategy_of(c) -> es.Strategy:
-  mode, rank, population, sigma, learning_rate, shaping = _es_settings(c)
+  mode, rank, population, sigma, learning_rate, shaping, antithetic = _es_settings(c)
   return es.Strategy(population=population, sigma=sigma, learning_rate=learning_rate, mode=mode,
-                     rank=rank, shaping=shaping)
+                     rank=rank, shaping=shaping, antithetic=antithetic)
 
 
 @functools.lru_cache(maxsize=8)
 def _trainer(kind: str, temperature: float, settings: tuple, ring: int, first_heldout: int):
   """The jitted replay of every seed's stream (one compile per objective, ES settings and
   padded shape: a surface's cells share it)."""
-  mode, rank, population, sigma, learning_rate, shaping = settings
+  mode, rank, population, sigma, learning_rate, shaping, antithetic = settings
   strategy = es.Strategy(population=population, sigma=sigma, learning_rate=learning_rate,
-                         mode=mode, rank=rank, shaping=shaping)
+                         mode=mode, rank=rank, shaping=shaping, antithetic=antithetic)
   cfg, tx = strategy.noise_config, strategy.tx
   score = functools.partial(fitness, kind, temperature)
 
@@ -344,7 +345,26 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--objective", choices=OBJECTIVES, default=None, help="= --config.objective.kind")
   p.add_argument("--mode", choices=es.strategy.MODES, default=None, help="= --config.es.mode")
   p.add_argument("--workdir", required=True)
+  p.add_argument("--aggregate-only", "--aggregate_only", action="store_true", dest="aggregate_only",
+                 help="only redo the summary, table and heat map from WORKDIR/table.json")
   return p
+
+
+def write(workdir: str, result: dict) -> str:
+  """table.json (every per-seed number), table.md and surface.png; returns the markdown."""
+  cfg = result["config"]
+  summary = stats.surface_summary(result["cells"], seeds=result["seeds"])
+  result = {**result, "summary": summary}
+  with open(os.path.join(workdir, "table.json"), "w") as f:
+    json.dump(result, f, indent=1)
+  kind = cfg["objective"]["kind"]
+  md = stats.surface_markdown(summary, unit="points of held-out " + (
+      "explained variance" if kind == "regression" else "best-arm probability"))
+  with open(os.path.join(workdir, "table.md"), "w") as f:
+    f.write(md)
+  stats.plot_heatmap(summary, os.path.join(workdir, "surface.png"),
+                     title=f"fast lane: {kind}, {cfg['es']['mode']} ES, {result['seeds']} seeds")
+  return md
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -359,6 +379,11 @@ def main(argv: list[str] | None = None) -> int:
           raise GridError(f"{a}: write overrides as --config.KEY=VALUE")
         overrides[key] = value
     args = _parser().parse_args(own)
+    if args.aggregate_only:
+      with open(os.path.join(args.workdir, "table.json")) as f:
+        md = write(args.workdir, json.load(f))
+      print(md)
+      return 0
     if args.objective:
       overrides["objective.kind"] = args.objective
     if args.mode:
@@ -376,24 +401,14 @@ def main(argv: list[str] | None = None) -> int:
     base = apply_overrides(base, overrides)
     cells = cells_of(args.surface, base)
     rows = run_surface(base, cells, list(range(args.seeds)), log=lambda s: print(s, file=sys.stderr))
-  except (GridError, ValueError) as e:   # a bad key, value or cell: one line, nothing written
+  except (GridError, ValueError, OSError) as e:   # a bad key, value or cell: one line, nothing written
     print(f"error: {e}", file=sys.stderr)
     return 2
   os.makedirs(args.workdir, exist_ok=True)
-  summary = stats.surface_summary(rows, seeds=args.seeds)
-  result = {"config": base.to_dict(), "surface": args.surface, "seeds": args.seeds,
-            "cells": {n: {k: v for k, v in r.items() if k != "final_w"} for n, r in rows.items()},
-            "summary": summary}
-  with open(os.path.join(args.workdir, "table.json"), "w") as f:
-    json.dump(result, f, indent=1)
-  md = stats.surface_markdown(summary, unit="points of held-out " + (
-      "explained variance" if base.objective.kind == "regression" else "best-arm probability"))
-  with open(os.path.join(args.workdir, "table.md"), "w") as f:
-    f.write(md)
-  png = stats.plot_heatmap(summary, os.path.join(args.workdir, "surface.png"),
-                           title=f"fast lane: {base.objective.kind}, {base.es.mode} ES, {args.seeds} seeds")
+  md = write(args.workdir, {"config": base.to_dict(), "surface": args.surface, "seeds": args.seeds,
+                            "cells": {n: {k: v for k, v in r.items() if k != "final_w"} for n, r in rows.items()}})
   print(md)
-  print(f"fastlane: {args.workdir}/table.md, table.json, {os.path.basename(png)}", file=sys.stderr)
+  print(f"fastlane: {args.workdir}/table.md, table.json, surface.png", file=sys.stderr)
   return 0
 
 

@@ -158,7 +158,8 @@ def surface_markdown(summary: dict, unit: str = "points") -> str:
            f"{t:g} | seeds to resolve |", "| --- | ---: | ---: | ---: | :---: | ---: | ---: | ---: |"]
   for r in summary["table"]:
     p = r["vs_sync"]
-    score = f"{r['score']['mean']:.1f} ± {r['score']['stderr']:.1f}" if r.get("score") else "—"
+    score = (f"{r['score']['mean']:.1f} ± " + (f"{r['score']['stderr']:.1f}" if r["score"]["n"] > 1 else "—")
+             if r.get("score") else "—")
     lines.append(f"| {r['name']} | {'—' if r['mean_staleness'] is None else format(r['mean_staleness'], '.2f')} | "
                  f"{score} | {'(reference)' if r['name'] == 'sync' else format_paired(p)} | "
                  f"{'yes' if p and p['resolved'] else ('no' if p else '—')} | "
@@ -202,7 +203,8 @@ def plot_heatmap(summary: dict, path: str, title: str = "") -> str | None:
   for i, row in enumerate(heat["cells"]):
     for j, p in enumerate(row):
       if p:
-        ax.text(j, i, f"{p['mean']:+.1f}{'*' if p['resolved'] else ''}\n± {p['stderr']:.1f}",
+        se = f"{p['stderr']:.1f}" if p["n"] > 1 else "— (1 seed)"
+        ax.text(j, i, f"{p['mean']:+.1f}{'*' if p['resolved'] else ''}\n± {se}",
                 ha="center", va="center", fontsize=8, color="w" if abs(p["mean"]) > 0.6 * lim else "k")
   for pp in heat["paper"]:
     if pp["row"] is not None and pp["col"] is not None:
@@ -244,7 +246,8 @@ def heatmap_html(summary: dict, esc=str) -> str:
       pp = paper.get((i, j))
       mark = f"<br><small>paper {pp['points']:+.1f}</small>" if pp else ""
       if p:
-        text = f"{'<b>' if p['resolved'] else ''}{p['mean']:+.1f} ± {p['stderr']:.1f}{'</b>' if p['resolved'] else ''}"
+        se = f"{p['stderr']:.1f}" if p["n"] > 1 else "— (1 seed)"
+        text = f"{'<b>' if p['resolved'] else ''}{p['mean']:+.1f} ± {se}{'</b>' if p['resolved'] else ''}"
         tds.append(f'<td style="background:{colour(p["mean"])}">{text}{mark}</td>')
       else:
         tds.append(f"<td>—{mark}</td>")

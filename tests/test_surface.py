@@ -148,6 +148,9 @@ def test_stats_paired_seeds_and_slope():
   p = stats.paired([-2.0, -4.0, -3.0])
   assert p["mean"] == -3.0 and p["stderr"] == pytest.approx(1 / np.sqrt(3)) and p["resolved"]
   assert not stats.paired([1.0, -1.0])["resolved"]
+  # one seed: no s.e., no NaN (table.json must reload equal to itself)
+  assert stats.paired([1.0]) == {"mean": 1.0, "stderr": None, "sd": None, "n": 1, "resolved": False}
+  assert stats.seeds_for(None, 1.0) is None
   assert stats.seeds_for(4.0, 1.0) == 16 and stats.seeds_to_resolve(4.0, -2.0) == 16
   fit = stats.slope([[(0, 0), (1, -2), (2, -4)], [(0, 0), (1, -1), (2, -2)]])
   assert fit["mean"] == pytest.approx(-1.5) and fit["stderr"] == pytest.approx(0.5)

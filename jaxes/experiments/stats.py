@@ -23,19 +23,20 @@ PAPER_POINTS = {(0.1, 4): -1.6, (0.1, 8): -3.1}
 
 
 def paired(diffs) -> dict | None:
-  """Mean ± s.e. of per-seed paired differences, their s.d., and whether resolved."""
+  """Mean ± s.e. of per-seed paired differences, their s.d. (None from one seed: table.json stays
+  free of NaN), and whether resolved."""
   d = np.asarray([x for x in diffs if x is not None and math.isfinite(x)], float)
   if d.size == 0:
     return None
-  sd = float(d.std(ddof=1)) if d.size > 1 else float("nan")
-  se = sd / math.sqrt(d.size) if d.size > 1 else float("nan")
+  sd = float(d.std(ddof=1)) if d.size > 1 else None
+  se = sd / math.sqrt(d.size) if d.size > 1 else None
   return {"mean": float(d.mean()), "stderr": se, "sd": sd, "n": int(d.size),
           "resolved": bool(d.size > 1 and abs(d.mean()) > RESOLVED_SE * se)}
 
 
 def seeds_for(sd: float, target_se: float) -> int | None:
   """Seeds whose mean has standard error ``target_se`` given a pilot's per-seed s.d."""
-  if not (sd > 0 and target_se > 0 and math.isfinite(sd)):
+  if sd is None or not (sd > 0 and target_se > 0 and math.isfinite(sd)):
     return None
   return max(2, math.ceil((sd / target_se) ** 2))
 
@@ -145,7 +146,7 @@ def format_paired(p, digits=1) -> str:
   """``+d ± s.e.`` (— when absent)."""
   if not p:
     return "—"
-  se = "—" if not math.isfinite(p["stderr"]) else f"{p['stderr']:.{digits}f}"
+  se = "—" if p["stderr"] is None else f"{p['stderr']:.{digits}f}"
   return f"{p['mean']:+.{digits}f} ± {se}"
 
 
@@ -163,7 +164,7 @@ def surface_markdown(summary: dict, unit: str = "points") -> str:
     lines.append(f"| {r['name']} | {'—' if r['mean_staleness'] is None else format(r['mean_staleness'], '.2f')} | "
                  f"{score} | {'(reference)' if r['name'] == 'sync' else format_paired(p)} | "
                  f"{'yes' if p and p['resolved'] else ('no' if p else '—')} | "
-                 f"{'—' if not p or not math.isfinite(p['sd']) else format(p['sd'], '.1f')} | "
+                 f"{'—' if not p or p['sd'] is None else format(p['sd'], '.1f')} | "
                  f"{r['seeds_for_target'] or '—'} | {r['seeds_to_resolve'] or '—'} |")
   if summary["slopes"]:
     lines += ["", f"Points per unit of mean staleness (least squares per seed over sync, async1 and "

@@ -212,6 +212,10 @@ def to_markdown(result: dict) -> str:
               for v in result["variants"] if v.get("status") != "not available"]
   if notes:
     lines += ["", "Not in the means:", "", *notes]
+  if result.get("paired"):
+    from jaxes.experiments import stats
+    lines += ["", "Paired statistics:", "", stats.surface_markdown(
+        result["paired"], unit=f"points of held-out {MEASURE_NAMES[result['measure']]}").rstrip("\n")]
   return "\n".join(lines) + "\n"
 
 

@@ -3,7 +3,7 @@ r"""``python -m jaxes.experiments.grid``: the paper's experiment grid as one com
   python -m jaxes.experiments.grid --config=configs/demo_grid.py \
       --variants=sync,async1,delay4,delay8,allstale,grpo --seeds=0,1,2 --workdir=runs/grid \
       [--config.KEY=VALUE ...] [--parallel=N | --print-launch [--launcher=local|tpu|slurm]] \
-      [--aggregate-only]
+      [--surface="delay_fraction=0.1,0.5 delay_updates=4,8" [--surface_base=async1]] [--aggregate-only]
 
 Every (variant, seed) is its own run in ``WORKDIR/<variant>-s<seed>``, trained by
 ``python -m ENTRY --config=FILE:VARIANT --workdir=... --config.seed=S`` (the variant's overrides,
@@ -19,6 +19,12 @@ variants are rows saying so. ``--aggregate-only`` only reads the runs (and rewri
 plots and report), and a variant with no run directory there is an error, not an empty row. A
 grid directory whose ``grid.json`` records another config or other overrides is refused unless
 ``--overwrite``.
+
+``--surface`` adds one variant per cell of a grid of config values (``jaxes.experiments.surface``:
+any key may be an axis; a cell is ``--surface_base``'s variant plus the cell's values, named
+``delay_fraction=0.1+delay_updates=8``) beside the ``--variants`` (then ``sync,async1`` by
+default, the references); the table and report then hold the surface's paired differences, the
+fitted staleness slope and a heat map (``jaxes.experiments.stats``).
 """
 from __future__ import annotations
 
@@ -34,10 +40,11 @@ import subprocess
 import sys
 import time
 
-from jaxes.experiments import aggregate, rundirs, variants as variants_lib
+from jaxes.experiments import aggregate, rundirs, stats, surface as surface_lib, variants as variants_lib
 from jaxes.experiments.variants import GridError, Variant
 
 DEFAULT_VARIANTS = "sync,async1,delay4,delay8,allstale"
+SURFACE_REFERENCES = "sync,async1"   # the default --variants beside a --surface
 LAUNCHERS = ("local", "tpu", "slurm")
 
 
@@ -81,12 +88,27 @@ class Run:
     return rundirs.is_finished(self.workdir, self.num_updates)
 
 
+def surface_variants(config: str, spec: str, base_name: str, overrides: list[str], module=None) -> list[Variant]:
+  """The cells of ``--surface=SPEC`` as variants on ``base_name`` (keys resolved in its config)."""
+  base = variants_lib.resolve(config, base_name, module)
+  if not base.available:
+    raise GridError(f"--surface_base={base_name}: {base.unavailable}")
+  resolved = resolve_config(base.config_spec, base.override_flags() + list(overrides))
+  return surface_lib.variants(surface_lib.axes_of(spec, resolved), base)
+
+
 def plan(config: str, variant_names: list[str], seeds: list[int], workdir: str,
-         overrides: list[str], shared_init: bool | None = None):
+         overrides: list[str], shared_init: bool | None = None, surface: str = "",
+         surface_base: str = "async1"):
   """(variants, init runs, variant runs): every command the grid would run."""
   path = config.partition(":")[0]
   module = variants_lib.load_module(path)
   variants = [variants_lib.resolve(config, n, module) for n in variant_names]
+  if surface:
+    variants += surface_variants(config, surface, surface_base, overrides, module)
+    names = [v.name for v in variants]
+    if len(set(names)) != len(names):
+      raise GridError(f"--surface: a cell repeats a variant ({', '.join(sorted({n for n in names if names.count(n) > 1}))})")
   inits, runs = {}, []
   for seed in seeds:
     for v in variants:
@@ -106,6 +128,15 @@ def plan(config: str, variant_names: list[str], seeds: list[int], workdir: str,
       runs.append(Run(rundirs.run_name(v.name, seed), run_dir, _command(v, run_dir, flags_),
                       int(c.train.num_updates), v.name, seed, needs=inits[seed].name if share else None))
   return variants, list(inits.values()), runs
+
+
+def seed_major(inits: list[Run], runs: list[Run]) -> list[Run]:
+  """Each seed's warm start, then that seed's runs: a grid stopped early holds whole seeds
+  (every variant paired with sync) rather than every warm start and few runs."""
+  by_seed = {r.seed: [r] for r in inits}
+  for r in runs:
+    by_seed.setdefault(r.seed, []).append(r)
+  return [r for seed_runs in by_seed.values() for r in seed_runs]
 
 
 def _command(v: Variant, workdir: str, flags_: list[str]) -> list[str]:
@@ -241,7 +272,11 @@ def _parser() -> argparse.ArgumentParser:
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--config", required=True,
                  help="config file (FILE, or FILE:{variant},ARGS for configs taking more arguments)")
-  p.add_argument("--variants", default=DEFAULT_VARIANTS, help="comma-separated variant names")
+  p.add_argument("--variants", default=None,
+                 help=f"comma-separated variant names (default {DEFAULT_VARIANTS}; {SURFACE_REFERENCES} with --surface)")
+  p.add_argument("--surface", default="",
+                 help="axes of config values, 'KEY=V1,V2 KEY2=...': one variant per combination")
+  p.add_argument("--surface_base", default="async1", help="the variant each surface cell modifies")
   p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (config.seed)")
   p.add_argument("--workdir", required=True, help="grid directory: one run directory per (variant, seed)")
   p.add_argument("--parallel", type=int, default=1, help="runs at once (local)")
@@ -254,6 +289,8 @@ def _parser() -> argparse.ArgumentParser:
                  help="only read the existing runs into the table and plots")
   p.add_argument("--overwrite", action="store_true",
                  help="run in a grid directory that grid.json says holds another grid")
+  p.add_argument("--target_se", type=float, default=stats.TARGET_SE,
+                 help="points: the table recommends the seeds for this s.e. of a paired difference")
   share = p.add_mutually_exclusive_group()
   share.add_argument("--shared_init", dest="shared_init", action="store_true", default=None,
                      help="one warm start per seed for all variants (default: when the config has one)")
@@ -310,9 +347,11 @@ def check_workdir(args, names: list[str], seeds: list[int], overrides: list[str]
                       f"{mine!r} here); use another --workdir, or --overwrite")
 
 
-def write_results(variants, runs, seeds, workdir) -> dict:
+def write_results(variants, runs, seeds, workdir, target_se: float = stats.TARGET_SE) -> dict:
   from jaxes.experiments import plots
   result = aggregate.aggregate(variants, seeds, workdir, {(r.variant, r.seed): r.num_updates for r in runs})
+  if any(v["variant"] == aggregate.REFERENCE for v in result["variants"]):
+    result["paired"] = stats.surface_summary(stats.grid_rows(result), seeds, target_se)
   md, _ = aggregate.write(result, workdir)
   pictures = plots.write(result, workdir)
   page = plots.write_grid_report(result, workdir)
@@ -327,13 +366,17 @@ def main(argv: list[str] | None = None) -> int:
   try:
     own, overrides = _split_overrides(argv)
     args = _parser().parse_args(own)
-    names = _csv(args.variants, "variants")
+    default = SURFACE_REFERENCES if args.surface else DEFAULT_VARIANTS
+    names = _csv(args.variants if args.variants is not None else default, "variants")
     seeds = _csv(args.seeds, "seeds", int)
     if args.parallel < 1:
       raise GridError(f"--parallel={args.parallel}: must be >= 1")
-    variants, inits, runs = plan(args.config, names, seeds, args.workdir, overrides, args.shared_init)
+    if not args.target_se > 0:
+      raise GridError(f"--target_se={args.target_se}: must be > 0")
+    variants, inits, runs = plan(args.config, names, seeds, args.workdir, overrides, args.shared_init,
+                                 args.surface, args.surface_base)
     if not args.print_launch:
-      check_workdir(args, names, seeds, overrides)
+      check_workdir(args, [v.name for v in variants], seeds, overrides)
   except GridError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
@@ -355,17 +398,18 @@ def main(argv: list[str] | None = None) -> int:
   if not args.aggregate_only:
     os.makedirs(args.workdir, exist_ok=True)
     with open(os.path.join(args.workdir, "grid.json"), "w") as f:
-      json.dump({"config": args.config, "variants": names, "seeds": seeds, "overrides": overrides,
+      json.dump({"config": args.config, "variants": [v.name for v in variants], "surface": args.surface,
+                 "surface_base": args.surface_base, "seeds": seeds, "overrides": overrides,
                  "runs": {r.name: r.command for r in inits + runs}}, f, indent=2)
     runner = LocalRunner(args.parallel)
     signal.signal(signal.SIGTERM, _interrupt)
     try:
-      runner.run_all(inits + runs)
+      runner.run_all(seed_major(inits, runs))
     except KeyboardInterrupt:
       print("grid: interrupted; stopping the runs (rerun the same command to resume)", file=sys.stderr)
       runner.stop()
       return 130
-  result = write_results(variants, runs, seeds, args.workdir)
+  result = write_results(variants, runs, seeds, args.workdir, args.target_se)
   complete = all(r["status"] == rundirs.FINISHED for r in result["runs"])
   return 0 if complete or args.aggregate_only else 1
 

@@ -73,9 +73,13 @@ def plot_staleness(result: dict, path: str) -> None:
 
 
 def write(result: dict, workdir: str) -> list[str]:
+  from jaxes.experiments import stats
   paths = [os.path.join(workdir, f"{result['measure']}.png"), os.path.join(workdir, "staleness.png")]
   plot_measure(result, paths[0])
   plot_staleness(result, paths[1])
+  if result.get("paired") and stats.plot_heatmap(result["paired"], os.path.join(workdir, "surface.png"),
+                                                 title=f"grid {os.path.basename(os.path.abspath(workdir))}"):
+    paths.append(os.path.join(workdir, "surface.png"))
   return paths
 
 
@@ -120,6 +124,7 @@ def grid_html(result: dict) -> str:
           "compare the ordering, not the level. All numbers: table.md / table.json.</p>"
           f"<table><tr><th>variant</th><th>runs</th><th>final {esc(measure)}</th><th>paper</th>"
           f"<th>what it is</th></tr>{''.join(rows)}</table>"
+          + _paired_html(result, esc) +
           f'<h2>Curves</h2><div class="charts">{"".join(charts) or "<p>No finished run yet.</p>"}</div>')
   return report.page(f"jaxes grid: {result['workdir']}", body)
 
@@ -144,6 +149,33 @@ def _drift_charts(result: dict) -> list[str]:
       chart.line(c["versions"], c["mean"], color, name, dash="4 2" if name.endswith("_l2") else "")
     charts.append(chart.svg())
   return charts
+
+
+def _paired_html(result: dict, esc) -> str:
+  """The surface's heat map and the paired statistics (jaxes.experiments.stats) as HTML."""
+  from jaxes.experiments import stats
+  summary = result.get("paired")
+  if not summary:
+    return ""
+  rows = []
+  for r in summary["table"]:
+    p = r["vs_sync"]
+    rows.append(f"<tr><td>{esc(r['name'])}</td>"
+                f"<td>{'—' if r['mean_staleness'] is None else format(r['mean_staleness'], '.2f')}</td>"
+                f"<td>{'(reference)' if r['name'] == 'sync' else stats.format_paired(p)}</td>"
+                f"<td>{'yes' if p and p['resolved'] else ('no' if p else '—')}</td>"
+                f"<td>{r['seeds_for_target'] or '—'}</td><td>{r['seeds_to_resolve'] or '—'}</td></tr>")
+  slopes = "".join(f"<tr><td>{esc(str(g))}</td><td>{stats.format_paired(s, 2)}</td><td>{s['n']}</td></tr>"
+                   for g, s in summary["slopes"].items())
+  heat = stats.heatmap_html(summary, esc)
+  return ((f"<h2>Surface</h2>{heat}" if heat else "")
+          + "<h2>Paired vs sync</h2><p>Per seed, the final held-out measure minus sync's on the same "
+          "tasks, in points; mean ± s.e. over seeds; resolved: |d| &gt; 2 s.e.</p>"
+          f"<table><tr><th>variant</th><th>mean staleness</th><th>vs sync</th><th>resolved</th>"
+          f"<th>seeds for s.e. {summary['target_se']:g}</th><th>seeds to resolve</th></tr>{''.join(rows)}</table>"
+          + (f"<p>Points per unit of mean staleness, by {esc(str(summary['slope_by']))}:</p><table>"
+             f"<tr><th>{esc(str(summary['slope_by']))}</th><th>slope</th><th>seeds</th></tr>{slopes}</table>"
+             if slopes else ""))
 
 
 def write_grid_report(result: dict, workdir: str) -> str:

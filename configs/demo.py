@@ -49,11 +49,12 @@ docs/training.md, "From a real checkpoint, offline".
 """
 from jaxes.train.defaults import base_config
 
-VARIANTS = ("", "smoke", "checkpoint")
+# Config arguments, not grid variants (a grid over this config uses the ES override sets).
+ARGS = ("", "smoke", "checkpoint")
 
 
 def get_config(arg: str = ""):
-  if arg not in VARIANTS:
+  if arg not in ARGS:
     raise ValueError(f"configs/demo.py: unknown variant {arg!r}; choose one of smoke, checkpoint")
   c = base_config()
   c.model.preset = "tiny"

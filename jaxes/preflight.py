@@ -478,7 +478,7 @@ def mesh_mismatch(config, topology: str) -> str | None:
   """The one line refusing a config whose mesh is sized for other devices than ``topology``
   (``mesh.target`` names them), or None. Compiling its mesh over the topology would size a layout
   no run on either would use."""
-  sized_for = config.mesh.get("target", "")
+  sized_for = config.mesh.target
   if not sized_for or sized_for == topology:
     return None
   m = config.mesh
@@ -501,7 +501,7 @@ def main(argv):
     except ConfigError as e:
       print(f"invalid config: {e}", file=sys.stderr)
       sys.exit(2)
-    topology = FLAGS.topology or config.mesh.get("target", "")
+    topology = FLAGS.topology or config.mesh.target
     if not topology:
       cli.usage_error("preflight", "say --topology=... (the config names no mesh.target)")
     mismatch = mesh_mismatch(config, topology)

@@ -5,20 +5,25 @@ from jaxes.envs import generator, protocol
 from jaxes.envs.sandbox import Sandbox, SandboxError, SandboxHandle
 from jaxes.envs.task import Limits, Task
 
-BACKENDS = ("local", "docker")
+import importlib
+
+# The one registry of sandbox backends: name -> "module:class", imported on first use (the docker
+# backend needs the docker SDK and an engine). The config's checks and the checker's --backend
+# read their choices from here; a new backend registers here and nowhere else.
+SANDBOX_BACKENDS = {
+    "local": "jaxes.envs.local_sandbox:LocalSandbox",   # root_dir, isolation, run_as_uid, use_pytest, cpus, ...
+    "docker": "jaxes.envs.docker_sandbox:DockerSandbox",  # image, run_label, pool_size, ...
+}
+BACKENDS = tuple(SANDBOX_BACKENDS)
 
 
 def make_sandbox(backend: str = "local", **kwargs) -> Sandbox:
-  """A sandbox backend: "local" (LocalSandbox: root_dir, isolation, run_as_uid, use_pytest, cpus,
-  allow_weak_isolation, python) or "docker" (DockerSandbox: image, run_label, pool_size, ...)."""
-  if backend == "local":
-    from jaxes.envs.local_sandbox import LocalSandbox
-    return LocalSandbox(**kwargs)
-  if backend == "docker":
-    from jaxes.envs.docker_sandbox import DockerSandbox   # needs the docker SDK and an engine
-    return DockerSandbox(**kwargs)
-  raise ValueError(f"unknown sandbox backend {backend!r}; expected one of {BACKENDS}")
+  """A sandbox of the registered ``backend`` (SANDBOX_BACKENDS), built with ``kwargs``."""
+  if backend not in SANDBOX_BACKENDS:
+    raise ValueError(f"unknown sandbox backend {backend!r}; expected one of {BACKENDS}")
+  module, _, name = SANDBOX_BACKENDS[backend].partition(":")
+  return getattr(importlib.import_module(module), name)(**kwargs)
 
 
-__all__ = ["BACKENDS", "Limits", "Sandbox", "SandboxError", "SandboxHandle", "Task", "generator",
+__all__ = ["BACKENDS", "SANDBOX_BACKENDS", "Limits", "Sandbox", "SandboxError", "SandboxHandle", "Task", "generator",
            "make_sandbox", "protocol"]

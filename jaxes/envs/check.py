@@ -38,7 +38,7 @@ from typing import Callable
 
 import tqdm
 
-from jaxes.envs import generator, make_sandbox, protocol
+from jaxes.envs import BACKENDS, generator, make_sandbox, protocol
 from jaxes.envs.sandbox import SandboxError
 from jaxes.envs.checking import exit_status, read_replay
 from jaxes.envs.task import Task
@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
                                formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--env", choices=("terminal", "webshop"), default="terminal",
                   help="terminal tasks (these options) or WebShop goals (--env webshop --help)")
-  ap.add_argument("--backend", choices=("local", "docker"), default="local")
+  ap.add_argument("--backend", choices=BACKENDS, default="local")
   src = ap.add_mutually_exclusive_group(required=True)
   src.add_argument("--generated", type=int, metavar="N", help="N generated tasks")
   src.add_argument("--tasks", metavar="DIR", help="a folder of Endless Terminals / "

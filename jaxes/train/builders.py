@@ -251,16 +251,16 @@ def build_engine(config, model: Model, tokenizer, strategy: es.Strategy | None =
                 im_end_id=im_end, make_noiser=None if strategy is None else strategy.engine_noiser(run_key),
                 seed=config.seed, mesh=mesh, abstract=abstract,
                 version_steps=version_steps(config, model, strategy, run_key),
-                member_slices=member_slices(strategy), prefill_hold=int(r.get("prefill_hold", 8)),
-                decode_steps=int(r.get("decode_steps", 8)),
-                prefill_tokens=int(r.get("prefill_tokens", 0)) or None, **paged_cache(config))
+                member_slices=member_slices(strategy), prefill_hold=int(r.prefill_hold),
+                decode_steps=int(r.decode_steps),
+                prefill_tokens=int(r.prefill_tokens) or None, **paged_cache(config))
 
 
 def paged_cache(config) -> dict:
   """``Engine``'s paged-cache arguments from ``rollout.page_size`` / ``rollout.num_pages`` (both
   0, the default: the dense cache, no arguments)."""
   r = config.rollout
-  page_size, num_pages = int(r.get("page_size", 0)), int(r.get("num_pages", 0))
+  page_size, num_pages = int(r.page_size), int(r.num_pages)
   return dict(page_size=page_size, num_pages=num_pages) if page_size or num_pages else {}
 
 
@@ -287,7 +287,7 @@ def build_runner(config, engine: Engine, tokenizer, sandbox, owned=None, exchang
   return EpisodeRunner(engine, tokenizer, sandbox, make_episode=episode_factory(config),
                        workers=config.env.sandbox_workers, sandbox_steps=config.rollout.sandbox_steps,
                        owned=owned, exchange=exchange,
-                       switch_versions=bool(config.rollout.get("switch_versions", False)))
+                       switch_versions=bool(config.rollout.switch_versions))
 
 
 def config_dict_of(config: config_dict.ConfigDict) -> dict:

@@ -10,6 +10,7 @@ import re
 
 from ml_collections import config_dict
 
+from jaxes import envs
 from jaxes.envs import generator
 from jaxes.models import hf, qwen2
 from jaxes.train import algorithms, builders, coevolution, defaults, environments
@@ -162,7 +163,7 @@ class _Checks:
   def env(self):
     c = self.c
     self.one_of("env.kind", tuple(environments.ENVIRONMENTS))
-    self.one_of("env.sandbox", ("local", "docker"))
+    self.one_of("env.sandbox", envs.BACKENDS)
     if c.env.kind == "webshop":
       self.at_least("webshop.max_steps", 1)
       self.at_least("webshop.results_per_page", 1)
@@ -227,8 +228,8 @@ class _Checks:
     self.check("rollout.num_pages", (r.page_size == 0) == (r.num_pages == 0),
                "and rollout.page_size go together (both 0: the dense cache)")
     self.check("rollout.top_p", 0.0 < r.top_p <= 1.0, "must be in (0, 1]")
-    self.check("rollout.switch_versions", not (r.get("switch_versions", False) and
-                                               self.c.es.get("mode") == "full"),
+    self.check("rollout.switch_versions", not (r.switch_versions and
+                                               self.c.es.mode == "full"),
                "needs per-row members: full-rank ES (es.mode = 'full') decodes in member slices")
 
   def schedule(self):

@@ -62,7 +62,7 @@ class TaskFolders:
     if not directory:
       raise ConfigError("config.env.task_dir: empty; env.kind = 'task_folders' needs the folder "
                         "of a downloaded task suite")
-    tasks = _load(directory, task_build(config), config.env.get("task_build_network", "none"))
+    tasks = _load(directory, task_build(config), config.env.task_build_network)
     return [dataclasses.replace(task, limits=dataclasses.replace(
               task.limits, max_turns=config.env.max_turns))
             for task in (tasks[(start + i) % len(tasks)] for i in range(n))]

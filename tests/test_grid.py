@@ -106,7 +106,7 @@ def test_aggregate_synthetic_runs_known_table(tmp_path):
   plots.write(result, w)
   assert os.path.getsize(f"{w}/success.png") > 0 and os.path.getsize(f"{w}/staleness.png") > 0
   page = open(plots.write_grid_report(result, w)).read()
-  assert page.count('class="curve"') >= 2 and "<script" not in page   # sync's and async1's curves
+  assert page.count('id="curve') >= 2 and "<script" not in page   # sync's and async1's curves
   assert "<td>sync</td><td>finished</td><td>0.500 ± 0.250</td><td>0.254</td>" in page
 
 
@@ -265,7 +265,7 @@ def test_grid_end_to_end_tiny(grid_run, tiny_grid_config):
   md = (w / "table.md").read_text()
   assert "| async1 | finished |" in md and "| grpo | not available |" in md
   assert (w / "success.png").stat().st_size > 0 and (w / "staleness.png").stat().st_size > 0
-  assert 'class="curve"' in (w / "report.html").read_text()
+  assert 'id="curve' in (w / "report.html").read_text()
   # --aggregate-only of a variant with no runs (a typo, or grpo, which this config lacks) is one
   # line and exit 2, and writes nothing; of the variants that ran, it rereads the same rows.
   written = {f: (w / f).read_bytes() for f in ("table.md", "table.json", "grid.json", "report.html")}

@@ -64,7 +64,7 @@ def test_browser_renders_curves_and_keeps_hostile_transcript_as_text(run_dir, tm
        "--disable-component-update", "--disable-sync", "--no-first-run",
        f"--user-data-dir={tmp_path / 'profile'}", "--dump-dom", f"file://{workdir / 'report.html'}"],
       capture_output=True, text=True, timeout=120, check=True).stdout
-  assert dom.count('class="curve"') >= 3                         # SVG curves are in the DOM
+  assert dom.count('id="curve') >= 3                         # SVG curves are in the DOM
   assert dom.count('class="episode"') == 3 and '<pre class="model">' in dom   # transcripts
   assert "data-pwned" not in dom.split("<body", 1)[1].split(">", 1)[0]      # no script ran
   assert "<script" not in dom and "<img" not in dom and "&lt;script&gt;document.body" in dom      # shown as text

@@ -2,7 +2,7 @@ r"""``python -m jaxes.train.report --workdir=W [--out=W/report.html]``: one self
 per run, from what the run directory already holds (``metrics.jsonl``, ``episodes.jsonl``,
 ``config.json``, ``summary.json``). The trainer rewrites it at every evaluation, so it is live.
 
-The page needs no network and runs no script: charts are inline SVG, styles are inline, episodes
+The page needs no network and runs no script: charts are matplotlib's SVG output inlined, styles are inline, episodes
 are ``<details>`` elements. Every piece of run text (task names, transcripts, config values) goes
 through ``html.escape``; a Content-Security-Policy that allows no script at all guards the page
 too, so a transcript holding ``<script>`` is shown as text and could not run even if unescaped.
@@ -46,73 +46,64 @@ def _finite(x) -> bool:
 
 # -- SVG charts ------------------------------------------------------------------------------------
 class Chart:
-  """One SVG plot area mapping data coordinates to pixels; ``svg()`` closes it with axes."""
+  """One chart: the calls record what to draw; ``svg()`` draws it with matplotlib (its axes, rounded
+  ticks and layout) and inlines matplotlib's SVG output, text kept as text, no script."""
 
-  W, H, L, R, T, B = 340, 210, 44, 10, 10, 30
+  W, H = 340, 210   # pixels
 
   def __init__(self, title: str, x_range, y_range, x_label: str, y_label: str):
     self.title, self.x_label, self.y_label = title, x_label, y_label
     self.x0, self.x1 = x_range if x_range[1] > x_range[0] else (x_range[0], x_range[0] + 1)
     self.y0, self.y1 = y_range if y_range[1] > y_range[0] else (y_range[0], y_range[0] + 1)
-    self.parts: list[str] = []
+    self.draws: list = []   # (axes method name, args, kwargs)
     self.legend: list[tuple[str, str]] = []
 
-  def px(self, x, y) -> tuple[float, float]:
-    w, h = self.W - self.L - self.R, self.H - self.T - self.B
-    return (self.L + (x - self.x0) / (self.x1 - self.x0) * w,
-            self.T + h - (y - self.y0) / (self.y1 - self.y0) * h)
-
   def line(self, xs, ys, color, label=None, markers=True, dash=""):
-    pts = [self.px(x, y) for x, y in zip(xs, ys) if _finite(y)]
+    pts = [(x, y) for x, y in zip(xs, ys) if _finite(y)]
     if not pts:
       return
-    d = " ".join(f"{x:.1f},{y:.1f}" for x, y in pts)
-    self.parts.append(f'<polyline class="curve" fill="none" stroke="{color}" stroke-width="1.5" '
-                      f'stroke-dasharray="{dash}" points="{d}"/>')
-    if markers:
-      self.parts += [f'<circle cx="{x:.1f}" cy="{y:.1f}" r="2.5" fill="{color}"/>' for x, y in pts]
+    self.draws.append(("plot", ([x for x, _ in pts], [y for _, y in pts]),
+                       dict(color=color, linewidth=1.5, marker="o" if markers else None, markersize=3,
+                            linestyle=(0, tuple(float(d) for d in dash.split())) if dash else "-",
+                            gid=f"curve{len(self.draws)}")))
     if label:
       self.legend.append((label, color))
 
   def errorbars(self, xs, ys, errs, color):
-    for x, y, e in zip(xs, ys, errs):
-      if _finite(y) and _finite(e):
-        (px, lo), (_, hi) = self.px(x, y - e), self.px(x, y + e)
-        self.parts.append(f'<line x1="{px:.1f}" x2="{px:.1f}" y1="{lo:.1f}" y2="{hi:.1f}" stroke="{color}"/>')
+    pts = [(x, y, e) for x, y, e in zip(xs, ys, errs) if _finite(y) and _finite(e)]
+    if pts:
+      self.draws.append(("vlines", ([x for x, _, _ in pts], [y - e for _, y, e in pts],
+                                    [y + e for _, y, e in pts]), dict(color=color, linewidth=1)))
 
   def band(self, xs, lo, hi, color):
-    pts = [self.px(x, y) for x, y in zip(xs, hi)] + [self.px(x, y) for x, y in zip(xs[::-1], lo[::-1])]
-    if pts:
-      d = " ".join(f"{x:.1f},{y:.1f}" for x, y in pts)
-      self.parts.append(f'<polygon points="{d}" fill="{color}" opacity="0.18"/>')
+    if xs:
+      self.draws.append(("fill_between", (xs, lo, hi), dict(color=color, alpha=0.18, linewidth=0)))
 
   def rect(self, x, y, w, h, color, tip=""):
-    (ax, ay), (bx, by) = self.px(x, y), self.px(x + w, y + h)
-    title = f"<title>{esc(tip)}</title>" if tip else ""
-    self.parts.append(f'<rect x="{min(ax, bx):.1f}" y="{min(ay, by):.1f}" width="{abs(bx - ax):.1f}" '
-                      f'height="{abs(by - ay):.1f}" fill="{color}">{title}</rect>')
+    """A filled rectangle (``tip``: the hover text is not kept: matplotlib's SVG has no titles)."""
+    self.draws.append(("bar", ([x], [h]), dict(width=w, bottom=y, align="edge", color=color, linewidth=0)))
 
   def svg(self) -> str:
-    ax0, ay0 = self.px(self.x0, self.y0)
-    ax1, ay1 = self.px(self.x1, self.y1)
-    ticks = []
-    for i in range(5):
-      y = self.y0 + (self.y1 - self.y0) * i / 4
-      _, py = self.px(self.x0, y)
-      ticks.append(f'<text x="{ax0 - 4:.0f}" y="{py + 3:.0f}" font-size="9" text-anchor="end">{y:.3g}</text>')
-    for i in range(5):
-      x = self.x0 + (self.x1 - self.x0) * i / 4
-      px, _ = self.px(x, self.y0)
-      ticks.append(f'<text x="{px:.0f}" y="{ay0 + 12:.0f}" font-size="9" text-anchor="middle">{x:.3g}</text>')
-    axes = (f'<line x1="{ax0}" y1="{ay0}" x2="{ax1}" y2="{ay0}" stroke="#888"/>'
-            f'<line x1="{ax0}" y1="{ay0}" x2="{ax0}" y2="{ay1}" stroke="#888"/>'
-            f'<text x="{(ax0 + ax1) / 2:.0f}" y="{self.H - 4}" font-size="10" text-anchor="middle">{esc(self.x_label)}</text>'
-            f'<text x="10" y="{(ay0 + ay1) / 2:.0f}" font-size="10" text-anchor="middle" '
-            f'transform="rotate(-90 10 {(ay0 + ay1) / 2:.0f})">{esc(self.y_label)}</text>')
+    import io
+    import matplotlib
+    from matplotlib.figure import Figure   # no pyplot: no global figure state, safe off the main thread
+    with matplotlib.rc_context({"svg.fonttype": "none", "svg.hashsalt": "jaxes", "font.size": 8}):
+      fig = Figure(figsize=(self.W / 100, self.H / 100), dpi=100, layout="constrained")
+      ax = fig.add_subplot()
+      for method, args, kwargs in self.draws:
+        getattr(ax, method)(*args, **kwargs)
+      ax.set_xlim(self.x0, self.x1)
+      ax.set_ylim(self.y0, self.y1)
+      ax.set_xlabel(self.x_label)
+      ax.set_ylabel(self.y_label)
+      ax.spines[["top", "right"]].set_visible(False)
+      buf = io.StringIO()
+      fig.savefig(buf, format="svg", metadata={"Date": None})   # no date: the page is reproducible
+    text = buf.getvalue()
+    text = text[text.index("<svg"):]   # inline: without the XML declaration and doctype
     legend = "".join(f'<span style="color:{c}">■ {esc(n)}</span>' for n, c in self.legend)
-    return (f'<div class="chart"><h3>{esc(self.title)}</h3><svg xmlns="http://www.w3.org/2000/svg" '
-            f'width="{self.W}" height="{self.H}" role="img" aria-label="{esc(self.title)}">'
-            + axes + "".join(ticks) + "".join(self.parts) + f'</svg><div class="legend">{legend}</div></div>')
+    return (f'<div class="chart"><h3>{esc(self.title)}</h3><div role="img" aria-label="{esc(self.title)}">'
+            f'{text}</div><div class="legend">{legend}</div></div>')
 
 
 def value_range(values, pad=0.05, lo=None, hi=None):
@@ -195,7 +186,7 @@ def staleness_chart(train: list[dict]) -> str:
     for s, n in enumerate(hist):
       if n:
         shade = int(230 - 200 * n / total)
-        c.rect(r["version"] - 0.5, s - 0.5, 1, 1, f"rgb({shade},{shade},255)",
+        c.rect(r["version"] - 0.5, s - 0.5, 1, 1, f"#{shade:02x}{shade:02x}ff",
                f"update {r['version']}: {n} results with staleness {s}")
   c.line(xs, [r.get("staleness_mean") for r in train], COLORS[1], "mean staleness", markers=False)
   return c.svg()

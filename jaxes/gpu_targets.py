@@ -78,8 +78,13 @@ def parse(name: str) -> tuple[GpuChip, int] | None:
 
 
 def plugin_installed() -> bool:
+  """Whether the CUDA plugin (the ``gpu-aot`` extra) is installed; False, never an error, without
+  it (``find_spec`` raises where no ``jax_plugins`` namespace package is installed at all)."""
   import importlib.util
-  return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+  try:
+    return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+  except ModuleNotFoundError:
+    return False
 
 
 def cudnn_installed() -> bool:

@@ -47,9 +47,27 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
+import pytest  # noqa: E402
+
+import helpers_components  # noqa: E402
+import helpers_timings  # noqa: E402
 # Compile vs run time per test (build/test-timings.json, and a table at the end of the run).
-from helpers_timings import (pytest_configure, pytest_runtest_protocol,  # noqa: E402,F401
-                             pytest_sessionfinish, pytest_terminal_summary)
+from helpers_timings import (pytest_runtest_protocol, pytest_sessionfinish,  # noqa: E402,F401
+                             pytest_terminal_summary)
+
+
+def pytest_configure(config):
+  # One marker per optional component (tests/helpers_components.py), declared here only.
+  for name, (what, _, _) in helpers_components.COMPONENTS.items():
+    config.addinivalue_line("markers", f"{name}: needs {what} (skipped, naming how to get it, without)")
+  helpers_timings.pytest_configure(config)
+
+
+@pytest.hookimpl(tryfirst=True)   # before fixtures set up (the docker ones reach the engine)
+def pytest_runtest_setup(item):
+  for mark in item.iter_markers():
+    if mark.name in helpers_components.COMPONENTS and not helpers_components.present(mark.name):
+      pytest.skip(helpers_components.how_to_get(mark.name))
 
 
 # The files that took longest in CI (benchmarks of the suite: `--durations` at the end of a run).

@@ -18,16 +18,6 @@ from jaxes import gpu_targets
 from jaxes.models import attention, kernels_tpu
 
 
-def _libtpu():
-  try:
-    import libtpu  # noqa: F401
-    return True
-  except ImportError:
-    return False
-
-
-needs_libtpu = pytest.mark.skipif(not _libtpu(), reason="libtpu is not installed (pip install -e '.[tpu]')")
-
 L, K, G, hd, PAGE, WIDTH = 2, 2, 2, 8, 4, 4   # S = WIDTH * PAGE = 16 slots per row
 
 
@@ -175,7 +165,7 @@ def _paged_attend_lowering(mesh, heads=(4, 0)):
   return jax.jit(attend).lower(*args)
 
 
-@needs_libtpu
+@pytest.mark.libtpu
 def test_a_v5p_lowering_of_interleaved_pages_carries_the_pallas_kernel(monkeypatch):
   monkeypatch.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # another process may hold libtpu's lock
   from jax.experimental import topologies
@@ -199,8 +189,7 @@ def _cudnn_missing():
     return True
 
 
-@pytest.mark.skipif(not gpu_targets.plugin_installed(),
-                    reason="the CUDA plugin is not installed (pip install -e '.[gpu-aot]')")
+@pytest.mark.cuda_plugin
 def test_a_gpu_target_is_the_gpu_platform_and_its_lowering_asks_cudnn():
   devices = gpu_targets.devices("1xH100")
   mesh = Mesh(np.array(devices).reshape(1, 1), ("data", "tensor"))
@@ -209,7 +198,8 @@ def test_a_gpu_target_is_the_gpu_platform_and_its_lowering_asks_cudnn():
     # jax.nn.dot_product_attention(implementation="cudnn") asks the cuDNN library for its version
     # while tracing ("RuntimeError: cuDNN not found." without the nvidia-cudnn wheels of the
     # with-cuda extra), so here the GPU-target program is the blockwise one.
-    pytest.skip("cuDNN is not installed: a GPU-target lowering falls back to blockwise")
+    pytest.skip("cuDNN is not installed: a GPU-target lowering falls back to blockwise; "
+                + gpu_targets.CUDNN_HINT)
   spec = lambda shp, dt: jax.ShapeDtypeStruct(shp, dt, sharding=NamedSharding(mesh, P()))
   rows = attention.Rows(jnp.arange(2), mesh, "data", "tensor")
   text = jax.jit(lambda q, c, valid, q_slots: rows.attend(q, c, c, jnp.int32(0), valid, q_slots, 64,
@@ -241,7 +231,7 @@ def test_a_forward_over_interleaved_pages_gives_the_split_pages_logits():
   np.testing.assert_allclose(logits[True], logits[False], rtol=1e-5, atol=1e-5)
 
 
-@needs_libtpu
+@pytest.mark.libtpu
 def test_a_forward_over_an_interleaved_cache_compiles_for_v5p_with_the_kernel(monkeypatch):
   """The layer scan carrying interleaved pages, written by ``write_kv`` and read by the kernel
   per shard (data 2 x tensor 2), through the TPU compiler (head_dim 128, as Mosaic tiles it)."""

@@ -319,14 +319,6 @@ def test_compiled_paged_steps_update_the_pages_in_place(model):
     assert stats.temp_size_in_bytes < key_bytes, (name, stats.temp_size_in_bytes, key_bytes)
 
 
-def _libtpu():
-  try:
-    import libtpu  # noqa: F401
-    return True
-  except ImportError:
-    return False
-
-
 def test_the_cache_is_split_off_tpu_and_an_interleaved_one_counts_the_same_bytes(model):
   cfg, _, _ = model
   paged = _engine(model, page_size=4, num_pages=32, abstract=True)
@@ -342,7 +334,7 @@ def test_the_cache_is_split_off_tpu_and_an_interleaved_one_counts_the_same_bytes
   assert paged.kv_bytes()["reserved"] == 32 * 4 * per_token
 
 
-@pytest.mark.skipif(not _libtpu(), reason="libtpu is not installed (pip install -e '.[tpu]')")
+@pytest.mark.libtpu
 def test_an_engine_for_a_v5p_mesh_keeps_its_pages_interleaved_with_the_same_kv_bytes(
     model, monkeypatch):
   """The layout ``ragged_paged_attention`` reads, so the TPU programs carry the kernel."""

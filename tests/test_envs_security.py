@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from helpers_sandboxes import docker_or_skip, sandbox, verifier_pytest_or_skip  # noqa: F401  (sandbox: both backends)
+from helpers_sandboxes import sandbox  # noqa: F401  (sandbox: both backends)
 from jaxes.envs import check, generator, loaders, make_sandbox
 from jaxes.envs.task import Limits, Task
 
@@ -211,11 +211,11 @@ REACH = textwrap.dedent('''\
   ''')
 
 
-@pytest.mark.parametrize("runner", ["light", "pytest"])
+# The pytest runner needs the verifier's pytest: the host's python3-pytest on the local backend.
+@pytest.mark.parametrize("runner", ["light", pytest.param("pytest", marks=pytest.mark.host_pytest)])
 def test_programs_the_tests_run_cannot_reach_the_verifier(sandbox, runner):
   tests = REACH if runner == "light" else "import pytest\n" + REACH
   task = Task(name="reach", instruction="x", final_tests=tests)
-  verifier_pytest_or_skip(sandbox, task)
   with sandbox.start(task) as handle:
     report = handle.run_tests()
   assert report.passed, report.report
@@ -362,8 +362,8 @@ PLANT_PTH = textwrap.dedent('''\
   done; true''')
 
 
+@pytest.mark.docker
 def test_a_pth_the_agent_plants_never_reaches_the_docker_verifier(tmp_path):
-  docker_or_skip()
   folder = tmp_path / "tb"
   (folder / "tests").mkdir(parents=True)
   (folder / "task.yaml").write_text("instruction: Write out.txt.\n")

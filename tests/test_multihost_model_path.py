@@ -46,6 +46,11 @@ for (path, leaf), target in zip(jax.tree_util.tree_leaves_with_path(es_state.par
     checked += 1
 split = sum(s.spec != jax.sharding.PartitionSpec(*[None] * len(s.spec)) for s in jax.tree.leaves(shardings.params))
 print(f"process {jax.process_index()}: {checked} shards equal, {split} leaves split", flush=True)
+# Leave together: both processes past the checks, then the coordinator's service shut down while
+# Python is still whole (at interpreter exit its gRPC server aborted once, 2026-12-06, in
+# "Check failed: queue.Pop() == nullptr", racing the other process's disconnect).
+distributed.barrier("checked")
+jax.distributed.shutdown()
 '''
 
 

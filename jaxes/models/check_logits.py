@@ -21,8 +21,6 @@ from typing import Sequence
 
 import numpy as np
 
-from jaxes import cli
-
 # float32 must match to 1e-4 (the parity bar); bfloat16 differs by op order, so it is judged on
 # the distributions instead.
 TOLERANCES = {
@@ -72,7 +70,6 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--mesh", default=None, help="e.g. data=1,fsdp=4,tensor=2")
   parser.add_argument("--prompt", default=DEFAULT_PROMPT)
   args = parser.parse_args(argv)
-  cli.start_backends()   # the CUDA plugin's start-up lines dropped (jaxes.cli)
 
   import jax
   from jaxes import sharding

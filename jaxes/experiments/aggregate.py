@@ -72,7 +72,8 @@ def staleness_summary(hist: list[int]) -> dict:
           "results": total, "hist": list(hist)}
 
 
-def _pool(hists) -> list[int]:
+def pool_histograms(hists) -> list[int]:
+  """Staleness histograms added bin by bin (the longest sets the length)."""
   out: list[int] = []
   for h in hists:
     out.extend([0] * (len(h) - len(out)))
@@ -132,7 +133,7 @@ def aggregate(variants: list[Variant], seeds: list[int], workdir: str,
     done = [r for r in per_run if r["status"] == rundirs.FINISHED]
     problems = [f"s{r['seed']} {r['status']} ({r['reason']})" for r in per_run if r["status"] != rundirs.FINISHED]
     vs = [r["vs_sync"][measure.name] for r in done if r["vs_sync"]]
-    stale = staleness_summary(_pool(runs[v.name, s].staleness_hist for s in seeds
+    stale = staleness_summary(pool_histograms(runs[v.name, s].staleness_hist for s in seeds
                                     if runs[v.name, s].status == rundirs.FINISHED))
     table.append({
         "variant": v.name, "description": DESCRIPTIONS.get(v.name, ""),

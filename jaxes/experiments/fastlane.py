@@ -52,7 +52,7 @@ from jaxes import es
 from jaxes.controller import Controller, ControllerConfig, durations
 from jaxes.controller.simulate import Simulator
 from jaxes.es import update as es_update
-from jaxes.experiments import stats, surface
+from jaxes.experiments import aggregate, stats, surface
 from jaxes.experiments.variants import GridError
 
 OBJECTIVES = ("regression", "bandit")
@@ -315,7 +315,7 @@ def run_surface(base, cells: dict[str, dict], seeds: list[int], log=print) -> di
         "score": (100 * out["curve"][:, -1]).tolist(), "start": (100 * out["start"]).tolist(),
         "curve_mean": (100 * out["curve"].mean(0)).tolist(),
         "mean_staleness": [s.mean_staleness for s in scheds[name]],
-        "staleness_hist": _pool([s.staleness_hist for s in scheds[name]]),
+        "staleness_hist": aggregate.pool_histograms([s.staleness_hist for s in scheds[name]]),
         "dropped": [s.dropped for s in scheds[name]],
         "final_w": out["final_w"]}
   ref = rows["sync"]["score"]
@@ -324,15 +324,6 @@ def run_surface(base, cells: dict[str, dict], seeds: list[int], log=print) -> di
   log(f"fastlane: {len(cells)} cells x {len(seeds)} seeds: schedules {t_sched:.1f} s, "
       f"training {time.time() - t0 - t_sched:.1f} s")
   return rows
-
-
-def _pool(hists) -> list[int]:
-  out: list[int] = []
-  for h in hists:
-    out.extend([0] * (len(h) - len(out)))
-    for s, n in enumerate(h):
-      out[s] += n
-  return out
 
 
 # -- the command line ---------------------------------------------------------------------------------

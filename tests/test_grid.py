@@ -192,6 +192,22 @@ def test_print_launch_shared_warm_start_and_launchers(capsys):
       "launch/gpu/slurm.sh --job-name jaxes-delay8-s0 --nodes 1 -- python -m jaxes.train")
 
 
+def test_shared_warm_start_of_a_changing_environment_has_no_shift(capsys):
+  """The init run has no updates, so a task shift (which must fall within a run's updates) is
+  dropped from it; the variants keep theirs."""
+  argv = ["--config=configs/demo_grid.py", "--variants=async1", "--seeds=0", "--workdir=runs/g",
+          "--print-launch", "--config.env.shift_families=archive", "--config.env.shift_at_update=24"]
+  cwd = os.getcwd()
+  os.chdir(ROOT)
+  try:
+    assert grid.main(argv) == 0
+  finally:
+    os.chdir(cwd)
+  init, run = [l for l in capsys.readouterr().out.splitlines() if l.startswith("python")]
+  assert init.endswith("--config.env.shift_families= --config.env.shift_at_update=0")
+  assert "--config.env.shift_at_update=24" in run and "shift_at_update=0" not in run
+
+
 # -- end to end on the tiny config ---------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_grid_config(tmp_path_factory):

@@ -119,7 +119,10 @@ def plan(config: str, variant_names: list[str], seeds: list[int], workdir: str,
       share = (c.warmstart.steps > 0 and not c.warmstart.init_from) if shared_init is None else shared_init
       if share and seed not in inits:   # the first variant's config makes the seed's warm start
         init_dir = os.path.join(workdir, f"init-s{seed}")
-        init_flags = flags_ + ["--config.train.num_updates=0", "--config.eval.num_tasks=0"]
+        # The warm start alone: no updates, no evaluation, so no task shift (env.shift_at_update
+        # must fall within a run's updates).
+        init_flags = flags_ + ["--config.train.num_updates=0", "--config.eval.num_tasks=0",
+                               "--config.env.shift_families=", "--config.env.shift_at_update=0"]
         resolve_config(v.config_spec, init_flags)
         inits[seed] = Run(f"init-s{seed}", init_dir, _command(v, init_dir, init_flags), 0, "init", seed)
       if share:

@@ -1,9 +1,10 @@
 """Multiple-choice log-likelihood probes (jaxes.train.mc_probe): the batched, padded scorer
-against one unpadded forward per row with a numpy log-softmax, accuracy from hand-worked scores,
-the bundled set and the item file's errors. A run's metrics carrying the probe:
+against one forward per row with a numpy log-softmax, accuracy from hand-worked scores, the
+bundled set, the item file's errors and the config key. A run's metrics carrying the probe:
 tests/test_train.py::test_resume_equals_uninterrupted."""
 import functools
 import json
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +14,9 @@ from helpers_models import tiny_model, tiny_tokenizer
 
 from jaxes.models import qwen2
 from jaxes.train import mc_probe
+from jaxes.train.config import ConfigError, load_config_file, validate
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -108,3 +112,20 @@ def test_bad_item_file_is_one_line_naming_file_and_line(tmp_path, line, message)
     mc_probe.load_items(str(path))
   with pytest.raises(ValueError, match="cannot be read"):
     mc_probe.load_items(str(tmp_path / "missing.jsonl"))
+
+
+def test_config_key_is_checked_up_front(tmp_path):
+  c = load_config_file(ROOT / "configs" / "demo.py")
+  assert c.eval.mc_probe_file == ""   # off by default
+  c.eval.mc_probe_file = "bundled"
+  validate(c)
+  bad = tmp_path / "items.jsonl"
+  bad.write_text('{"context": "a", "choices": ["b", "c"], "answer": 5}\n')
+  for value, match in ((str(tmp_path / "none.jsonl"), "must be 'bundled' or a JSONL file"),
+                       (str(bad), r"items.jsonl:1: answer must be an index")):
+    c.eval.mc_probe_file = value
+    with pytest.raises(ConfigError, match=r"config\.eval\.mc_probe_file: .*" + match):
+      validate(c)
+  c.eval.mc_probe_file, c.eval.num_tasks = "bundled", 0
+  with pytest.raises(ConfigError, match=r"config\.eval\.mc_probe_file: is scored at each evaluation"):
+    validate(c)

@@ -8,12 +8,14 @@ from jaxes.experiments.variants import Variant
 from jaxes.train import compare, report
 
 
-def _eval(version, drift, kl, probe):
+def _eval(version, drift, kl, probe, mc=0.5):
   return {"version": version, "eval": {
       "version": version, "success": 0.2, "stderr": 0.1, "reward": 0.3, "reward_stderr": 0.1,
       "param_drift": drift, "kl_to_initial": kl, "update_cosine": None,
       "param_drift_groups": {"embeddings": drift / 2, "attention": 0.0, "mlp": drift / 3, "norms": 0.0},
-      "probe": {"success": probe, "stderr": 0.05, "reward": probe, "reward_stderr": 0.05}}}
+      "probe": {"success": probe, "stderr": 0.05, "reward": probe, "reward_stderr": 0.05},
+      "mc_probe": {"accuracy": mc, "stderr": 0.09, "accuracy_per_token": mc, "answer_logprob": -2.5,
+                   "items": 32, "chance": 0.26}}}
 
 
 def test_run_report_shows_drift_kl_cosine_and_probe(tmp_path):
@@ -21,7 +23,8 @@ def test_run_report_shows_drift_kl_cosine_and_probe(tmp_path):
   (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
   page = report.render(str(tmp_path))
   assert "distance from version 0" in page and "KL(π_θ₀ ‖ π_θv)" in page
-  assert "probe success (off-task)" in page
+  assert "probe success (off-task)" in page and "multiple-choice probe accuracy" in page
+  assert "multiple-choice" not in report.heldout_chart([e["eval"] for e in lines], "reward", "reward_stderr", "r")
   cosine = report.drift_charts([], [{"version": 2, "update_cosine": -0.4}, {"version": 3, "update_cosine": 0.1}])
   assert len(cosine) == 1 and "cosine between consecutive updates" in cosine[0]
   assert report.drift_charts([{"version": 0, "success": 0.1}], []) == []   # a run without drift
@@ -32,11 +35,15 @@ def test_compare_prints_drift_side_by_side_and_tolerates_reduction_order():
   b = json.loads(json.dumps(a))
   b[1]["eval"]["param_drift"] *= 1 + 1e-8   # another mesh's sum
   b[2]["update_cosine"] += 1e-10
+  b[1]["eval"]["mc_probe"]["answer_logprob"] *= 1 + 1e-8
   assert compare.metrics_differences(a, b) == []
   b[1]["eval"]["param_drift_groups"]["mlp"] = 9.0
-  assert compare.metrics_differences(a, b) == ["version 6: eval/param_drift_groups/mlp 0.5 against 9.0"]
+  b[1]["eval"]["mc_probe"]["accuracy"] = 0.375
+  assert compare.metrics_differences(a, b) == ["version 6: eval/mc_probe/accuracy 0.5 against 0.375",
+                                               "version 6: eval/param_drift_groups/mlp 0.5 against 9.0"]
   assert compare.drift_lines(a, b)[1] == ("drift: version 6: param_drift 1.5 / 1.5, kl_to_initial "
-                                          "0.02 / 0.02, probe success 0.125 / 0.125")
+                                          "0.02 / 0.02, probe success 0.125 / 0.125, mc probe accuracy "
+                                          "0.5 / 0.375")
 
 
 def _grid_run(path, seed, drift):

@@ -108,7 +108,8 @@ def test_resume_equals_uninterrupted(tokenizer_dir, warm_start, tmp_path):
   base = {**SYNC, "warmstart.init_from": warm_start, "controller.episodes_per_member": 2,
           "train.transcripts_per_update": 8,   # every episode's transcript (_first_divergence)
           "es.anchor": "l2", "es.anchor_decay": 10.0, "eval.num_tasks": 2, "eval.drift": True,
-          "eval.kl_transcripts": 2, "eval.probe_families": "find_files", "eval.probe_tasks": 1}
+          "eval.kl_transcripts": 2, "eval.probe_families": "find_files", "eval.probe_tasks": 1,
+          "eval.mc_probe_file": "bundled"}
   quiet = dict(log=lambda s: None)
   whole = Trainer(tiny_config(tokenizer_dir, **{**base, "train.num_updates": 3}), str(tmp_path / "a"), **quiet).run()
   norms = [r["update_norm"] for r in metrics.read_metrics(str(tmp_path / "a" / "metrics.jsonl")) if "train" in r]
@@ -125,13 +126,18 @@ def test_resume_equals_uninterrupted(tokenizer_dir, warm_start, tmp_path):
   versions = [r["version"] for r in metrics.read_metrics(str(tmp_path / "b" / "metrics.jsonl")) if "train" in r]
   assert versions == [1, 2, 3]
   _check_drift_and_replay(tmp_path / "a", whole["params"])
+  probes = [{r["version"]: r["eval"]["mc_probe"] for r in metrics.read_metrics(str(w / "metrics.jsonl"))
+             if "eval" in r} for w in (tmp_path / "a", tmp_path / "b")]
+  # The resumed run (evaluated at 0, 2 and 3) scores versions 0 and 3 as the uninterrupted one.
+  assert sorted(probes[1]) == [0, 2, 3] and all(probes[0][v] == probes[1][v] for v in (0, 3))
 
 
 def _check_drift_and_replay(workdir, final_params):
   """The drift measures of an anchored run: 0 / 0 / the probe at version 0, ``param_drift`` as
-  numpy computes it on the checkpointed parameters; and the update log replayed from version 0
+  numpy computes it on the checkpointed parameters, the multiple-choice probe of the checkpointed
+  versions at each evaluation; and the update log replayed from version 0
   with θ₀ reproduces the run's parameters bit for bit."""
-  from jaxes.train import builders, drift
+  from jaxes.train import builders, drift, mc_probe
   from jaxes.train.policy import load_policy
   from jaxes.train.update_log import UpdateLog
   evals = [r["eval"] for r in metrics.read_metrics(str(workdir / "metrics.jsonl")) if "eval" in r]
@@ -140,6 +146,11 @@ def _check_drift_and_replay(workdir, final_params):
   assert evals[0]["probe"]["episodes"] == 1 and "success" in evals[0]["probe"]
   assert os.path.exists(workdir / drift.KL_TRANSCRIPTS) and evals[1]["kl_to_initial"] >= 0
   start, end = load_policy(str(workdir), 0), load_policy(str(workdir), 3)
+  # The multiple-choice probe at every evaluation: the checkpointed versions' scores.
+  probe = mc_probe.Probe(start.graphdef, mc_probe.bundled_path(), start.tokenizer)
+  for e, params in zip(evals, (start.params, end.params)):
+    assert e["mc_probe"] == pytest.approx(probe(params), rel=1e-6)
+  assert evals[0]["mc_probe"]["items"] == 32
   diffs = [np.asarray(b, np.float64) - np.asarray(a, np.float64)
            for a, b in zip(jax.tree.leaves(start.params), jax.tree.leaves(end.params))]
   want = np.sqrt(sum(np.sum(d * d) for d in diffs))

@@ -8,9 +8,10 @@ docs/multihost.md), or of a killed-and-resumed run against an uninterrupted one.
   recorded in ``config_history.json`` (from which version on), keys free to change left out;
 * every metrics line without its timings: the cohorts, staleness tags, fitness, pair ties,
   drops and evaluation outcomes. ``update_norm`` and the drift measures (``param_drift``,
-  ``kl_to_initial``, ``update_cosine``) are compared to a relative tolerance, since they are
-  sums over the parameter's shards, whose reduction order follows the mesh; each evaluated
-  version's drift and probe success are printed side by side;
+  ``kl_to_initial``, ``update_cosine``, the multiple-choice probe's ``mc_probe``) are compared
+  to a relative tolerance, since they are sums over the parameter's shards, whose reduction
+  order follows the mesh; each evaluated version's drift, probe success and multiple-choice
+  probe accuracy are printed side by side;
 * the controller's state in the newest checkpoint (its jobs, tags and bookkeeping);
 * the newest checkpoint's parameters, leaf by leaf: bit-identical, or the largest difference.
 
@@ -37,7 +38,8 @@ TIMING_KEYS = ("time", "episodes_per_s", "tokens_per_s", "seconds", "update_s", 
 NORM_KEY = "update_norm"
 # The drift measures (jaxes.train.drift) are reductions over the parameters' shards too: compared
 # to the same relative tolerance, wherever they sit in a line (the evaluation's, the update's).
-DRIFT_KEYS = ("param_drift", "param_drift_groups", "kl_to_initial", "update_cosine")
+# So are the multiple-choice probe's log-likelihood sums (``mc_probe``, jaxes.train.mc_probe).
+DRIFT_KEYS = ("param_drift", "param_drift_groups", "kl_to_initial", "update_cosine", "mc_probe")
 
 
 def drift_values(record) -> tuple[dict, dict[str, float]]:
@@ -93,10 +95,12 @@ def metrics_differences(a: list[dict], b: list[dict], norm_rtol: float = 1e-6) -
 
 
 def drift_lines(a: list[dict], b: list[dict]) -> list[str]:
-  """``drift: version v: param_drift A / B, kl_to_initial A / B, probe success A / B`` for every
-  evaluated version of either run (what each moved from version 0 and kept off-task)."""
+  """``drift: version v: param_drift A / B, kl_to_initial A / B, probe success A / B, mc probe
+  accuracy A / B`` for every evaluated version of either run (what each moved from version 0 and
+  kept off-task)."""
   def by_version(lines):
-    return {r["eval"]["version"]: r["eval"] for r in lines if "eval" in r and "param_drift" in r["eval"]}
+    return {r["eval"]["version"]: r["eval"] for r in lines
+            if "eval" in r and any(k in r["eval"] for k in ("param_drift", "probe", "mc_probe"))}
   ea, eb = by_version(a), by_version(b)
   fmt = lambda e, f: "—" if e is None or f(e) is None else f"{f(e):.4g}"
   out = []
@@ -104,7 +108,8 @@ def drift_lines(a: list[dict], b: list[dict]) -> list[str]:
     x, y = ea.get(v), eb.get(v)
     parts = [f"{name} {fmt(x, f)} / {fmt(y, f)}" for name, f in (
         ("param_drift", lambda e: e.get("param_drift")), ("kl_to_initial", lambda e: e.get("kl_to_initial")),
-        ("probe success", lambda e: (e.get("probe") or {}).get("success")))]
+        ("probe success", lambda e: (e.get("probe") or {}).get("success")),
+        ("mc probe accuracy", lambda e: (e.get("mc_probe") or {}).get("accuracy")))]
     out.append(f"drift: version {v}: " + ", ".join(parts))
   return out
 

@@ -13,7 +13,7 @@ from ml_collections import config_dict
 from jaxes import envs
 from jaxes.envs import generator
 from jaxes.models import hf, qwen2
-from jaxes.train import algorithms, builders, coevolution, defaults, environments
+from jaxes.train import algorithms, builders, coevolution, defaults, environments, mc_probe
 from jaxes.train.errors import ConfigError
 from jaxes.train.tracker import TRACKERS
 
@@ -250,6 +250,22 @@ class _Checks:
     self.check("eval.drift", isinstance(c.eval.drift, bool), "must be a bool")
     self.at_least("eval.kl_transcripts", 0)
     self.at_least("eval.probe_tasks", 0)
+    self.mc_probe()
+
+  def mc_probe(self):
+    c = self.c
+    self.check("eval.mc_probe_file", isinstance(c.eval.mc_probe_file, str), "must be a string")
+    path = mc_probe.resolve(c.eval.mc_probe_file)
+    if path is None:
+      return
+    self.check("eval.mc_probe_file", c.eval.num_tasks >= 1,
+               "is scored at each evaluation: it needs config.eval.num_tasks >= 1")
+    self.check("eval.mc_probe_file", os.path.isfile(path),
+               f"must be {mc_probe.BUNDLED!r} or a JSONL file of multiple-choice items")
+    try:   # a few kB: read now, so a bad line costs milliseconds, not a run
+      mc_probe.load_items(path)
+    except ValueError as err:
+      raise ConfigError(f"config.eval.mc_probe_file: {err}") from err
 
   def warmstart(self):
     c, w = self.c, self.c.warmstart

@@ -199,6 +199,11 @@ def base_config() -> config_dict.ConfigDict:
   # (0 = eval.num_tasks).
   c.eval.probe_families = ""
   c.eval.probe_tasks = 0
+  # Multiple-choice log-likelihood probes at every evaluation, reported as eval.mc_probe
+  # (jaxes.train.mc_probe; meant for a Hugging Face checkpoint, model.path): "" = off, "bundled" =
+  # the 32 items shipped in jaxes/data/mc_probe.jsonl, or a JSONL file of
+  # {"context": ..., "choices": [...], "answer": index}. Nothing is downloaded.
+  c.eval.mc_probe_file = ""
 
   # Supervised warm start on oracle transcripts (0 steps = off; the CPU demo's stand-in for an
   # Instruct checkpoint).

@@ -120,13 +120,18 @@ def heldout_chart(evals: list[dict], key: str, stderr: str, title: str) -> str:
   lo = [y - e for y, e in zip(ys, es) if _finite(y) and _finite(e)]
   hi = [y + e for y, e in zip(ys, es) if _finite(y) and _finite(e)]
   probe = [(e.get("probe") or {}).get(key) for e in evals]   # eval.probe_families: off-task
-  c = Chart(title, value_range(xs, 0), value_range(ys + lo + hi + probe, lo=0.0), "policy version",
+  # eval.mc_probe_file: multiple-choice accuracy, a success rate, so on the success chart
+  mc = [(e.get("mc_probe") or {}).get("accuracy") if key == "success" else None for e in evals]
+  c = Chart(title, value_range(xs, 0), value_range(ys + lo + hi + probe + mc, lo=0.0), "policy version",
             f"held-out {key}")
   c.errorbars(xs, ys, es, COLORS[0])
   c.line(xs, ys, COLORS[0], f"held-out {key} ± s.e.")
   if any(_finite(p) for p in probe):
     c.errorbars(xs, probe, [(e.get("probe") or {}).get(stderr) for e in evals], COLORS[4])
     c.line(xs, probe, COLORS[4], f"probe {key} (off-task) ± s.e.", dash="4 2")
+  if any(_finite(p) for p in mc):
+    c.errorbars(xs, mc, [(e.get("mc_probe") or {}).get("stderr") for e in evals], COLORS[6])
+    c.line(xs, mc, COLORS[6], "multiple-choice probe accuracy ± s.e.", dash="1 2")
   return c.svg()
 
 

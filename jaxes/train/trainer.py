@@ -24,7 +24,8 @@ from ml_collections import config_dict
 
 from jaxes.envs.sandbox import Sandbox, SandboxError
 from jaxes.train import (algorithms, builders, checkpoint, coevolution, compile_cache, config_history,
-                         drift, evaluation, metrics, multihost, precompile, report, tracker, warmstart)
+                         drift, evaluation, mc_probe, metrics, multihost, precompile, report, tracker,
+                         warmstart)
 from jaxes.train.algorithms import UpdateContext
 from jaxes.train.config import validate
 from jaxes.train.hooks import Hook, UpdateInfo, run_hooks
@@ -91,6 +92,8 @@ class Trainer:
                                   initial=lambda: self._initial_params(ckpt),
                                   kl_transcripts=c.eval.kl_transcripts, max_len=c.rollout.max_len,
                                   im_end=builders.stop_ids(self.parts.tokenizer)[1], primary=host.primary)
+      if (probe_file := mc_probe.resolve(c.eval.mc_probe_file)) is not None:
+        self._mc_probe = mc_probe.Probe(self.parts.model.graphdef, probe_file, self.parts.tokenizer)
       engine = self.algorithm.build_engine(self.state.algorithm_state, host.mesh)
       precompile.warm_up(precompile.run_programs(engine, self.algorithm, self.state.algorithm_state),
                          c.train.compile_jobs, self.log, progress=c.train.progress_bar and host.primary)
@@ -128,6 +131,7 @@ class Trainer:
 
   _sampler: TranscriptSampler | None = None   # set by run() on the primary process
   _drift: drift.Meter | None = None            # set by run() with eval.drift
+  _mc_probe: mc_probe.Probe | None = None      # set by run() with eval.mc_probe_file
   _last_cosine: float | None = None
   _tracker: tracker.WandbTracker | None = None
 
@@ -300,6 +304,10 @@ class Trainer:
       probe = run(self.parts.probe_tasks, "probe")
       result["probe"] = {k: probe[k] for k in ("success", "stderr", "reward", "reward_stderr",
                                                "episodes", "per_task", "failures")}
+    if self._mc_probe is not None:   # off-task knowledge: multiple-choice log-likelihoods
+      result["mc_probe"] = self._mc_probe(self._current_params())
+      self.log(f"mc probe at version {state.version}: accuracy {result['mc_probe']['accuracy']:.3f} "
+               f"of {result['mc_probe']['items']} items (chance {result['mc_probe']['chance']:.3f})")
     if self._drift is not None:
       result |= self._drift.at_evaluation(state.version, self._current_params(), streams)
       result["update_cosine"] = self._last_cosine

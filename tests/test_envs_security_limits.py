@@ -202,10 +202,10 @@ def test_the_kill_before_the_tests_waits_for_slow_deaths_freezes_spawners_and_is
       assert all(_members(d) == [] for d in handle.cgroup.dirs)
       for p in procs:
         p.wait()
-    monkeypatch.setattr(cgroups, "KILL_DEADLINE_S", 0.5)
     with sb.start(task) as handle:
       procs = _slow_to_die(handle.cgroup, held)
-      with pytest.raises(SandboxError, match="could not kill"):
+      with monkeypatch.context() as patch, pytest.raises(SandboxError, match="could not kill"):
+        patch.setattr(cgroups, "KILL_DEADLINE_S", 0.5)
         handle.run_tests()
       _set_state(held, "THAWED")
       dirs = handle.cgroup.dirs

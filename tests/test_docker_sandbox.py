@@ -15,7 +15,7 @@ import pytest
 
 docker = pytest.importorskip("docker")
 
-from jaxes.envs import docker_sandbox, loaders  # noqa: E402
+from jaxes.envs import docker_sandbox, loaders, protocol  # noqa: E402
 from jaxes.envs.docker_sandbox import DockerSandbox  # noqa: E402
 from jaxes.envs.image import DEFAULT_TAG  # noqa: E402
 from jaxes.envs.sandbox import HostError, SandboxError  # noqa: E402
@@ -138,27 +138,48 @@ def test_hostile_commands_leave_the_sandbox_usable(sandbox, command, check):
   sentinel.close()
 
 
-def test_a_container_killed_from_outside_is_the_hosts_failure_an_oom_the_agents(sandbox, client):
-  # Killed by an operator or the engine (after the agent may have solved the task): retried and
-  # left out of fitness, never charged to the policy.
-  handle = sandbox.start(count_task())
+def _solved_episode(sandbox, task):
+  handle = sandbox.start(task)
+  episode = protocol.Episode(task, handle)
+  assert not episode.step(f"<command>{task.solution}</command>")
+  return handle, episode
+
+
+def test_a_container_killed_from_outside_after_the_agent_solved_the_task_is_retried(sandbox,
+                                                                                    client):
+  # Killed by an operator or the engine: the host's failure, left out of fitness and retried,
+  # never charged to the member (it had solved the task).
+  task = count_task()
+  handle, episode = _solved_episode(sandbox, task)
   client.containers.get(handle.container_id).kill()
+  assert episode.step("<action>done</action>")
+  outcome = episode.finish()
+  assert outcome.failure == protocol.SANDBOX_ERROR and outcome.failure in protocol.EXCLUDED
   with pytest.raises(HostError, match="stopped from outside"):
     handle.exec("echo hi", 5)
-  with pytest.raises(HostError):
-    handle.run_tests()
   handle.close()
   handle.close()  # idempotent
-  # The agent fills the container's memory with tmpfs pages: whatever the OOM killer takes
-  # (its command, or the container itself, State.OOMKilled), the episode is the agent's.
-  task = dataclasses.replace(count_task(), limits=Limits(memory_mb=96, disk_mb=512))
-  with sandbox.start(task) as handle:
-    try:
-      handle.exec("head -c 400M /dev/zero > /tmp/fill; sleep 1", 20)
-      handle.exec("echo hi", 5)
-      handle.run_tests()
-    except SandboxError as err:
-      assert not isinstance(err, HostError), err
+
+
+def test_a_container_the_agent_ran_out_of_memory_is_the_agents_failure(sandbox, client):
+  # The agent's command fills the container's memory limit (tmpfs pages count against it) and
+  # the kernel's OOM killer stops the container (docker then reports State.OOMKilled): a failed
+  # episode, reward 0 and counted, even though the task had been solved. Fault injection: the
+  # container's init is made the OOM killer's first choice, so the container itself goes (left
+  # to itself the killer takes the agent's largest process, and the episode simply goes on).
+  task = dataclasses.replace(count_task(), limits=Limits(memory_mb=96))
+  handle, episode = _solved_episode(sandbox, task)
+  init = client.containers.get(handle.container_id).attrs["State"]["Pid"]
+  with open(f"/proc/{init}/oom_score_adj", "w") as f:
+    f.write("1000")
+  episode.step("<command>head -c 200M /dev/zero > /tmp/fill</command>")
+  if not episode.done:
+    assert episode.step("<action>done</action>")
+  outcome = episode.finish()
+  assert client.containers.get(handle.container_id).attrs["State"]["OOMKilled"]
+  assert (outcome.reward, outcome.failure) == (0.0, protocol.SANDBOX_BROKEN)
+  assert outcome.failure not in protocol.EXCLUDED
+  handle.close()
 
 
 def freeze_timeout(client, handle):

@@ -120,3 +120,101 @@ def test_an_orphan_cgroup_another_process_is_removing_is_skipped(tmp_path, monke
   monkeypatch.setattr(cgroups, "open", removed_meanwhile, raising=False)
   layout = cgroups.Layout(version=2, bases=(str(tmp_path),), controllers=("memory", "pids"))
   assert cgroups.remove_orphans(layout) == 1 and not orphan.exists()
+
+
+WALKER = ("import os\nwhile True:\n  try:\n    if os.fork():\n      os._exit(0)\n"
+          "  except OSError:\n    pass\n")   # keeps spawning: its pid changes all the time
+
+
+def _members(directory):
+  with open(os.path.join(directory, "cgroup.procs")) as f:
+    return f.read().split()
+
+
+def _set_state(directory, state):
+  with open(os.path.join(directory, "freezer.state"), "w") as f:
+    f.write(state)
+
+
+def _start_in(procs_files):
+  import subprocess
+  from jaxes.envs import cgroups
+  return subprocess.Popen(["sh", "-c", cgroups.JOIN_SH, "join", *procs_files, "--", "setpriv",
+                           "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all",
+                           "--", "/usr/bin/python3", "-c", WALKER], start_new_session=True)
+
+
+def _v1_freezer_cgroup():
+  """A new cgroup of our own in the v1 freezer hierarchy, or None where there is none."""
+  import uuid
+  with open("/proc/self/mounts") as f:
+    points = [line.split()[1] for line in f
+              if line.split()[2] == "cgroup" and "freezer" in line.split()[3].split(",")]
+  with open("/proc/self/cgroup") as f:
+    own = [line.rstrip("\n").split(":", 2)[2] for line in f if ":freezer:" in line]
+  if not (points and own):
+    return None
+  path = os.path.join(points[0], own[0].lstrip("/"), f"jaxes-test-held-{uuid.uuid4().hex[:8]}")
+  try:
+    os.mkdir(path)
+  except OSError:
+    return None
+  return path
+
+
+def _slow_to_die(cgroup, held):
+  """Fault injection: a process of the episode that a SIGKILL takes seconds to end (as after a
+  disk or inode fill, with pages to free), and one that keeps spawning. The first is held in
+  ``held``, a frozen v1 freezer cgroup of the test's own: its SIGKILL waits until the test
+  thaws it."""
+  import time
+  pids = cgroup.dirs[cgroup.layout.controllers.index("pids")]
+  own = [f for f in cgroup.procs_files if "freezer" not in f]
+  procs = [_start_in(own + [os.path.join(held, "cgroup.procs")]), _start_in(cgroup.procs_files)]
+  while not _members(held) or len(_members(pids)) < 2:
+    time.sleep(0.01)
+  _set_state(held, "FROZEN")
+  return procs
+
+
+def test_the_kill_before_the_tests_waits_for_slow_deaths_freezes_spawners_and_is_bounded(
+    monkeypatch):
+  # Replay: after a fill, the agent's processes took more than the ~1 s the kill loop used to
+  # wait, and the episode was SANDBOX_BROKEN. The kill now waits up to KILL_DEADLINE_S, freezing
+  # the episode between reading its processes and killing them, and thaws it again (the
+  # verifier then runs in the same cgroup); past the deadline it gives up.
+  import threading
+  from jaxes.envs import cgroups
+  from jaxes.envs.sandbox import SandboxError
+  sb, held = make_sandbox("local"), _v1_freezer_cgroup()
+  try:
+    if sb.cgroups is None or held is None:
+      pytest.skip("needs per-episode cgroups and the cgroup v1 freezer (root): the injected slow "
+                  "death holds a process in a frozen v1 cgroup")
+    task = Task(name="slow", instruction="x", final_tests="def test_x():\n  pass\n")
+    with sb.start(task) as handle:
+      procs = _slow_to_die(handle.cgroup, held)
+      thaw = threading.Timer(4.0, _set_state, (held, "THAWED"))   # well past the old ~1 s
+      thaw.start()
+      report = handle.run_tests()
+      thaw.join()
+      assert report.passed, report.report
+      assert all(_members(d) == [] for d in handle.cgroup.dirs)
+      for p in procs:
+        p.wait()
+    with sb.start(task) as handle:
+      procs = _slow_to_die(handle.cgroup, held)
+      with monkeypatch.context() as patch, pytest.raises(SandboxError, match="could not kill"):
+        patch.setattr(cgroups, "KILL_DEADLINE_S", 0.5)
+        handle.run_tests()
+      _set_state(held, "THAWED")
+      dirs = handle.cgroup.dirs
+    for p in procs:
+      p.wait()
+    assert not any(os.path.exists(d) for d in dirs)   # close killed and removed it all
+  finally:
+    if held is not None:
+      _set_state(held, "THAWED")
+      os.rmdir(held)
+    sb.shutdown()
+  assert descendant_processes() == 0

@@ -2,11 +2,12 @@
 
 rlimits bound each process; a cgroup bounds all of an episode's processes together (three
 1.5 GB processes cannot take 4.5 GB of a 2 GB episode). We use cgroup v2 where our own cgroup
-can hand the memory and pids controllers to children, else the cgroup v1 memory, pids and cpu
-hierarchies; ``layout()`` is None where neither is writable (not root, a read-only cgroupfs),
+can hand the memory and pids controllers to children, else the cgroup v1 memory, pids, cpu and
+freezer hierarchies; ``layout()`` is None where neither is writable (not root, a read-only cgroupfs),
 and the caller warns. Every process of an episode is started by a root ``sh`` that writes
 itself into the episode's ``cgroup.procs`` files and only then execs the sandbox as the
-agent's uid, so nothing it forks is ever outside the cgroup.
+agent's uid, so nothing it forks is ever outside the cgroup. A kill is bounded by time and
+escalates to freezing the episode between listing its processes and killing them.
 
 Cgroups are named ``jaxes-<pid>-<hex>/ep-<hex>`` under our own cgroup; ``remove_orphans``
 removes those of dead runs.
@@ -25,9 +26,12 @@ import uuid
 
 log = logging.getLogger(__name__)
 
-V1_CONTROLLERS = ("memory", "pids", "cpu")   # memory and pids are required, cpu is optional
+# memory and pids are required. The freezer comes first: removing a run's cgroups then thaws
+# (and kills) what a crash left frozen before the other hierarchies wait for it to go.
+V1_CONTROLLERS = ("freezer", "memory", "pids", "cpu")
 _PREFIX = "jaxes-"
 KILL_DEADLINE_S = 10.0   # how long a kill waits for an episode's processes to be gone
+FREEZE_WAIT_S = 0.5      # how long one freeze waits for every process to stop
 
 # Moves itself into every cgroup.procs named before "--", then execs the rest.
 JOIN_SH = ('for f; do [ "$f" = -- ] && break; echo 0 > "$f" || exit 126; shift; done; '
@@ -144,48 +148,94 @@ def _procs(directory: str) -> list[int]:
     raise
 
 
-def _kill_all(directory: str, deadline_s: float = KILL_DEADLINE_S) -> bool:
-  """SIGKILLs every process in ``directory``'s cgroup until it is empty or ``deadline_s`` has
-  passed; True when it is empty. A cgroup v2 one is frozen after the first passes (a fork can
-  then no longer land between reading the list and killing it) and thawed once empty: SIGKILL
-  reaches frozen tasks. Processes that are slow to die (a full disk, pages to free) get the
-  time, with growing pauses, instead of a fixed number of quick rounds."""
+class Freezer:
+  """The freezer of one cgroup: v2's ``cgroup.freeze``, or a v1 freezer hierarchy's
+  ``freezer.state``. A frozen cgroup's processes can no longer fork; SIGKILL reaches frozen v2
+  processes at once, frozen v1 ones once thawed."""
+
+  def __init__(self, directory: str, version: int):
+    self.directory, self.version = directory, version
+
+  @staticmethod
+  def of(directory: str) -> "Freezer | None":
+    """The freezer a cgroup directory carries itself (v2, or v1's freezer hierarchy), or None."""
+    for name, version in (("cgroup.freeze", 2), ("freezer.state", 1)):
+      if os.path.exists(os.path.join(directory, name)):
+        return Freezer(directory, version)
+    return None
+
+  def _frozen(self) -> bool:
+    if self.version == 2:
+      with open(os.path.join(self.directory, "cgroup.events")) as f:
+        return "frozen 1" in f.read().splitlines()
+    with open(os.path.join(self.directory, "freezer.state")) as f:
+      return f.read().strip() == "FROZEN"
+
+  def freeze(self, wait_s: float) -> bool:
+    """Freezes; True once every process is frozen (within ``wait_s``; a process stuck in the
+    kernel may keep a freeze from completing)."""
+    try:
+      if self.version == 2:
+        _write(os.path.join(self.directory, "cgroup.freeze"), "1")
+      else:
+        _write(os.path.join(self.directory, "freezer.state"), "FROZEN")
+      deadline, pause = time.monotonic() + wait_s, 0.001
+      while not self._frozen():
+        if time.monotonic() > deadline:
+          return False
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
+      return True
+    except OSError:   # removed meanwhile, or no freezer after all: kill without it
+      return False
+
+  def thaw(self) -> None:
+    try:
+      if self.version == 2:
+        _write(os.path.join(self.directory, "cgroup.freeze"), "0")
+      else:
+        _write(os.path.join(self.directory, "freezer.state"), "THAWED")
+    except OSError:
+      pass
+
+
+def _kill_all(directory: str, freezer: Freezer | None = None) -> bool:
+  """SIGKILLs every process in ``directory``'s cgroup until it is empty or ``KILL_DEADLINE_S``
+  has passed; True when it is empty. After two plain passes each pass escalates: freeze (a
+  fork can then no longer land between reading the list and killing it), read the list, kill
+  it, thaw (frozen v1 processes die only once thawed). Processes that are slow to die (a full
+  disk, pages to free) get the time, with growing pauses, instead of a fixed number of quick
+  rounds."""
   kill_file = os.path.join(directory, "cgroup.kill")   # v2, Linux 5.14+: one atomic pass
-  freeze_file = os.path.join(directory, "cgroup.freeze")
   if os.path.exists(kill_file):
     try:
       _write(kill_file, "1")
     except OSError:
       pass
-  deadline = time.monotonic() + deadline_s
-  pause, frozen, passes = 0.002, False, 0
-  try:
-    while True:
-      pids = _procs(directory)
-      if not pids:
-        return True
-      if time.monotonic() > deadline:
-        return False
-      passes += 1
-      if passes == 3 and not frozen and os.path.exists(freeze_file):
-        try:
-          _write(freeze_file, "1")
-          frozen = True
-        except OSError:
-          pass
+  freezer = freezer or Freezer.of(directory)
+  deadline = time.monotonic() + KILL_DEADLINE_S
+  pause, passes = 0.002, 0
+  while True:
+    pids = _procs(directory)
+    if not pids:
+      return True
+    if time.monotonic() > deadline:
+      return False
+    passes += 1
+    escalate = passes >= 3 and freezer is not None
+    try:
+      if escalate and freezer.freeze(min(FREEZE_WAIT_S, max(deadline - time.monotonic(), 0))):
+        pids = _procs(directory)   # complete now: nothing forks while frozen
       for pid in pids:
         try:
           os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
           pass
-      time.sleep(pause)
-      pause = min(pause * 2, 0.1)
-  finally:
-    if frozen:
-      try:
-        _write(freeze_file, "0")
-      except OSError:
-        pass
+    finally:
+      if escalate:
+        freezer.thaw()
+    time.sleep(pause)
+    pause = min(pause * 2, 0.1)
 
 
 def _rmdir(directory: str) -> None:
@@ -236,8 +286,15 @@ class EpisodeCgroup:
     except (OSError, ValueError):
       return None
 
+  def freezer(self) -> Freezer | None:
+    """The episode's freezer (v2's own, v1's freezer hierarchy), or None where there is none."""
+    directory = self._dir("freezer")
+    return None if directory is None else Freezer(directory, self.layout.version)
+
   def kill(self) -> bool:
-    return all([_kill_all(d) for d in self.dirs])
+    """SIGKILLs every process of the episode (``_kill_all``); True once none is left."""
+    freezer = self.freezer()
+    return all([_kill_all(d, freezer) for d in self.dirs])
 
   def remove(self) -> None:
     for d in self.dirs:

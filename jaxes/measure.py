@@ -51,12 +51,17 @@ import tempfile
 import time
 import xml.etree.ElementTree as ElementTree
 
+from jaxes import cli
+
+if __name__ == "__main__":   # a command: JAX starts quietly (cli.start_jax) before an import below loads it
+  cli.start_jax(init_backends=False)
+
 import jax
 import jax.numpy as jnp
 import jaxlib
 import numpy as np
 
-from jaxes import cli, preflight
+from jaxes import preflight
 from jaxes.models import qwen2
 from jaxes.train import algorithms, builders, compile_cache, precompile
 from jaxes.train.state import Parts

@@ -57,6 +57,16 @@ def test_a_workdir_holding_an_exported_model_is_refused_in_one_line_without_jax_
   assert (tmp_path / "hf" / "config.json").read_text() == hf_config
 
 
+def test_a_command_that_imports_jax_at_module_level_starts_quietly():
+  """The grid (like compare, report, fastlane and measure) loads JAX while its module is imported,
+  before main runs: its start must be quiet too."""
+  if cli.accelerator_present():
+    pytest.skip("an accelerator is present: JAX may start its plugin")
+  env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+  done = _run("-m", "jaxes.experiments.grid", "--help", env=env)
+  assert done.returncode == 0 and done.stderr == "", done.stderr
+
+
 def test_the_platform_is_set_only_where_no_accelerator_and_no_choice_is():
   environ = {}
   assert cli.set_up_platform(environ, accelerator=False).startswith("platform: cpu")

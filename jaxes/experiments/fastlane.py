@@ -43,6 +43,11 @@ import os
 import sys
 import time
 
+from jaxes import cli
+
+if __name__ == "__main__":   # a command: JAX starts quietly (cli.start_jax) before an import below loads it
+  cli.start_jax(init_backends=False)
+
 import jax
 import jax.numpy as jnp
 import numpy as np

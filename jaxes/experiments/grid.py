@@ -40,6 +40,11 @@ import subprocess
 import sys
 import time
 
+from jaxes import cli
+
+if __name__ == "__main__":   # a command: JAX starts quietly (cli.start_jax) before an import below loads it
+  cli.start_jax(init_backends=False)
+
 from jaxes.experiments import aggregate, rundirs, stats, surface as surface_lib, variants as variants_lib
 from jaxes.experiments.variants import GridError, Variant
 

@@ -25,10 +25,14 @@ import os
 import sys
 import warnings
 
+from jaxes import cli
+
+if __name__ == "__main__":   # a command: JAX starts quietly (cli.start_jax) before an import below loads it
+  cli.start_jax(init_backends=False)
+
 import jax
 import numpy as np
 
-from jaxes import cli
 from jaxes.train import checkpoint, config_history, metrics
 from jaxes.train.policy import PolicyLoadError, load_policy
 

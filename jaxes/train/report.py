@@ -16,6 +16,11 @@ import math
 import os
 import sys
 
+from jaxes import cli
+
+if __name__ == "__main__":   # a command: JAX starts quietly (cli.start_jax) before an import below loads it
+  cli.start_jax(init_backends=False)
+
 from jaxes.train import metrics
 from jaxes.train.transcripts import EPISODES, read_episodes
 

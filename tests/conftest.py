@@ -72,10 +72,14 @@ def pytest_runtest_setup(item):
 
 # The files that took longest in CI (benchmarks of the suite: `--durations` at the end of a run).
 # A scheduling hint only: a name missing here just runs in its usual place.
+# test_measure (its command compiles 15 programs cold, ~44 CPU-s), test_sao_train (~30 CPU-s) and
+# test_task_images (docker image builds, ~90 s wall at load 20) came in 2026-12-06; in collection
+# order the last two ran among the final files, one worker alone with them.
 LONGEST_FILES = ("test_multihost_train.py", "test_train.py", "test_staleness_train.py",
                  "test_engine_sharded.py", "test_grpo_multihost.py", "test_engine_paged.py",
-                 "test_engine_versions.py", "test_grid.py", "test_run_state.py", "test_preflight.py",
-                 "test_docker_sandbox.py", "test_engine_fullrank_slices.py", "test_grpo.py",
+                 "test_engine_versions.py", "test_measure.py", "test_sao_train.py", "test_grid.py",
+                 "test_run_state.py", "test_preflight.py", "test_docker_sandbox.py",
+                 "test_task_images.py", "test_engine_fullrank_slices.py", "test_grpo.py",
                  "test_envs_security.py", "test_coevolve_train.py", "test_grpo_train.py",
                  "test_engine_prefill_hold.py", "test_run_dir.py")
 

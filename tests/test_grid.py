@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 
 from helpers_train import ROOT, build_tiny_tokenizer, tiny_config
-from jaxes import cli
 from jaxes.experiments import aggregate, grid, plots, rundirs, variants
 from jaxes.train import evaluation
 
@@ -267,7 +266,15 @@ def grid_run(tiny_grid_config, tmp_path_factory):
   return w, seen
 
 
-def test_grid_end_to_end_tiny(grid_run, tiny_grid_config):
+def _grid_in_process(argv, capsys) -> tuple[int, str]:
+  """``python -m jaxes.experiments.grid ARGV`` in this process (``main`` is what the command runs;
+  a launch would import JAX again, ~4 CPU-s each): its exit status and what it wrote on stderr."""
+  capsys.readouterr()
+  code = grid.main(argv)
+  return code, capsys.readouterr().err
+
+
+def test_grid_end_to_end_tiny(grid_run, tiny_grid_config, capsys):
   w, _ = grid_run
   table = json.load(open(w / "table.json"))
   by = {v["variant"]: v for v in table["variants"]}
@@ -285,26 +292,22 @@ def test_grid_end_to_end_tiny(grid_run, tiny_grid_config):
   # --aggregate-only of a variant with no runs (a typo, or grpo, which this config lacks) is one
   # line and exit 2, and writes nothing; of the variants that ran, it rereads the same rows.
   written = {f: (w / f).read_bytes() for f in ("table.md", "table.json", "grid.json", "report.html")}
+  args = _grid_cmd(tiny_grid_config, w, 2)[3:]   # the command's arguments
   for names in ("asink1", "sync,async1,grpo"):
-    typo = subprocess.run(_grid_cmd(tiny_grid_config, w, 2)[:-1] + [f"--variants={names}", "--aggregate-only"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
-    # (The grid imports JAX: the CUDA plugin's import-time lines, where installed, are not ours.)
-    said = [line for line in typo.stderr.strip().splitlines() if not cli.PLUGIN_NOISE.search(line)]
-    assert typo.returncode == 2 and len(said) == 1, typo.stderr
+    code, err = _grid_in_process(args[:-1] + [f"--variants={names}", "--aggregate-only"], capsys)
+    said = err.strip().splitlines()
+    assert code == 2 and len(said) == 1, err
     assert said[0].startswith(f"error: --aggregate-only: no runs of variant(s) {names.split(',')[-1]} "
                               f"for seeds [0] in {w} (run directories there: async1-s0, ") and (
         said[0].endswith("sync-s0); nothing was written")), said
   assert {f: (w / f).read_bytes() for f in written} == written
-  again = subprocess.run(_grid_cmd(tiny_grid_config, w, 2)[:-1] + ["--variants=sync,async1", "--aggregate-only"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
-  assert again.returncode == 0 and json.load(open(w / "table.json"))["runs"] == table["runs"]
+  code, _ = _grid_in_process(args[:-1] + ["--variants=sync,async1", "--aggregate-only"], capsys)
+  assert code == 0 and json.load(open(w / "table.json"))["runs"] == table["runs"]
   assert (w / "grid.json").read_bytes() == written["grid.json"]
   # Another grid's command in this directory is refused before anything is written.
-  other = subprocess.run(_grid_cmd(tiny_grid_config, w, 2) + ["--config.es.sigma=0.5"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=300)
-  assert other.returncode == 2, other.stderr
-  assert len([line for line in other.stderr.strip().splitlines() if not cli.PLUGIN_NOISE.search(line)]) == 1
-  assert "holds another grid (overrides [] in its grid.json" in other.stderr and "--overwrite" in other.stderr
+  code, err = _grid_in_process(args + ["--config.es.sigma=0.5"], capsys)
+  assert code == 2 and len(err.strip().splitlines()) == 1, err
+  assert "holds another grid (overrides [] in its grid.json" in err and "--overwrite" in err
   assert (w / "grid.json").read_bytes() == written["grid.json"]
 
 

@@ -6,7 +6,9 @@ decisions of an engine step that depend on the slots alone: which new prefills w
 (``held``), which versions share a call (``groups``), how many tokens each row feeds in a call
 (``pack``) and may sample (``limit``), which rows take pages or end for lack of one
 (``page_decoding_rows``), and what a call's sampled tokens do to each row (``fed``). The
-``Engine`` (``jaxes.rollout.engine``) turns those decisions into device calls. Nothing here
+``Engine`` (``jaxes.rollout.engine``) turns those decisions into device calls; whoever schedules
+episodes (``jaxes.rollout.episodes``, the benchmarks, the tests) calls ``start``,
+``continue_turn`` and ``release`` here directly. Nothing here
 reads the clock or a device, so every process of a multi-process run takes the same decisions
 from the same inputs: a row's sampled ids matter only through its count and last token, which
 every process has (``Engine.readable`` says whose ids a process reads).
@@ -96,7 +98,7 @@ class EngineStats:
 class Scheduler:
   """The slots of an engine of ``num_slots`` rows split over ``shards`` data shards. ``buckets``:
   the token buckets per shard (``Engine.buckets``, smallest first). ``max_steps``: the most
-  low-rank steps a call adds on top of its base version (``VersionSteps.max_steps``; None:
+  low-rank steps a call adds on top of its base version (``policy_bank.VersionSteps.max_steps``; None:
   every version has calls of its own). ``page_size``/``num_pages``: a paged cache (None: dense
   rows of ``max_len``). ``readable``: the slots whose sampled ids this process reads (None:
   all)."""
@@ -167,7 +169,9 @@ class Scheduler:
 
   def start(self, index: int, prompt: list[int], *, version: int, member: int, stream: int,
             temperature: float = 0.0, top_p: float = 1.0, tag: Any = None) -> bool:
-    """Begin an episode in a free slot (``Engine.start``)."""
+    """Begin an episode in a free slot; False (slot untouched) if the prompt leaves no room (in
+    a cache row, or in all of a paged shard's pages). A paged cache takes the prompt's pages now;
+    when too few are free (``can_start`` is False) the caller must wait: an error."""
     slot = self.slots[index]
     if slot.state != FREE:
       raise ValueError(f"slot {index} is {slot.state}, not free")
@@ -191,7 +195,12 @@ class Scheduler:
     return True
 
   def continue_turn(self, index: int, observation: list[int], version: int | None = None) -> bool:
-    """Close the parked slot's assistant turn and queue the observation (``Engine.continue_turn``).
+    """Close the parked slot's assistant turn and queue the observation; False if the cache row
+    cannot hold it plus one new token, or (paged) its shard has too few free pages for it
+    (``Slot.failure`` is then ``PAGES_EXHAUSTED``); the caller then ends the episode.
+    ``version``: a newer version whose weights decode the rest of the episode (an in-flight
+    version change, PipelineRL's), the row keeping its member's noise (``Slot.noise_version``);
+    the cache keeps the keys and values the older weights wrote. Refused under member slices.
     The closing tokens depend on the turn's last token only, which every process knows."""
     slot = self.slots[index]
     if slot.state != PARKED:
@@ -220,6 +229,8 @@ class Scheduler:
     return True
 
   def release(self, index: int) -> None:
+    """End the slot's episode: its pages go back (its policy bank's noisers stay: a free row is
+    in no call)."""
     if self.slots[index].state != FREE:
       if self.slots[index].pages:
         self.pool.give(self.shard(index), self.slots[index].pages)

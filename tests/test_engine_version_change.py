@@ -1,4 +1,4 @@
-"""In-flight version change in the engine (``Engine.continue_turn(version=)``): the turns after
+"""In-flight version change in the engine (``Scheduler.continue_turn(version=)``): the turns after
 the change decode under the newer version's weights with the row's own member noise, over the
 cache the older weights wrote; without version steps and with them (the row then joins the newer
 version's calls as a step on the base)."""

@@ -1,62 +1,41 @@
 """Slot-based continuous batching over a KV cache: the device step and the cache.
 
-Three objects share the work. The host's side — slots, pages, the prefill hold, version groups,
-what each row feeds and samples — is ``jaxes.rollout.scheduler`` (plain Python, no JAX): callers
-start, continue and release episodes through ``Engine.scheduler``. What a call's rows decode with
-— a version's parameters and, for ES, each row's member noise and the low-rank steps between
-versions — is the algorithm's policy bank (``jaxes.rollout.policy_bank``). The engine holds the
-cache and the compiled step programs (``jaxes.rollout.step_program``), and ``step`` turns the
-scheduler's decisions into calls.
+Three objects share the work. The host's side — slots, KV pages, the prefill hold, version
+groups, what each row feeds and samples — is ``jaxes.rollout.scheduler`` (plain Python, no JAX):
+whoever schedules episodes starts, continues and releases them through ``Engine.scheduler``.
+What a call's rows decode with — a version's parameters and, for ES, each row's member noise and
+the low-rank steps between versions — is the algorithm's policy bank (``jaxes.rollout.policy_bank``).
+The engine holds the cache and the compiled step programs (``jaxes.rollout.step_program``), and
+``step`` turns the scheduler's decisions into calls.
 
 ``B`` slots share one cache ``[L, B, S, ...]``. A slot holds one episode: its prompt is prefilled
-in chunks of at most ``prefill_chunk`` tokens, then tokens are decoded one per step until
-``<|im_end|>`` (or another stop id) or the turn's token budget; the finished turn is handed back
-and the slot is *parked* (its cache row kept) while the caller runs the command in a sandbox;
-``Scheduler.continue_turn`` closes the assistant turn and queues the observation for prefill.
+in chunks of at most ``prefill_chunk`` tokens, then tokens are decoded until a stop id or the
+turn's budget; the finished turn is handed back and the slot is *parked* (its cache row kept)
+while the caller runs the command in a sandbox, then ``Scheduler.continue_turn`` queues the
+observation. Each step makes one call per group of live versions (``Scheduler.groups``): one
+flat buffer of tokens, decoding rows feeding their last token and prefilling rows their next
+chunk, padded per data shard to the smallest token bucket that holds them (``Engine.buckets``: a
+quarter of the shard's rows, all of them, all plus a chunk; one program each, whatever the mix),
+so parked, free and other-version rows cost nothing (compaction, ``compact=True``). Rows whose
+prompt is done decode on in an on-device loop, up to ``decode_steps`` tokens per call
+(``jaxes.rollout.decode_loop``), the host reading the sampled tokens once per call. Attention
+reads key blocks up to the call's furthest token only (one span, the whole row; on GPU, where
+cuDNN takes the whole span, the shortest of three prefixes that holds every row of the call,
+``Engine.spans``). The step compiles ``len(buckets) * len(spans)`` programs for the life of the
+engine (3 for the paper config off GPU), twice that with version steps.
 
-Each step makes one call per live policy version (per group of versions a few low-rank steps
-apart, ``policy_bank.VersionSteps``), covering all of its working slots, as one flat buffer of
-tokens: decoding rows feed their last token, prefilling rows their next chunk, each token naming
-its cache row and its offset in the row. A data shard's tokens are padded to the smallest of a
-few token buckets (``Engine.buckets``: a quarter of the shard's ``B / D`` rows, all of them, all
-plus a chunk); a call's prefill is cut to fit the largest (``Scheduler.pack``), the rest going
-next call. One program per bucket serves every call — decode only, prefill only or both. After
-the first step each row whose prompt is done decodes on in an on-device loop, up to
-``decode_steps`` tokens per call (``jaxes.rollout.decode_loop``), the host reading the sampled
-tokens once per call. Attention reads key blocks up to the call's furthest token only (one span,
-the whole row; on GPU, where cuDNN takes the whole span, the shortest of three prefixes of the
-cache rows that holds every row of the call, ``Engine.spans``). Rows not in the call are
-untouched.
-
-Compaction's effect (``compact=True``, the default): a call costs its bucket's tokens, so
-parked, free and other-version rows cost nothing; each token reads the key blocks of its own
-cache row and writes its keys and values into the donated cache in place (``attention.Rows``).
-The step compiles ``len(buckets) * len(spans)`` programs for the life of the engine (3 for the
-paper config off GPU), twice that with version steps; ``compact=False`` keeps the largest bucket.
-
-Prefill coalescing (``prefill_hold=H``, default 8, ``Scheduler.held``): a new prefill that would
-start a call's prefill beside decoding rows waits up to H steps, so that prefills arriving a few
-steps apart share the larger bucket they move the call to. The decision reads the slots' states
-only, never the clock; the same programs run.
-
-Paged KV cache (``page_size=P, num_pages=N``; default None: the dense cache): keys and values
-live in N pages of P tokens (``qwen2.PagedKVCache``), split over the ``data`` shards with the
-slots, and each slot's page table ``[B, max_len / P]`` says which pages hold its tokens; the
-scheduler keeps a free-page pool per shard (``jaxes.rollout.pages``) and the engine ships the
-table to the devices when it changed. Admission never over-commits (``Scheduler.can_start``; a
-row without a page ends its turn with ``PAGES_EXHAUSTED``). Every call reads and writes through
-``attention.Pages``; the same programs compile as for the dense cache (same names, same count).
-
+A paged KV cache (``page_size=P, num_pages=N``; default: dense rows of ``max_len``) keeps keys
+and values in N pages of P tokens split over the ``data`` shards with the slots; the scheduler
+keeps the free pages and the page table, which the engine ships to the devices when it changed.
 Every sampled token comes with its log-prob under the distribution it was drawn from
-(``Turn.logprobs``): the behaviour log-probs a policy-gradient learner's importance ratio needs.
+(``Turn.logprobs``). See docs/engine.md for the prefill hold, the paged cache and the costs.
 
-On a mesh (``mesh=``; default: one device) every device array is created where it lives: the
-cache by a jitted init with ``out_shardings`` from the logical-axis rules (slots over ``data``,
-KV heads over ``tensor`` where they divide), and the step is jitted with explicit in/out
-shardings (one tree each for the policy, the cache and the step's inputs), the cache donated and
-updated in place. With ``abstract=True`` nothing is allocated: the cache is shapes and shardings
-only and ``programs()`` lowers every program the engine runs, for ``jaxes.preflight`` to compile
-(``lowerings()``: the same names, each lowered on demand).
+On a mesh (``mesh=``; default: one device) every device array is created where it lives (the
+cache by a jitted init with the logical-axis rules' shardings: slots over ``data``, KV heads over
+``tensor`` where they divide), and the step is jitted with explicit in/out shardings — one tree
+each for the policy, the cache and the step's inputs — the cache donated and updated in place.
+With ``abstract=True`` nothing is allocated and ``programs()`` lowers every program the engine
+runs, for ``jaxes.preflight`` to compile (``lowerings()``: the same names, lowered on demand).
 """
 from __future__ import annotations
 
@@ -275,38 +254,6 @@ class Engine:
                 dense_reserved=dense)
 
   # -- device steps -----------------------------------------------------------------------------
-  def _inputs(self, rows: list[Slot], fed: dict[int, int], bucket: int) -> tuple:
-    """A call's ``StepInputs`` over ``rows``, each feeding ``fed[row]`` tokens in ``bucket``
-    tokens per shard; with each row's sample's place and ``Scheduler.limit``."""
-    sched, per_shard = self.scheduler, self.num_slots // self.shards
-    samples = sched.samples(bucket)
-    n = bucket * self.shards
-    index, tokens, positions, offsets = (np.zeros(n, np.int32) for _ in range(4))
-    valid = np.zeros(n, bool)
-    sample_at, limit = np.zeros(samples * self.shards, np.int32), np.zeros(samples * self.shards, np.int32)
-    used, sampled = np.zeros(self.shards, int), np.zeros(self.shards, int)
-    where = []
-    for s in rows:
-      d, k = sched.shard(s.index), fed[s.index]
-      chunk = s.pending[:k] if s.state == PREFILL else s.generated[-1:]
-      at = slice(d * bucket + used[d], d * bucket + used[d] + k)
-      index[at], tokens[at], valid[at] = s.index - d * per_shard, chunk, True
-      positions[at], offsets[at] = s.length + np.arange(k), np.arange(k)
-      j = d * samples + sampled[d]
-      sample_at[j], limit[j] = used[d] + k - 1, sched.limit(s, k)
-      used[d], sampled[d] = used[d] + k, sampled[d] + 1
-      where.append(j)
-    slots = sched.slots
-    sampling = SlotSampling(np.array([s.stream for s in slots], np.uint32),
-                            np.array([s.sampled for s in slots], np.int32),
-                            np.array([s.temperature for s in slots], np.float32),
-                            np.array([s.top_p for s in slots], np.float32))
-    by_rows = self.placement.by_rows
-    inputs = StepInputs(Tokens(*by_rows(index, tokens, positions, valid, offsets)),
-                        Samples(*by_rows(sample_at, limit)), SlotSampling(*by_rows(*sampling)),
-                        self.base_key)
-    return inputs, where, [int(limit[j]) for j in where]
-
   def _call(self, params_by_version: dict, group: tuple, rows: list[Slot],
             fed: dict[int, int]) -> list[tuple]:
     """One engine call over ``rows`` (of the versions ``group``, the first the base), each
@@ -314,7 +261,11 @@ class Engine:
     shard's tokens (``step_program.call``). Each row's sampled tokens and their log-probs: none
     for a row still mid-prefill, else up to its ``Scheduler.limit`` (the device loop's)."""
     bucket = self.scheduler.bucket(fed)
-    inputs, where, limits = self._inputs(rows, fed, bucket)
+    per_token, per_sample, per_slot, where = self.scheduler.call_arrays(rows, fed, bucket)
+    by_rows = self.placement.by_rows
+    inputs = StepInputs(Tokens(*by_rows(*per_token)), Samples(*by_rows(*per_sample)),
+                        SlotSampling(*by_rows(*per_slot)), self.base_key)
+    limits = [int(per_sample[1][j]) for j in where]
     # The furthest position the call writes: its tokens, then each row's loop tokens.
     need = max(s.length + fed[s.index] + max(k - 1, 0) for s, k in zip(rows, limits))
     span = next((a for a in self.spans if a >= need), self.max_len)
@@ -338,11 +289,11 @@ class Engine:
       elif t:   # another process's row: its count and last token are all this one needs
         tokens[-1] = last[j]
       out.append((tokens, logprobs))
-    samples = self.scheduler.samples(bucket) * self.shards
+    computed = self.scheduler.samples(bucket) * self.shards   # the rows the LM head ran
     self.stats.rows_busy += len(rows)
     self.stats.rows_total += self.num_slots
-    self.stats.rows_computed += samples
-    self.stats.positions_computed += bucket * self.shards + max(max(taken) - 1, 0) * samples
+    self.stats.rows_computed += computed
+    self.stats.positions_computed += bucket * self.shards + max(max(taken) - 1, 0) * computed
     self.stats.loop_steps += max(taken)
     return out
 

@@ -26,7 +26,7 @@ order, so they stay identical without reading the clock.
 
 In-flight version change (``switch_versions``, off by default; PipelineRL's idea for ES): an
 episode's next turn decodes under the newest version ``poll`` was given, its member's noise
-applied to those weights (``Engine.continue_turn(version=)``); ``EpisodeResult.turn_versions``
+applied to those weights (``Scheduler.continue_turn(version=)``); ``EpisodeResult.turn_versions``
 says which version decoded each turn.
 
 Every sandbox handle the runner opened is closed by ``close()``, also after an exception.

@@ -339,6 +339,34 @@ class Scheduler:
         fed[s.index], room[d] = n, room[d] - n
     return fed
 
+  def call_arrays(self, rows: list[Slot], fed: dict[int, int], bucket: int) -> tuple:
+    """A call's host arrays (``step_program.StepInputs`` less the key) over ``rows``, each
+    feeding ``fed[row]`` tokens, ``bucket`` tokens per data shard: per flat token ``(index,
+    tokens, positions, valid, offsets)``, per sample ``(sample_at, limit)``, per slot ``(streams,
+    counters, temperature, top_p)``; and each row's sample (its place among the samples)."""
+    per_shard, samples = self.num_slots // self.shards, self.samples(bucket)
+    n = bucket * self.shards
+    index, tokens, positions, offsets = (np.zeros(n, np.int32) for _ in range(4))
+    valid = np.zeros(n, bool)
+    sample_at, limit = np.zeros(samples * self.shards, np.int32), np.zeros(samples * self.shards, np.int32)
+    used, sampled = np.zeros(self.shards, int), np.zeros(self.shards, int)
+    where = []
+    for s in rows:
+      d, k = self.shard(s.index), fed[s.index]
+      chunk = s.pending[:k] if s.state == PREFILL else s.generated[-1:]
+      at = slice(d * bucket + used[d], d * bucket + used[d] + k)
+      index[at], tokens[at], valid[at] = s.index - d * per_shard, chunk, True
+      positions[at], offsets[at] = s.length + np.arange(k), np.arange(k)
+      j = d * samples + sampled[d]
+      sample_at[j], limit[j] = used[d] + k - 1, self.limit(s, k)
+      used[d], sampled[d] = used[d] + k, sampled[d] + 1
+      where.append(j)
+    slots = (np.array([s.stream for s in self.slots], np.uint32),
+             np.array([s.sampled for s in self.slots], np.int32),
+             np.array([s.temperature for s in self.slots], np.float32),
+             np.array([s.top_p for s in self.slots], np.float32))
+    return (index, tokens, positions, valid, offsets), (sample_at, limit), slots, where
+
   def limit(self, s: Slot, n: int) -> int:
     """Tokens a row feeding ``n`` tokens may sample in a call: none while its prefill goes on
     after this call, else ``decode_steps``, its turn's remaining budget, and (paged) the

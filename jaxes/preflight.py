@@ -256,7 +256,8 @@ def _plan(config, target: Target, log, only: str | None, algorithm: str, jobs: i
   engine = run.build_engine(None, mesh, abstract=True)   # paged: kv_cache counts the pages
   params = engine.abstract_params
   versions = live_versions(config)
-  noiser_bytes = 0 if engine.policy.abstract_noiser is None else _bytes_per_device(engine.policy.abstract_noiser)
+  noiser = engine.policy.abstract_noiser
+  noiser_bytes = 0 if noiser is None else _bytes_per_device(noiser)
   update_lowerings, update_state = run.abstract_update(params, mesh)
   lowerings = {**engine.lowerings(), **update_lowerings}
   # Only the selected programs are lowered (lowering them all cost seconds a plan, issue 38);

@@ -162,3 +162,36 @@ def test_the_config_key_prefill_tokens_sets_the_engines_largest_token_bucket():
   for tokens, largest in ((0, 4 + 8), (24, 4 + 24)):   # 0: a chunk beside the 4 decode tokens
     config.rollout.prefill_tokens = tokens
     assert builders.build_engine(config, model, None, abstract=True).buckets[-1] == largest
+
+
+def test_a_policy_bank_serves_one_engine(model):
+  """The engine binds its bank to its slots and placement: a second engine needs its own (a
+  shared one would key its noisers by the first engine's slots)."""
+  from jaxes.rollout.policy_bank import PolicyBank
+  cfg, graphdef, _ = model
+  bank = PolicyBank()
+  args = dict(num_slots=2, max_len=16, prefill_chunk=8, max_new_tokens=4, stop_ids=[],
+              im_end_id=IM_END, abstract=True)
+  assert Engine(graphdef, cfg, policy=bank, **args).policy is bank
+  with pytest.raises(ValueError, match="a policy bank serves one engine"):
+    Engine(graphdef, cfg, policy=bank, **args)
+
+
+def test_the_algorithms_banks_es_members_or_plain_versions():
+  """ES decodes through an ``ESPolicyBank`` (members' noise; version steps for an async low-rank
+  SGD run), GRPO's engine through the plain bank: the engine itself does not know which."""
+  from jaxes.rollout.policy_bank import ESPolicyBank, PolicyBank
+  from jaxes.train import builders, defaults
+  config = defaults.base_config()
+  config.rollout.update(num_slots=4, max_len=64, prefill_chunk=8, max_new_tokens=5)
+  config.controller.update(mode="async", max_staleness=2)
+  config.es.update(mode="lowrank", optimizer="sgd", population=4)
+  model = builders.build_model(config, 64)
+  strategy = builders.build_strategy(config)
+  bank = builders.es_policy_bank(config, model, strategy, jax.random.key(0))
+  assert isinstance(bank, ESPolicyBank) and bank.max_steps == 2 and not bank.member_slices
+  engine = builders.build_engine(config, model, None, bank, abstract=True)
+  assert engine.scheduler.max_steps == 2 and "merge_noisers" in engine.lowerings()
+  plain = builders.build_engine(config, model, None, abstract=True)
+  assert type(plain.policy) is PolicyBank and plain.scheduler.max_steps is None
+  assert "noiser" not in plain.lowerings()

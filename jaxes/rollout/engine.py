@@ -4,8 +4,8 @@ Three objects share the work. The host's side — slots, KV pages, the prefill h
 groups, what each row feeds and samples — is ``jaxes.rollout.scheduler`` (plain Python, no JAX):
 whoever schedules episodes starts, continues and releases them through ``Engine.scheduler``.
 What a call's rows decode with — a version's parameters and, for ES, each row's member noise and
-the low-rank steps between versions — is the algorithm's policy bank (``jaxes.rollout.policy_bank``).
-The engine holds the cache and the compiled step programs (``jaxes.rollout.step_program``), and
+the low-rank steps between versions — is the algorithm's policy bank
+(``jaxes.rollout.policy_bank``). The engine holds the cache and the compiled step programs (``jaxes.rollout.step_program``), and
 ``step`` turns the scheduler's decisions into calls.
 
 ``B`` slots share one cache ``[L, B, S, ...]``. A slot holds one episode: its prompt is prefilled
@@ -232,7 +232,8 @@ class Engine:
       suffix = f",steps={self.policy.max_steps}" if with_steps else ""
       for t in self.buckets:
         n, samples = t * self.shards, self.scheduler.samples(t) * self.shards
-        inputs = StepInputs(Tokens(*(rows((n,), d) for d in (jnp.int32,) * 3 + (jnp.bool_, jnp.int32))),
+        flat = (jnp.int32, jnp.int32, jnp.int32, jnp.bool_, jnp.int32)
+        inputs = StepInputs(Tokens(*(rows((n,), dtype) for dtype in flat)),
                             Samples(rows((samples,), jnp.int32), rows((samples,), jnp.int32)),
                             slots, key)
         for span in self.spans:

@@ -157,7 +157,8 @@ class ESPolicyBank(PolicyBank):
                        "a low-rank step apart)")
     self._make_noiser_fn, self.version_steps, self.member_slices = (
         make_noiser, version_steps, member_slices)
-    # version, or a call's versions (a tuple) -> (versions [B], members [B] built for, params, noiser)
+    # version, or a call's versions (a tuple) -> (versions [B], members [B] built for, the
+    # placed params built from, noiser)
     self._noisers: dict[Any, tuple] = {}
     self._slice_noisers: dict[int, tuple] = {}  # member_slices: version -> (members [D], noiser)
     self._steps: dict[int, Any] = {}     # version v -> the low-rank step from v - 1 to v
@@ -169,7 +170,8 @@ class ESPolicyBank(PolicyBank):
     make_noiser = self._make_noiser_fn
     slot_ids = jax.ShapeDtypeStruct((B,), jnp.int32, sharding=rows)
     # Member slices: versions and members per data shard [D], row_group per slot [B].
-    groups = jax.ShapeDtypeStruct((D,), jnp.int32, sharding=rows) if self.member_slices else slot_ids
+    groups = (jax.ShapeDtypeStruct((D,), jnp.int32, sharding=rows) if self.member_slices
+              else slot_ids)
     self._noiser_args = (groups, groups, slot_ids)
     if self.member_slices:
       make_noiser = functools.partial(_in_slices, make_noiser)
@@ -177,8 +179,8 @@ class ESPolicyBank(PolicyBank):
     self.noiser_shardings = (shapes.slice_shardings(placement.param_shardings) if self.member_slices
                              else jax.tree.map(self._leaf_sharding, shapes))
     self.abstract_noiser = sharding.abstract(shapes, self.noiser_shardings)
-    self._make_noiser = jax.jit(make_noiser, in_shardings=(placement.param_shardings, rows, rows, rows),
-                                out_shardings=self.noiser_shardings)
+    self._make_noiser = jax.jit(make_noiser, out_shardings=self.noiser_shardings,
+                                in_shardings=(placement.param_shardings, rows, rows, rows))
     if self.version_steps is not None:
       self._bind_version_steps()
 
@@ -330,7 +332,7 @@ class ESPolicyBank(PolicyBank):
     starts another member; the one it replaces is dropped first."""
     want = [m if m is not None and m[0] == version else None
             for m in self._scheduler.slice_members()]
-    live = self._scheduler.live_versions()   # the noisers of versions no slot holds go (a copy each)
+    live = self._scheduler.live_versions()   # noisers of versions no slot holds go (a copy each)
     self._slice_noisers = {v: x for v, x in self._slice_noisers.items() if v in live}
     held = self._slice_noisers.get(version)
     if held is None or any(w is not None and w[1] != h for w, h in zip(want, held[0])):
@@ -371,6 +373,7 @@ class ESPolicyBank(PolicyBank):
         N = int(self.version_steps.cohort)
         self._zero_step = self._make_step(*self._placement.everywhere(
             np.zeros(N, np.int32), np.zeros(N, np.int32), np.zeros(N, np.float32), np.int32(1)))
-      self._stacked[key] = self._stack(*(self._steps[base + k] if base + k <= newest
-                                         else self._zero_step for k in range(1, self.max_steps + 1)))
+      self._stacked[key] = self._stack(*(
+          self._steps[base + k] if base + k <= newest else self._zero_step
+          for k in range(1, self.max_steps + 1)))
     return self._stacked[key]

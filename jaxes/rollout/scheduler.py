@@ -98,9 +98,9 @@ class EngineStats:
 class Scheduler:
   """The slots of an engine of ``num_slots`` rows split over ``shards`` data shards. ``buckets``:
   the token buckets per shard (``Engine.buckets``, smallest first). ``max_steps``: the most
-  low-rank steps a call adds on top of its base version (``policy_bank.VersionSteps.max_steps``; None:
-  every version has calls of its own). ``page_size``/``num_pages``: a paged cache (None: dense
-  rows of ``max_len``). ``readable``: the slots whose sampled ids this process reads (None:
+  low-rank steps a call adds on top of its base version (``policy_bank.VersionSteps.max_steps``;
+  None: every version has calls of its own). ``page_size``/``num_pages``: a paged cache (None:
+  dense rows of ``max_len``). ``readable``: the slots whose sampled ids this process reads (None:
   all)."""
 
   def __init__(self, *, num_slots: int, shards: int, max_len: int, prefill_chunk: int,
@@ -348,7 +348,7 @@ class Scheduler:
     n = bucket * self.shards
     index, tokens, positions, offsets = (np.zeros(n, np.int32) for _ in range(4))
     valid = np.zeros(n, bool)
-    sample_at, limit = np.zeros(samples * self.shards, np.int32), np.zeros(samples * self.shards, np.int32)
+    sample_at, limit = (np.zeros(samples * self.shards, np.int32) for _ in range(2))
     used, sampled = np.zeros(self.shards, int), np.zeros(self.shards, int)
     where = []
     for s in rows:

@@ -270,16 +270,17 @@ def paged_cache(config) -> dict:
 
 
 def member_slices(strategy: es.Strategy | None) -> bool:
-  """Full-rank ES decodes in member slices (``ESPolicyBank(member_slices=True)``): each data shard runs
-  one member at a time, so the engine holds one perturbed weight copy per shard, not per slot."""
+  """Full-rank ES decodes in member slices (``ESPolicyBank(member_slices=True)``): each data
+  shard runs one member at a time, so the engine holds one perturbed weight copy per shard, not
+  per slot."""
   return strategy is not None and strategy.mode == "full"
 
 
 def version_steps(config, model: Model, strategy: es.Strategy | None, run_key) -> VersionSteps | None:
   """An async ES run whose updates are low-rank steps (``Strategy.steps_are_lowrank``: low-rank
   mode, plain SGD) runs the rows of all its live versions in one engine call, up to
-  ``max_staleness`` steps from the oldest (the update registers each step, ``ESPolicyBank.add_step``);
-  None otherwise (a call per version)."""
+  ``max_staleness`` steps from the oldest (the update registers each step,
+  ``ESPolicyBank.add_step``); None otherwise (a call per version)."""
   c = config.controller
   if strategy is None or c.mode != "async" or c.max_staleness < 1:
     return None

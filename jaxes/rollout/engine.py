@@ -33,9 +33,10 @@ Every sampled token comes with its log-prob under the distribution it was drawn 
 On a mesh (``mesh=``; default: one device) every device array is created where it lives (the
 cache by a jitted init with the logical-axis rules' shardings: slots over ``data``, KV heads over
 ``tensor`` where they divide), and the step is jitted with explicit in/out shardings — one tree
-each for the policy, the cache and the step's inputs — the cache donated and updated in place.
-With ``abstract=True`` nothing is allocated and ``programs()`` lowers every program the engine
-runs, for ``jaxes.preflight`` to compile (``lowerings()``: the same names, lowered on demand).
+each for the policy, the cache, the step's inputs and the version steps — the cache donated and
+updated in place. With ``abstract=True`` nothing is allocated and ``programs()`` lowers every
+program the engine runs, for ``jaxes.preflight`` to compile (``lowerings()``: the same names,
+lowered on demand).
 """
 from __future__ import annotations
 
@@ -196,15 +197,16 @@ class Engine:
 
   def _jitted(self, graphdef, with_steps: bool):
     """``step_program.call`` jitted for this engine: the attention span static, the cache
-    donated and updated in place, the policy's, the cache's and the inputs' shardings one tree
-    each. Each row's count of sampled tokens and last token come back replicated (gathered in the
+    donated and updated in place, the policy's, the cache's, the inputs' and (``with_steps``) the
+    version steps' shardings one tree each. Each row's count of sampled tokens and last token come back replicated (gathered in the
     program): every process takes the same decisions from them, reading its own rows' tokens."""
     rows, replicated = self.rows, self.placement.replicated
     fn = _step_function(graphdef, self._layout, self.decode_steps, tuple(sorted(self.stop_ids)),
                         self.page_size is not None)
     return jax.jit(fn, static_argnums=0, donate_argnums=(2,), in_shardings=(
-        self.policy.shardings(with_steps), self.cache_shardings,
-        step_program.input_shardings(rows, replicated)),
+        self.policy.shardings(), self.cache_shardings,
+        step_program.input_shardings(rows, replicated),
+        *((self.policy.step_shardings(),) if with_steps else ())),
                    out_shardings=((rows, rows, replicated, replicated), self.cache_shardings))
 
   def programs(self) -> dict[str, Any]:
@@ -238,7 +240,8 @@ class Engine:
                             slots, key)
         for span in self.spans:
           out[f"step[t={n},span={span}{suffix}]"] = functools.partial(
-              fn.lower, span, self.policy.abstract(with_steps), cache, inputs)
+              fn.lower, span, self.policy.abstract(), cache, inputs,
+              *((self.policy.abstract_steps(),) if with_steps else ()))
     out["reset"] = functools.partial(self._reset.lower, cache, rows((B,), jnp.bool_))
     return {**out, **self.policy.lowerings()}
 
@@ -270,11 +273,11 @@ class Engine:
     # The furthest position the call writes: its tokens, then each row's loop tokens.
     need = max(s.length + fed[s.index] + max(k - 1, 0) for s, k in zip(rows, limits))
     span = next((a for a in self.spans if a >= need), self.max_len)
-    decoding = self.policy.decoding(group, rows, params_by_version)
-    with_steps = decoding.steps is not None
-    (out_tokens, out_logprobs, taken, last), self.cache = self._call_fns[with_steps](
-        span, decoding, self.cache, inputs)
-    self.stats.multi_version_calls += with_steps
+    decoding, steps = self.policy.decoding(group, rows, params_by_version)
+    extra = () if steps is None else (steps,)   # rows of newer versions: their low-rank steps
+    (out_tokens, out_logprobs, taken, last), self.cache = self._call_fns[bool(extra)](
+        span, decoding, self.cache, inputs, *extra)
+    self.stats.multi_version_calls += bool(extra)
     self.stats.host_syncs += 1
     waited = time.perf_counter()
     counts, last = np.asarray(taken), np.asarray(last)   # replicated: on every process

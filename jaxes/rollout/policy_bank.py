@@ -1,9 +1,9 @@
 """What each engine call decodes with: its versions' parameters and, for ES, every row's noise.
 
 The engine (``jaxes.rollout.engine``) runs a call over some rows of one or more live versions and
-asks its bank for the call's ``step_program.Decoding``: the parameters, placed in the rule table's
-shardings once per version, the rows' noiser and, for rows of several versions, the low-rank
-steps between them. The algorithm picks the bank (``Algorithm.build_engine``):
+asks its bank what the call decodes with (``step_program.Decoding``): the parameters, placed in
+the rule table's shardings once per version, and the rows' noiser; and, for rows of several
+versions, the low-rank steps between them (``step_program.Steps``). The algorithm picks the bank (``Algorithm.build_engine``):
 
 ``PolicyBank``: every row decodes its version's parameters as they are (GRPO, SAO, evaluation).
 
@@ -42,7 +42,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxes import sharding
 from jaxes.rollout.placement import Placement
 from jaxes.rollout.scheduler import FREE, Scheduler, Slot
-from jaxes.rollout.step_program import Decoding
+from jaxes.rollout.step_program import Decoding, Steps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,17 +104,19 @@ class PolicyBank:
           params, jax.device_put(params, self._placement.param_shardings))
     return held[1]
 
-  def decoding(self, group: tuple, rows: list[Slot], params_by_version: dict) -> Decoding:
-    """What a call over ``rows`` of the versions ``group`` (the first the base) decodes with."""
-    return Decoding(self.place(group[0], params_by_version[group[0]]))
+  def decoding(self, group: tuple, rows: list[Slot],
+               params_by_version: dict) -> tuple[Decoding, Steps | None]:
+    """What a call over ``rows`` of the versions ``group`` (the first the base) decodes with, and
+    the steps its rows of newer versions add (None: all of the base's version)."""
+    return Decoding(self.place(group[0], params_by_version[group[0]])), None
 
   def retire(self, params_by_version: dict) -> None:
     """Before a step's calls: drop what versions no slot holds, or older than any passed, need."""
 
-  def shardings(self, with_steps: bool) -> Decoding:
+  def shardings(self) -> Decoding:
     return Decoding(self._placement.param_shardings)
 
-  def abstract(self, with_steps: bool) -> Decoding:
+  def abstract(self) -> Decoding:
     return Decoding(self.abstract_params)
 
   def lowerings(self) -> dict[str, Callable[[], Any]]:
@@ -213,17 +215,20 @@ class ESPolicyBank(PolicyBank):
   def stepped(self) -> Any:
     return self._steps
 
-  def shardings(self, with_steps: bool) -> Decoding:
-    p = self._placement
-    return Decoding(p.param_shardings, self.noiser_shardings,
-                    *((p.replicated, p.rows) if with_steps else ()))
+  def shardings(self) -> Decoding:
+    return Decoding(self._placement.param_shardings, self.noiser_shardings)
 
-  def abstract(self, with_steps: bool) -> Decoding:
-    if not with_steps:
-      return Decoding(self.abstract_params, self.abstract_noiser)
-    step_rows = jax.ShapeDtypeStruct((self._placement.num_slots, self.max_steps), jnp.float32,
-                                     sharding=self._placement.rows)
-    return Decoding(self.abstract_params, self.abstract_noiser, self._stacked_shapes, step_rows)
+  def abstract(self) -> Decoding:
+    return Decoding(self.abstract_params, self.abstract_noiser)
+
+  def step_shardings(self) -> Steps:
+    """``Steps``' shardings (with ``version_steps``): the factors replicated, the rows' with them."""
+    return Steps(self._placement.replicated, self._placement.rows)
+
+  def abstract_steps(self) -> Steps:
+    rows = jax.ShapeDtypeStruct((self._placement.num_slots, self.max_steps), jnp.float32,
+                                sharding=self._placement.rows)
+    return Steps(self._stacked_shapes, rows)
 
   def lowerings(self) -> dict[str, Callable[[], Any]]:
     out = {"noiser": functools.partial(self._make_noiser.lower, self.abstract_params,
@@ -274,18 +279,20 @@ class ESPolicyBank(PolicyBank):
       self._steps = {v: x for v, x in self._steps.items() if v > oldest}
       self._stacked = {k: x for k, x in self._stacked.items() if k[0] >= oldest}
 
-  def decoding(self, group: tuple, rows: list[Slot], params_by_version: dict) -> Decoding:
+  def decoding(self, group: tuple, rows: list[Slot],
+               params_by_version: dict) -> tuple[Decoding, Steps | None]:
     base = group[0]
     params = self.place(base, params_by_version[base])
     newest = max(s.version for s in rows)
     if newest == base:
-      return Decoding(params, self._noiser(base, params, rows))
+      return Decoding(params, self._noiser(base, params, rows)), None
     # Rows of several versions: the base's weights plus each row's steps.
     step_rows = np.zeros((self._placement.num_slots, self.max_steps), np.float32)
     for s in rows:
       step_rows[s.index, :s.version - base] = 1.0
-    return Decoding(params, self._versions_noiser(base, group, params_by_version, rows),
-                    self._stacked_steps(base, newest), *self._placement.by_rows(step_rows))
+    noiser = self._versions_noiser(base, group, params_by_version, rows)
+    return Decoding(params, noiser), Steps(self._stacked_steps(base, newest),
+                                           *self._placement.by_rows(step_rows))
 
   # -- noisers, kept while they fit ---------------------------------------------------------------
   def _assignment(self) -> tuple[np.ndarray, np.ndarray]:

@@ -27,13 +27,18 @@ from jaxes.rollout import decode_loop, sampling
 
 
 class Decoding(NamedTuple):
-  """What a call's rows decode with (``jaxes.rollout.policy_bank``): the base version's ``params``,
-  the rows' ``noiser`` (None: unperturbed) and, for rows of several versions, K low-rank ``steps``
-  shared by the rows and ``step_rows [B, K]`` (1 where slot b adds step k)."""
+  """What a call's rows decode with (``jaxes.rollout.policy_bank``): the base version's ``params``
+  and the rows' ``noiser`` (None: unperturbed)."""
   params: Any
   noiser: Any = None
-  steps: Any = None
-  step_rows: Any = None
+
+
+class Steps(NamedTuple):
+  """Rows of several versions in one call: K low-rank steps on top of the base version, shared by
+  the rows (``factors``, ``PopulationNoiser.with_steps``), and ``rows [B, K]``: 1 where slot b
+  adds step k."""
+  factors: Any
+  rows: Any
 
 
 class Tokens(NamedTuple):
@@ -74,17 +79,19 @@ def input_shardings(rows, replicated) -> StepInputs:
 
 
 def call(graphdef, layout: tuple, max_steps: int, stop_ids: tuple, paged: bool, attend_len: int,
-         decoding: Decoding, cache, inputs: StepInputs):
+         decoding: Decoding, cache, inputs: StepInputs, steps: Steps | None = None):
   """One engine call. Static: ``layout`` (``attention.Rows``'s mesh, batch and KV-head axes),
   ``max_steps``, ``stop_ids``, ``paged`` (the cache is a ``PagedKVCache``), ``attend_len``.
   Returns ``((tokens [D * S, max_steps], logprobs [D * S, max_steps], taken [D * S], last [D * S]),
   cache)``: entries past a sample's last sampled token are 0; ``taken`` and ``last`` are each
-  sample's count of sampled tokens and the last of them (``decode_loop.tokens_taken``)."""
-  params, noiser, steps, step_rows = decoding
+  sample's count of sampled tokens and the last of them (``decode_loop.tokens_taken``).
+  ``steps`` comes last: XLA assigns buffers in argument order, and the programs with steps keep
+  the per-device memory they had when their arguments were listed one by one, these last."""
+  params, noiser = decoding
   (index, tokens, positions, valid, offsets), (sample_at, limit) = inputs.tokens, inputs.samples
   base_key = inputs.base_key
   if steps is not None:
-    noiser = noiser.with_steps(steps, step_rows)
+    noiser = noiser.with_steps(steps.factors, steps.rows)
   flat = attention.Rows(index, *layout)
   samples = attention.Rows(sample_at, *layout)
   rows = attention.Rows(samples.take(index), *layout)   # each sample's cache row

@@ -4,9 +4,9 @@ compacted call runs the step on a quarter or a half of the rows (``attention.Row
 keys/values written into the cache in place, its key blocks read for its rows only); a call
 that needs more rows runs the same full-batch program as ``compact=False``.
 
-Async workloads also run a third engine, "merged": compaction plus ``Engine(version_steps=)``,
+Async workloads also run a third engine, "merged": compaction plus ``ESPolicyBank(version_steps=)``,
 which runs the rows of both live versions in one call (version 1 as version 0 plus the low-rank
-SGD step of the update that made it, ``Engine.add_step``) instead of a call per version.
+SGD step of the update that made it, ``ESPolicyBank.add_step``) instead of a call per version.
 
 Workloads, on one engine each, with a low-rank ES noiser (every slot its own member):
 
@@ -80,7 +80,8 @@ from flax import nnx
 from jaxes import es
 from jaxes.models import qwen2
 from jaxes.rollout import sampling
-from jaxes.rollout.engine import DECODE, FREE, PARKED, PREFILL, Engine, VersionSteps
+from jaxes.rollout.engine import DECODE, FREE, PARKED, PREFILL, Engine
+from jaxes.rollout.policy_bank import ESPolicyBank, VersionSteps
 
 IM_END = 3
 
@@ -96,6 +97,11 @@ def build(quick: bool):
   return cfg, graphdef, params
 
 
+def _bank(make_noiser, **kw):
+  """The engines' policy bank: each row its member's noise (None: the plain bank)."""
+  return None if make_noiser is None else ESPolicyBank(make_noiser, **kw)
+
+
 def _engine(args, cfg, graphdef, make_noiser, params_by_version, *, compact, versions, working,
             observations, steps=None, paged=False):
   """A fresh engine in the workload's starting state, and the rng its observations come from
@@ -105,23 +111,23 @@ def _engine(args, cfg, graphdef, make_noiser, params_by_version, *, compact, ver
   engine = Engine(graphdef, cfg, num_slots=B, max_len=args.max_len, prefill_chunk=args.chunk,
                   max_new_tokens=args.turn if observations else args.max_len - args.prompt - 1,
                   stop_ids=[],
-                  im_end_id=IM_END, make_noiser=make_noiser, compact=compact,
-                  version_steps=None if steps is None else steps[0], decode_steps=args.decode_steps,
+                  im_end_id=IM_END, compact=compact, decode_steps=args.decode_steps,
+                  policy=_bank(make_noiser, version_steps=None if steps is None else steps[0]),
                   **(dict(page_size=args.page_size, num_pages=args.num_pages) if paged else {}))
   if steps is not None:
-    assert engine.add_step(1, *steps[1])
+    assert engine.policy.add_step(1, *steps[1])
   rng = np.random.default_rng(0)
   active = set(range(0, B, B // working)) if working < B else set(range(B))
   # The mix: every slot has had a turn, the idle ones stay parked. Decode: idle slots are free.
   for i in (range(B) if observations else sorted(active)):
-    engine.start(i, list(rng.integers(4, cfg.vocab_size, size=args.prompt)),
+    engine.scheduler.start(i, list(rng.integers(4, cfg.vocab_size, size=args.prompt)),
                  version=(i // (B // working)) % versions if i in active else 0, member=i,
                  stream=i, temperature=0.7)
   if observations:
-    while any(s.state != PARKED for s in engine.slots):
+    while any(s.state != PARKED for s in engine.scheduler.slots):
       engine.step(params_by_version)
     for i in active:
-      engine.continue_turn(i, list(rng.integers(4, cfg.vocab_size, size=args.obs)))
+      engine.scheduler.continue_turn(i, list(rng.integers(4, cfg.vocab_size, size=args.obs)))
   return engine, rng
 
 
@@ -154,7 +160,7 @@ def run(args, cfg, graphdef, make_noiser, params_by_version, steps, workloads):
         keep[key].append(engine.compilations() == compiled)
       for turn in turns:
         if workloads[key[0]]["observations"]:
-          engine.continue_turn(turn.slot, list(rng.integers(4, cfg.vocab_size, size=args.obs)))
+          engine.scheduler.continue_turn(turn.slot, list(rng.integers(4, cfg.vocab_size, size=args.obs)))
   out = {name: {} for name in workloads}
   for (name, mode), (engine, _) in engines.items():
     stats = {k: v - base[name, mode][k] for k, v in vars(engine.stats).items()}
@@ -224,14 +230,14 @@ class _PlainDecode:
   differ only in the engine's host bookkeeping."""
 
   def __init__(self, engine, graphdef, cfg, all_members, params, max_len):
-    rows = [s for s in engine.slots if s.state == PREFILL]
+    rows = [s for s in engine.scheduler.slots if s.state == PREFILL]
     n, width = len(rows), len(rows[0].pending)
     assert all(len(s.pending) == width for s in rows)
     assert all(s.version == 0 and s.member == s.index for s in rows)   # all_members' rows
     ids = lambda f, dtype: jnp.asarray(np.array([f(s) for s in rows], dtype))
     take = np.array([s.index for s in rows])
     self.noiser = None if all_members is None else (
-        all_members if n == len(engine.slots) else
+        all_members if n == len(engine.scheduler.slots) else
         jax.jit(lambda noiser: noiser.select_rows(lambda x: x[take]))(all_members))
     self.params, self.spans, self.key = params, engine.spans, engine.base_key
     self.sampling = (ids(lambda s: s.stream, np.uint32), jnp.zeros(n, jnp.int32),
@@ -300,18 +306,18 @@ def engine_vs_plain(args, cfg, graphdef, make_noiser, params):
     # im_end_id out of the vocabulary: no turn ends while timing, every live row decodes.
     engine = Engine(graphdef, cfg, num_slots=B, max_len=args.max_len, prefill_chunk=args.chunk,
                     max_new_tokens=args.max_len // 2, stop_ids=[], im_end_id=cfg.vocab_size,
-                    make_noiser=make_noiser, decode_steps=K,
+                    policy=_bank(make_noiser), decode_steps=K,
                     # every prompt in the first call, as the plain reference prefills them
                     prefill_tokens=max(B * args.prompt, args.chunk))
     rng = np.random.default_rng(0)
     for i in range(0, B, B // working):
-      engine.start(i, list(rng.integers(4, cfg.vocab_size, size=args.prompt)), version=0,
+      engine.scheduler.start(i, list(rng.integers(4, cfg.vocab_size, size=args.prompt)), version=0,
                    member=i, stream=i, temperature=0.7)
     if make_noiser is not None and all_members is None:
       # Member i in row i of all B rows, jitted as the engine jits it (the same shardings): its
       # compiled program is loaded from the run's cache, not compiled again (it is slow to).
       build_noiser = jax.jit(make_noiser, in_shardings=(engine.param_shardings, *3 * (engine.rows,)),
-                             out_shardings=engine.noiser_shardings)
+                             out_shardings=engine.policy.noiser_shardings)
       slots = np.arange(B, dtype=np.int32)
       all_members = build_noiser(params, np.zeros(B, np.int32), slots, slots)
     groups[working] = (engine, *(_PlainDecode(engine, graphdef, cfg, all_members, params,
@@ -338,9 +344,9 @@ def engine_vs_plain(args, cfg, graphdef, make_noiser, params):
   out = {}
   for w, (engine, plain, loop) in groups.items():
     e, p, d = (float(np.median(times[w, side])) for side in sides)
-    live = [s for s in engine.slots if s.state != FREE]
+    live = [s for s in engine.scheduler.slots if s.state != FREE]
     assert all(s.state == FREE or (s.state == DECODE and len(s.generated) == K * (2 + timed))
-               for s in engine.slots)   # every live row decoded at every step: no turn ended
+               for s in engine.scheduler.slots)   # every live row decoded at every step: no turn ended
     got = np.array([s.generated for s in live])
     out["all_rows" if w == args.slots else "quarter_rows"] = {
         "rows": w, "tokens_per_row_per_step": K, "engine_step_ms": 1e3 * e,
@@ -368,20 +374,20 @@ def observation_prefill(args, cfg, graphdef, make_noiser, params):
   for rows in (1, B):   # max_new_tokens=1: the step that prefills the observation parks the row
     engines[rows] = Engine(graphdef, cfg, num_slots=B, max_len=args.max_len,
                            prefill_chunk=args.chunk, max_new_tokens=1, stop_ids=[],
-                           im_end_id=IM_END, make_noiser=make_noiser)
+                           im_end_id=IM_END, policy=_bank(make_noiser))
   rng = np.random.default_rng(1)
   times = {rows: [] for rows in engines}
   calls = {rows: set() for rows in engines}
   for n in range(2 + args.obs_cycles):   # two warm-up cycles
     for rows, engine in engines.items():
       for i in range(B if n == 0 else rows):
-        if engine.slots[i].state != FREE:
-          engine.release(i)
-        engine.start(i, prompts[i], version=0, member=i, stream=i, temperature=0.7)
-      while engine.busy():
+        if engine.scheduler.slots[i].state != FREE:
+          engine.scheduler.release(i)
+        engine.scheduler.start(i, prompts[i], version=0, member=i, stream=i, temperature=0.7)
+      while engine.scheduler.busy():
         engine.step({0: params})
       for i in range(rows):
-        assert engine.continue_turn(i, list(rng.integers(4, cfg.vocab_size, size=args.obs)))
+        assert engine.scheduler.continue_turn(i, list(rng.integers(4, cfg.vocab_size, size=args.obs)))
       before, compiled = dict(vars(engine.stats)), engine.compilations()
       t = time.perf_counter()
       engine.step({0: params})

@@ -20,7 +20,8 @@ from jax.experimental import multihost_utils
 
 from jaxes import distributed, es
 from jaxes.models import partition, qwen2
-from jaxes.rollout.engine import Engine, VersionSteps
+from jaxes.rollout.engine import Engine
+from jaxes.rollout.policy_bank import ESPolicyBank, VersionSteps
 from jaxes.train import warmstart
 
 SLOTS, TURNS, IM_END = 32, 3, 3
@@ -40,16 +41,16 @@ def decode(engine: Engine, params_by_version: dict) -> list:
   rng = np.random.default_rng(5)
   for slot in range(SLOTS):
     prompt = [int(t) for t in rng.integers(4, 1000, size=int(rng.integers(2, 40)))]
-    assert engine.start(slot, prompt, version=slot % 2, member=slot, stream=slot,
+    assert engine.scheduler.start(slot, prompt, version=slot % 2, member=slot, stream=slot,
                         temperature=0.0 if slot % 2 else 0.9, top_p=0.95)
   turns, out = {slot: 0 for slot in range(SLOTS)}, []
-  while engine.busy():
+  while engine.scheduler.busy():
     for turn in engine.step(params_by_version):
       out.append((turn.slot, np.asarray(turn.tokens, np.int64), np.asarray(turn.logprobs, np.float32)))
       turns[turn.slot] += 1
       if turns[turn.slot] < TURNS:
         observation = np.random.default_rng(100 * turn.slot + turns[turn.slot]).integers(4, 1000, size=1 + 3 * turn.slot)
-        assert engine.continue_turn(turn.slot, [int(t) for t in observation])
+        assert engine.scheduler.continue_turn(turn.slot, [int(t) for t in observation])
   return out
 
 
@@ -76,9 +77,10 @@ def main() -> None:
     return strategy.member_noiser(p, versions, members, row_group, run_key=run_key)
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
   engine = Engine(graphdef, cfg, num_slots=SLOTS, max_len=512, prefill_chunk=64, max_new_tokens=32,
-                  stop_ids=[], im_end_id=IM_END, make_noiser=make_noiser, mesh=mesh,
-                  version_steps=VersionSteps(strategy.version_step(abstract, run_key), SLOTS, 1))
-  engine.add_step(1, *strategy.cohort(state, results))
+                  stop_ids=[], im_end_id=IM_END, mesh=mesh, policy=ESPolicyBank(
+                      make_noiser, version_steps=VersionSteps(strategy.version_step(abstract, run_key),
+                                                              SLOTS, 1)))
+  engine.policy.add_step(1, *strategy.cohort(state, results))
   turns = decode(engine, {0: params, 1: updated.params})
   line = (f"processes {jax.process_count()} x devices {jax.local_device_count()}: "
           f"warm start {digest(warm)}  ES update {digest(updated.params)}  "

@@ -18,18 +18,19 @@ from flax import nnx
 from jaxes import es
 from jaxes.models import qwen2
 from jaxes.rollout.engine import Engine
+from jaxes.rollout.policy_bank import ESPolicyBank
 
 
 def decode_tokens_per_s(graphdef, cfg, params, make_noiser, slots, steps, prompt_len, members):
   engine = Engine(graphdef, cfg, num_slots=slots, max_len=prompt_len + steps + 8,
                   prefill_chunk=prompt_len, max_new_tokens=steps + 4, stop_ids=[], im_end_id=-1,
-                  make_noiser=make_noiser)
+                  policy=None if make_noiser is None else ESPolicyBank(make_noiser))
   rng = np.random.default_rng(0)
 
   def run():
     for s in range(slots):
-      engine.release(s)
-      engine.start(s, list(rng.integers(10, cfg.vocab_size, prompt_len)), version=0,
+      engine.scheduler.release(s)
+      engine.scheduler.start(s, list(rng.integers(10, cfg.vocab_size, prompt_len)), version=0,
                    member=members[s], stream=s)
     engine.step({0: params})          # prefill (+ the first decode step)
     jax.block_until_ready(engine.cache.k)

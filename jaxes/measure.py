@@ -189,12 +189,12 @@ def _run_mode(config) -> str:
 
 
 def _engine(config, model, es_mode: bool, mesh, abstract: bool, run_key=None):
-  strategy = builders.build_strategy(config) if es_mode else None
   key = jax.random.key(config.seed) if run_key is None else run_key
+  policy = (builders.es_policy_bank(config, model, builders.build_strategy(config), key)
+            if es_mode else None)
   # No tokenizer, as the preflight builds its engines (the same programs: the stop ids are part of
   # them): token 0 ends a turn, which random weights rarely sample; such a row starts again.
-  return builders.build_engine(config, model, None, strategy, key if es_mode else None,
-                               mesh=mesh, abstract=abstract)
+  return builders.build_engine(config, model, None, policy, mesh=mesh, abstract=abstract)
 
 
 # -- memory -----------------------------------------------------------------------------------------
@@ -231,7 +231,7 @@ def _bytes_per_device(tree) -> int:
 # -- steady decode ----------------------------------------------------------------------------------
 def _start_row(engine, config, i: int, version: int, member: int, rng, vocab: int) -> None:
   prompt = [int(t) for t in rng.integers(1, vocab, size=PROMPT_TOKENS)]
-  if not engine.start(i, prompt, version=version, member=member, stream=i,
+  if not engine.scheduler.start(i, prompt, version=version, member=member, stream=i,
                       temperature=float(config.rollout.temperature), top_p=float(config.rollout.top_p)):
     raise RuntimeError(f"measure: slot {i} refused a {PROMPT_TOKENS}-token prompt")
 
@@ -245,7 +245,7 @@ def _decode(engine, config, params_by_version: dict, versions, members, steps: i
   tokens = loop_steps = calls = 0
   kv_in_use = []
   while timed < steps:
-    for i in engine.free_slots():
+    for i in engine.scheduler.free_slots():
       _start_row(engine, config, i, versions[i], members[i], rng, vocab)
     before = (engine.stats.prefill_calls, engine.stats.tokens_decoded, engine.stats.device_wait_s,
               engine.stats.loop_steps, engine.compilations(), engine.stats.decode_calls)
@@ -255,7 +255,7 @@ def _decode(engine, config, params_by_version: dict, versions, members, steps: i
     wall = time.perf_counter() - t
     after_step()
     for turn in finished:
-      engine.release(turn.slot)
+      engine.scheduler.release(turn.slot)
     if engine.stats.prefill_calls != before[0] or engine.compilations() != before[4]:
       skipped += 1
       continue
@@ -278,7 +278,7 @@ def _rows(engine, mode: str) -> tuple[list[int], list[int]]:
   two versions alternate by slot (by data shard under member slices)."""
   B, D = engine.num_slots, engine.shards
   per_shard = B // D
-  if engine.member_slices:
+  if engine.policy.member_slices:
     members = [i // per_shard for i in range(B)]
     versions = [(i // per_shard) % 2 if mode == "two_versions" else 0 for i in range(B)]
   else:
@@ -458,9 +458,9 @@ def measure(config, model_shape: str, steps: int, log=print, hardware: dict | No
           new_state, _ = strategy.update(state, cohort)
           placed[1] = jax.device_put(new_state.params, engine.param_shardings)
         pbv[1] = placed[1]
-        engine.add_step(1, *strategy.cohort(state, cohort))
+        engine.policy.add_step(1, *strategy.cohort(state, cohort))
       versions, members = _rows(engine, name)
-      if engine.member_slices and name == "two_versions" and engine.shards < 2:
+      if engine.policy.member_slices and name == "two_versions" and engine.shards < 2:
         decode[name] = None
         log(f"  {name}: needs 2 data shards under member slices; not measured")
         continue

@@ -256,7 +256,8 @@ def _plan(config, target: Target, log, only: str | None, algorithm: str, jobs: i
   engine = run.build_engine(None, mesh, abstract=True)   # paged: kv_cache counts the pages
   params = engine.abstract_params
   versions = live_versions(config)
-  noiser_bytes = 0 if engine.abstract_noiser is None else _bytes_per_device(engine.abstract_noiser)
+  noiser = engine.policy.abstract_noiser
+  noiser_bytes = 0 if noiser is None else _bytes_per_device(noiser)
   update_lowerings, update_state = run.abstract_update(params, mesh)
   lowerings = {**engine.lowerings(), **update_lowerings}
   # Only the selected programs are lowered (lowering them all cost seconds a plan, issue 38);
@@ -272,11 +273,11 @@ def _plan(config, target: Target, log, only: str | None, algorithm: str, jobs: i
     "old_versions": (versions - 1) * _bytes_per_device(params),
     "kv_cache": _bytes_per_device(engine.cache),
   }
-  if engine.abstract_noiser is not None:
+  if engine.policy.abstract_noiser is not None:
     # Rows of all live versions in one call: the merged noiser takes the place of the newer
     # versions' own, and the low-rank steps between versions are held beside it.
     resident |= {"noiser_state": versions * noiser_bytes,
-                 "version_steps": _bytes_per_device(engine.abstract_version_steps())}
+                 "version_steps": _bytes_per_device(engine.policy.abstract_version_steps())}
   resident |= {name: _bytes_per_device(tree) for name, tree in update_state.items()}
   if config.eval.drift:   # jaxes.train.drift: θ_{v-1} kept one update longer for update_cosine,
     # and θ₀ read from the version-0 checkpoint for each evaluation unless an anchor holds it

@@ -25,9 +25,11 @@ def tiny_model(preset: str = "tiny-gqa", seed: int = 0, **overrides):
   return (cfg, *nnx.split(Qwen2ForCausalLM(cfg, rngs=nnx.Rngs(seed)), nnx.Param))
 
 
-def engine_noiser(strategy, run_key):
-  """An engine's ``make_noiser`` for ``strategy``'s members under ``run_key``; None without one."""
-  return None if strategy is None else strategy.engine_noiser(run_key)
+def es_bank(strategy, run_key, **kw):
+  """An engine's policy bank for ``strategy``'s members under ``run_key`` (``kw``:
+  ``version_steps``, ``member_slices``); None without a strategy (the plain bank)."""
+  from jaxes.rollout.policy_bank import ESPolicyBank
+  return None if strategy is None else ESPolicyBank(strategy.engine_noiser(run_key), **kw)
 
 
 def assert_same_turns(got: dict, want: dict, atol: float = 1e-4) -> None:
@@ -54,17 +56,17 @@ def ragged_turns(engine, params_by_version: dict, versions, *, turns: int = 2,
   rng = np.random.default_rng(5)
   for slot, version in enumerate(versions):
     prompt = list(rng.integers(4, 64, size=int(rng.integers(2, 14))))
-    assert engine.start(slot, prompt, version=version, member=slot, stream=slot,
+    assert engine.scheduler.start(slot, prompt, version=version, member=slot, stream=slot,
                         temperature=0.0 if slot % 2 else 0.9, top_p=0.95)
   out = {slot: [] for slot in range(len(versions))}
   waiting, step = {}, 0
-  while engine.busy() or waiting:
+  while engine.scheduler.busy() or waiting:
     for slot, due in list(waiting.items()):
       if due <= step:
         del waiting[slot]
         size = 1 + observation_growth * slot
         observation = np.random.default_rng(100 * slot + len(out[slot])).integers(4, 64, size=size)
-        assert engine.continue_turn(slot, list(observation))  # whatever order turns ended in
+        assert engine.scheduler.continue_turn(slot, list(observation))  # whatever order turns ended in
     for turn in engine.step(params_by_version):
       assert turn.failure is None
       out[turn.slot].append((turn.tokens, turn.logprobs))

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers_models import assert_same_turns, engine_noiser, ragged_turns, tiny_model
+from helpers_models import assert_same_turns, es_bank, ragged_turns, tiny_model
 from jaxes import es
 from jaxes.rollout import decode_loop
 from jaxes.rollout.engine import Engine
@@ -42,7 +42,7 @@ def test_device_loop_decodes_the_single_step_tokens_with_pages(model):
     # end by the budget mid-loop, and stop ids end others.
     engines.append(Engine(graphdef, cfg, num_slots=8, max_len=64, prefill_chunk=4,
                           max_new_tokens=12, stop_ids=[7], im_end_id=IM_END,
-                          make_noiser=engine_noiser(strategy, state.run_key), compact=False,
+                          policy=es_bank(strategy, state.run_key), compact=False,
                           page_size=4, num_pages=128, decode_steps=k))
   want, got = (ragged_turns(e, params_by_version, [0, 1, 0, 1, 1, 0, 1], observation_growth=2)
                for e in engines)
@@ -53,5 +53,5 @@ def test_device_loop_decodes_the_single_step_tokens_with_pages(model):
   assert 2 * loop.host_syncs < one.host_syncs
   for engine in engines:
     for slot in range(8):
-      engine.release(slot)
-    assert engine.pool.in_use() == 0
+      engine.scheduler.release(slot)
+    assert engine.scheduler.pool.in_use() == 0

@@ -1,4 +1,4 @@
-"""Full-rank member slices (``Engine(member_slices=True)``) on an 8-device CPU mesh: every data
+"""Full-rank member slices (``ESPolicyBank(member_slices=True)``) on an 8-device CPU mesh: every data
 shard runs one member at a time, so the noiser holds one perturbed weight copy per shard (D
 copies, not B) and its matmuls gather nothing; the tokens are those of the one-device engine
 with one group per slot; the episode runner never mixes members within a shard, runs a shard's
@@ -13,13 +13,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from helpers_models import assert_same_turns, engine_noiser
+from helpers_models import assert_same_turns, es_bank
 from jaxes import es, sharding, tokenization
 from jaxes.envs import generator, protocol
 from jaxes.envs.local_sandbox import LocalSandbox
 from jaxes.es import keys, noiser
 from jaxes.models import qwen2
-from jaxes.rollout.engine import Engine, VersionSteps
+from jaxes.rollout.engine import Engine
+from jaxes.rollout.policy_bank import VersionSteps
 from jaxes.rollout.episodes import EpisodeRunner, EpisodeSpec
 from jaxes.train import builders
 
@@ -41,10 +42,11 @@ def _strategy():
   return es.Strategy(population=8, sigma=0.3, learning_rate=0.1, mode="full")
 
 
-def _engine(model, mesh, strategy, run_key, **kw):
+def _engine(model, mesh, strategy, run_key, version_steps=None, member_slices=False, **kw):
   cfg, graphdef, _ = model
+  policy = es_bank(strategy, run_key, version_steps=version_steps, member_slices=member_slices)
   args = dict(num_slots=SLOTS, max_len=64, prefill_chunk=8, max_new_tokens=6, stop_ids=[],
-              im_end_id=IM_END, make_noiser=engine_noiser(strategy, run_key), mesh=mesh)
+              im_end_id=IM_END, policy=policy, mesh=mesh)
   return Engine(graphdef, cfg, **{**args, **kw})
 
 
@@ -54,15 +56,15 @@ def _decode(engine, params_by_version, jobs):
   rng = np.random.default_rng(0)
   for slot, (version, member) in jobs.items():
     prompt = list(rng.integers(4, 64, size=int(rng.integers(2, 20))))
-    assert engine.start(slot, prompt, version=version, member=member, stream=slot,
+    assert engine.scheduler.start(slot, prompt, version=version, member=member, stream=slot,
                         temperature=1.0)
   out = {slot: [] for slot in jobs}
-  while engine.busy():
+  while engine.scheduler.busy():
     for turn in engine.step(params_by_version):
       out[turn.slot].append((turn.tokens, turn.logprobs))
       if len(out[turn.slot]) == 1:
         observation = np.random.default_rng(100 + turn.slot).integers(4, 64, size=1 + turn.slot)
-        assert engine.continue_turn(turn.slot, list(observation))
+        assert engine.scheduler.continue_turn(turn.slot, list(observation))
   return out
 
 
@@ -126,21 +128,21 @@ def test_noiser_holds_one_copy_per_shard_and_its_matmuls_gather_nothing(model):
   sliced = _engine(model, mesh, strategy, jax.random.key(0), abstract=True, member_slices=True)
   params = {keys.param_name(path): leaf for path, leaf in
             jax.tree_util.tree_flatten_with_path(sliced.abstract_params)[0]}
-  matrices = [s.name for s in sliced.abstract_noiser.specs if not noiser.is_vector(s)]
+  matrices = [s.name for s in sliced.policy.abstract_noiser.specs if not noiser.is_vector(s)]
   assert len(matrices) == 9
   copy_bytes = 0
   for name in matrices:
     leaf = params[name]
     param_sh = leaf.sharding
-    assert per_slot.abstract_noiser.values[name].shape == (SLOTS,) + leaf.shape
-    value, sh = sliced.abstract_noiser.values[name], sliced.noiser_shardings.values[name]
+    assert per_slot.policy.abstract_noiser.values[name].shape == (SLOTS,) + leaf.shape
+    value, sh = sliced.policy.abstract_noiser.values[name], sliced.policy.noiser_shardings.values[name]
     assert value.shape == (4,) + leaf.shape   # D copies, not B
     assert sh.spec == jax.sharding.PartitionSpec("data", *param_sh.spec)
     # Each device holds its own group's copy, split as the parameter is.
     assert _local_bytes(value, sh) == _local_bytes(leaf, param_sh)
     copy_bytes += _local_bytes(leaf, param_sh)
   noiser_bytes = sum(_local_bytes(x, sh) for x, sh in zip(
-      jax.tree.leaves(sliced.abstract_noiser), jax.tree.leaves(sliced.noiser_shardings)))
+      jax.tree.leaves(sliced.policy.abstract_noiser), jax.tree.leaves(sliced.policy.noiser_shardings)))
   cache_bytes = sum(_local_bytes(x, x.sharding) for x in jax.tree.leaves(sliced.cache))
   param_bytes = sum(_local_bytes(x, x.sharding) for x in jax.tree.leaves(sliced.abstract_params))
   assert copy_bytes < noiser_bytes < 1.1 * copy_bytes   # one copy, plus per-row vectors
@@ -174,18 +176,18 @@ def test_engine_refuses_a_second_member_in_a_shard(model):
   _, _, params = model
   engine = _engine(model, sharding.make_mesh(data=4, tensor=2), _strategy(), jax.random.key(0),
                    member_slices=True)
-  assert engine.start(0, [5, 6], version=0, member=2, stream=0)
-  assert engine.start(1, [5, 7], version=0, member=2, stream=1)   # the same member: fine
-  assert engine.start(2, [5, 6], version=0, member=3, stream=2)   # shard 1
+  assert engine.scheduler.start(0, [5, 6], version=0, member=2, stream=0)
+  assert engine.scheduler.start(1, [5, 7], version=0, member=2, stream=1)   # the same member: fine
+  assert engine.scheduler.start(2, [5, 6], version=0, member=3, stream=2)   # shard 1
   with pytest.raises(ValueError, match=r"slot 3: its data shard runs \(version, member\) \(0, 3\)"):
-    engine.start(3, [5], version=0, member=4, stream=3)
+    engine.scheduler.start(3, [5], version=0, member=4, stream=3)
   with pytest.raises(ValueError, match=r"slot 1 is prefill"):
-    engine.start(1, [5], version=1, member=2, stream=3)
-  assert engine.slice_members() == [(0, 2), (0, 3), None, None]
-  engine.release(0)
-  engine.release(1)
-  assert engine.start(0, [5, 6], version=1, member=4, stream=4)   # shard 0 free again
-  assert engine.slice_members() == [(1, 4), (0, 3), None, None]
+    engine.scheduler.start(1, [5], version=1, member=2, stream=3)
+  assert engine.scheduler.slice_members() == [(0, 2), (0, 3), None, None]
+  engine.scheduler.release(0)
+  engine.scheduler.release(1)
+  assert engine.scheduler.start(0, [5, 6], version=1, member=4, stream=4)   # shard 0 free again
+  assert engine.scheduler.slice_members() == [(1, 4), (0, 3), None, None]
   with pytest.raises(ValueError, match="no version_steps"):
     _engine(model, None, _strategy(), jax.random.key(0), member_slices=True,
             version_steps=VersionSteps(lambda *cohort: {}, 8))
@@ -217,8 +219,8 @@ def test_runner_runs_a_shards_members_in_turn_and_completes_every_episode(model)
   state = strategy.init(params, jax.random.key(0))
   engine = Engine(graphdef, cfg, num_slots=SLOTS, max_len=160, prefill_chunk=32, max_new_tokens=8,
                   stop_ids=[], im_end_id=tok.convert_tokens_to_ids("<|im_end|>"),
-                  make_noiser=engine_noiser(strategy, state.run_key),
-                  mesh=sharding.make_mesh(data=4, tensor=2), member_slices=True)
+                  policy=es_bank(strategy, state.run_key, member_slices=True),
+                  mesh=sharding.make_mesh(data=4, tensor=2))
   sandbox = LocalSandbox(root_dir=os.path.join(root, "sandboxes"))
   runner = EpisodeRunner(engine, tok, sandbox, workers=4, sandbox_steps=2,
                          make_episode=lambda task, handle: protocol.Episode(task, handle,
@@ -232,8 +234,8 @@ def test_runner_runs_a_shards_members_in_turn_and_completes_every_episode(model)
     while len(done) < 15:
       for _ in runner.free_slots()[:len(todo)]:
         runner.submit(todo.pop())
-      for d, held in enumerate(engine.slice_members()):
-        members = {(s.version, s.member) for s in engine.slots[2 * d:2 * d + 2] if s.state != "free"}
+      for d, held in enumerate(engine.scheduler.slice_members()):
+        members = {(s.version, s.member) for s in engine.scheduler.slots[2 * d:2 * d + 2] if s.state != "free"}
         assert len(members) <= 1, (d, members)
         if held is not None and (not runs[d] or runs[d][-1] != held):
           runs[d].append(held)

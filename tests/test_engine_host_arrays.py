@@ -19,12 +19,12 @@ SLOTS = 8
 
 def _turns(engine, params, prompt, stream):
   for slot in range(SLOTS):
-    engine.start(slot, prompt, version=0, member=-1, stream=stream)
+    engine.scheduler.start(slot, prompt, version=0, member=-1, stream=stream)
   turns = {}
   while len(turns) < SLOTS:
     turns.update({t.slot: list(t.tokens) for t in engine.step({0: params})})
   for slot in range(SLOTS):
-    engine.release(slot)
+    engine.scheduler.release(slot)
   return turns
 
 

@@ -12,13 +12,14 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from helpers_models import assert_same_turns, engine_noiser, ragged_turns, tiny_model
+from helpers_models import assert_same_turns, es_bank, ragged_turns, tiny_model
 from jaxes import es, sharding, tokenization
 from jaxes.models import qwen2
 from jaxes.envs import generator, protocol
 from jaxes.envs.local_sandbox import LocalSandbox
 from jaxes.rollout import pages
-from jaxes.rollout.engine import PAGES_EXHAUSTED, PARKED, Engine, VersionSteps
+from jaxes.rollout.engine import PAGES_EXHAUSTED, PARKED, Engine
+from jaxes.rollout.policy_bank import VersionSteps
 from jaxes.rollout.episodes import EpisodeRunner, EpisodeSpec
 
 IM_END = 3
@@ -31,10 +32,11 @@ def model():
   return tiny_model(vocab_size=64)
 
 
-def _engine(model, strategy=None, run_key=None, **kw):
+def _engine(model, strategy=None, run_key=None, version_steps=None, **kw):
   cfg, graphdef, _ = model
+  policy = es_bank(strategy, run_key, version_steps=version_steps)
   args = dict(num_slots=SLOTS, max_len=64, prefill_chunk=8, max_new_tokens=5, stop_ids=[],
-              im_end_id=IM_END, make_noiser=engine_noiser(strategy, run_key))
+              im_end_id=IM_END, policy=policy)
   return Engine(graphdef, cfg, **{**args, **kw})
 
 
@@ -81,11 +83,11 @@ def test_paged_cache_decodes_the_dense_caches_tokens_and_logprobs(model, compact
     assert paged.stats.rows_computed < paged.stats.rows_total   # some calls ran compacted
   used = paged.kv_bytes()
   assert used["reserved"] == 96 * 4 * used["dense_reserved"] // (SLOTS * 64)
-  held = sum(pages.pages_for(s.length, 4) for s in paged.slots)
-  assert paged.pool.in_use() == held > 0
+  held = sum(pages.pages_for(s.length, 4) for s in paged.scheduler.slots)
+  assert paged.scheduler.pool.in_use() == held > 0
   for slot in range(SLOTS):
-    paged.release(slot)
-  assert paged.pool.in_use() == 0 and paged.pool.free(0) == 96
+    paged.scheduler.release(slot)
+  assert paged.scheduler.pool.in_use() == 0 and paged.scheduler.pool.free(0) == 96
 
 
 def test_paged_cache_with_all_versions_in_one_call_decodes_the_dense_tokens(model):
@@ -99,7 +101,7 @@ def test_paged_cache_with_all_versions_in_one_call_decodes_the_dense_tokens(mode
              for kw in ({}, dict(page_size=8, num_pages=64))]
   for engine in engines:
     for v, cohort in enumerate(cohorts, start=1):
-      assert engine.add_step(v, *cohort)
+      assert engine.policy.add_step(v, *cohort)
   want, got = (ragged_turns(e, params_by_version, versions, observation_growth=2) for e in engines)
   assert_same_turns(got, want, atol=1e-5)
   assert engines[1].stats.multi_version_calls == engines[0].stats.multi_version_calls > 0
@@ -162,60 +164,60 @@ def test_random_engine_sequences_return_every_page(model):
   rng = np.random.default_rng(11)
   for _ in range(70):
     op = rng.integers(4)
-    free = engine.free_slots()
+    free = engine.scheduler.free_slots()
     if op == 0 and free:
       slot, prompt = int(rng.choice(free)), list(rng.integers(4, 64, size=int(rng.integers(1, 40))))
-      if engine.can_start(slot, len(prompt)):
-        engine.start(slot, prompt, version=0, member=-1, stream=slot)
+      if engine.scheduler.can_start(slot, len(prompt)):
+        engine.scheduler.start(slot, prompt, version=0, member=-1, stream=slot)
     elif op == 1:
-      parked = [s.index for s in engine.slots if s.state == PARKED]
+      parked = [s.index for s in engine.scheduler.slots if s.state == PARKED]
       if parked:
         slot = int(rng.choice(parked))
-        if not engine.continue_turn(slot, list(rng.integers(4, 64, size=int(rng.integers(1, 20))))):
-          engine.release(slot)
+        if not engine.scheduler.continue_turn(slot, list(rng.integers(4, 64, size=int(rng.integers(1, 20))))):
+          engine.scheduler.release(slot)
     elif op == 2:
-      busy = [s.index for s in engine.slots if s.state != "free"]
+      busy = [s.index for s in engine.scheduler.slots if s.state != "free"]
       if busy:
-        engine.release(int(rng.choice(busy)))
-    elif engine.busy():
+        engine.scheduler.release(int(rng.choice(busy)))
+    elif engine.scheduler.busy():
       for turn in engine.step({0: params}):
         if turn.failure is not None:
           assert turn.failure == PAGES_EXHAUSTED
-          engine.release(turn.slot)
-    for s in engine.slots:
+          engine.scheduler.release(turn.slot)
+    for s in engine.scheduler.slots:
       tokens = s.length + len(s.pending)
       assert len(s.pages) in (pages.pages_for(tokens, 4), pages.pages_for(tokens, 4) + 1)
-    assert engine.pool.in_use() == sum(len(s.pages) for s in engine.slots) <= 24
-    assert len({p for s in engine.slots for p in s.pages}) == engine.pool.in_use()
+    assert engine.scheduler.pool.in_use() == sum(len(s.pages) for s in engine.scheduler.slots) <= 24
+    assert len({p for s in engine.scheduler.slots for p in s.pages}) == engine.scheduler.pool.in_use()
   for slot in range(SLOTS):
-    engine.release(slot)
-  assert engine.pool.in_use() == 0 and engine.pool.free(0) == 24
+    engine.scheduler.release(slot)
+  assert engine.scheduler.pool.in_use() == 0 and engine.scheduler.pool.free(0) == 24
 
 
 def test_admission_waits_for_pages_and_an_outgrowing_episode_ends_truncated(model):
   _, _, params = model
   engine = _engine(model, max_new_tokens=20, page_size=4, num_pages=6)
-  assert engine.start(0, list(range(4, 20)), version=0, member=-1, stream=0)   # 4 pages
-  assert engine.pool.free(0) == 2
-  assert not engine.can_start(1, 9)                      # 3 pages, 2 free: wait
+  assert engine.scheduler.start(0, list(range(4, 20)), version=0, member=-1, stream=0)   # 4 pages
+  assert engine.scheduler.pool.free(0) == 2
+  assert not engine.scheduler.can_start(1, 9)                      # 3 pages, 2 free: wait
   with pytest.raises(ValueError, match="can_start"):
-    engine.start(1, list(range(4, 13)), version=0, member=-1, stream=1)
-  assert engine.can_start(1, 8)
-  assert engine.can_start(1, 40)   # more than all 6 pages: it can never fit, start refuses it
-  assert not engine.start(1, list(range(4, 44)), version=0, member=-1, stream=1)
-  assert engine.start(1, list(range(4, 12)), version=0, member=-1, stream=1)   # 2 pages
-  assert engine.free_slots() == []                       # no page left: no slot admissible
+    engine.scheduler.start(1, list(range(4, 13)), version=0, member=-1, stream=1)
+  assert engine.scheduler.can_start(1, 8)
+  assert engine.scheduler.can_start(1, 40)   # more than all 6 pages: it can never fit, start refuses it
+  assert not engine.scheduler.start(1, list(range(4, 44)), version=0, member=-1, stream=1)
+  assert engine.scheduler.start(1, list(range(4, 12)), version=0, member=-1, stream=1)   # 2 pages
+  assert engine.scheduler.free_slots() == []                       # no page left: no slot admissible
   turns = []
-  while engine.busy():
+  while engine.scheduler.busy():
     turns += engine.step({0: params})
   # Both rows filled their last page and found no other: each turn was cut short.
   assert sorted(t.slot for t in turns) == [0, 1]
   for t in turns:
     assert t.failure == PAGES_EXHAUSTED and not t.stopped and len(t.tokens) >= 1
-    assert engine.slots[t.slot].length == 4 * len(engine.slots[t.slot].pages)
-    assert not engine.continue_turn(t.slot, [5])
-  engine.release(0)
-  assert engine.can_start(2, 9) and engine.free_slots() == [0] + list(range(2, SLOTS))
+    assert engine.scheduler.slots[t.slot].length == 4 * len(engine.scheduler.slots[t.slot].pages)
+    assert not engine.scheduler.continue_turn(t.slot, [5])
+  engine.scheduler.release(0)
+  assert engine.scheduler.can_start(2, 9) and engine.scheduler.free_slots() == [0] + list(range(2, SLOTS))
 
 
 def test_paged_engine_compiles_the_dense_engines_programs(model):
@@ -231,7 +233,7 @@ def test_paged_engine_compiles_the_dense_engines_programs(model):
   for round_ in range(2):
     ragged_turns(engine, {0: params}, [0] * 7, observation_growth=2)
     for slot in range(SLOTS):
-      engine.release(slot)
+      engine.scheduler.release(slot)
     if round_ == 0:
       warm = engine.compilations()
   assert engine.compilations() == warm      # the same shapes again: nothing new compiles
@@ -279,12 +281,12 @@ def _run_episodes(runner_setup, num_pages, max_new_tokens):
       for _ in runner.free_slots()[:len(todo)]:
         runner.submit(todo.pop(0))
       results += runner.poll({0: params}, block=True)
-      most = max(most, sum(s.state != "free" for s in engine.slots))
-      assert engine.pool.in_use() <= num_pages
+      most = max(most, sum(s.state != "free" for s in engine.scheduler.slots))
+      assert engine.scheduler.pool.in_use() <= num_pages
   finally:
     runner.close()
     sandbox.shutdown()
-  assert engine.pool.in_use() == 0
+  assert engine.scheduler.pool.in_use() == 0
   return results, most
 
 

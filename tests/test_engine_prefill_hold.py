@@ -5,9 +5,10 @@ compiles."""
 import jax
 import pytest
 
-from helpers_models import assert_same_turns, engine_noiser, ragged_turns, tiny_model
+from helpers_models import assert_same_turns, es_bank, ragged_turns, tiny_model
 from jaxes import es
 from jaxes.rollout.engine import DECODE, PARKED, PREFILL, Engine
+from jaxes.rollout.policy_bank import ESPolicyBank
 
 IM_END = 3
 SLOTS = 8
@@ -18,10 +19,11 @@ def model():
   return tiny_model(vocab_size=64)
 
 
-def _engine(model, strategy=None, run_key=None, **kw):
+def _engine(model, strategy=None, run_key=None, version_steps=None, **kw):
   cfg, graphdef, _ = model
+  policy = es_bank(strategy, run_key, version_steps=version_steps)
   args = dict(num_slots=SLOTS, max_len=64, prefill_chunk=8, max_new_tokens=4, stop_ids=[],
-              im_end_id=IM_END, make_noiser=engine_noiser(strategy, run_key))
+              im_end_id=IM_END, policy=policy)
   return Engine(graphdef, cfg, **{**args, **kw})
 
 
@@ -38,11 +40,11 @@ def _parked(model, **kw):
   engine = _engine(model, max_new_tokens=24, num_slots=16, **kw)
   assert engine.buckets == [4, 16, 24]
   for slot in range(16):
-    assert engine.start(slot, [5 + slot, 6, 7], version=0, member=-1, stream=slot)
+    assert engine.scheduler.start(slot, [5 + slot, 6, 7], version=0, member=-1, stream=slot)
   engine.max_new_tokens = 1
-  while engine.busy():
+  while engine.scheduler.busy():
     engine.step({0: params})
-  assert all(s.state == PARKED for s in engine.slots)
+  assert all(s.state == PARKED for s in engine.scheduler.slots)
   engine.max_new_tokens = 24
   return engine
 
@@ -77,18 +79,18 @@ def test_a_prefill_waits_at_most_prefill_hold_steps(model):
   H = 3
   engine = _parked(model, prefill_hold=H, decode_steps=1)
   for slot in (1, 2, 3):
-    engine.continue_turn(slot, [9])
+    engine.scheduler.continue_turn(slot, [9])
   _delta(engine, {0: params})                          # nothing decodes yet: they go at once
-  assert [engine.slots[s].state for s in (1, 2, 3)] == [DECODE] * 3
-  engine.continue_turn(0, [9, 10])
-  pending = len(engine.slots[0].pending)
+  assert [engine.scheduler.slots[s].state for s in (1, 2, 3)] == [DECODE] * 3
+  engine.scheduler.continue_turn(0, [9, 10])
+  pending = len(engine.scheduler.slots[0].pending)
   for _ in range(H):
     d = _delta(engine, {0: params})
     assert (d["prefill_calls"], d["decode_calls"], d["tokens_decoded"]) == (0, 1, 3)
-    assert engine.slots[0].state == PREFILL
+    assert engine.scheduler.slots[0].state == PREFILL
   d = _delta(engine, {0: params})                      # H steps waited: it goes
   assert d["prefill_calls"] == 1 and d["tokens_prefilled"] == pending
-  assert engine.slots[0].state == DECODE
+  assert engine.scheduler.slots[0].state == DECODE
   assert engine.stats.prefill_held == H
 
 
@@ -99,34 +101,34 @@ def test_prefills_arriving_apart_share_one_call(model):
   H = 2
   engine = _parked(model, prefill_hold=H)
   for slot in (4, 5, 6, 7):
-    engine.continue_turn(slot, [9])
+    engine.scheduler.continue_turn(slot, [9])
   _delta(engine, {0: params})
-  engine.continue_turn(0, [9])
+  engine.scheduler.continue_turn(0, [9])
   _delta(engine, {0: params})                          # slot 0 held once
-  engine.continue_turn(1, [9, 10, 11])
-  pending = len(engine.slots[0].pending) + len(engine.slots[1].pending)
+  engine.scheduler.continue_turn(1, [9, 10, 11])
+  pending = len(engine.scheduler.slots[0].pending) + len(engine.scheduler.slots[1].pending)
   _delta(engine, {0: params})                          # slot 0 twice, slot 1 once
-  assert [engine.slots[s].state for s in (0, 1)] == [PREFILL] * 2
+  assert [engine.scheduler.slots[s].state for s in (0, 1)] == [PREFILL] * 2
   d = _delta(engine, {0: params})
   assert d["prefill_calls"] == 1 and d["tokens_prefilled"] == pending
-  assert [engine.slots[s].state for s in (0, 1)] == [DECODE] * 2
+  assert [engine.scheduler.slots[s].state for s in (0, 1)] == [DECODE] * 2
   assert engine.stats.prefill_held == 3
 
 
 def test_held_prefills_go_when_they_fill_the_smallest_bucket_or_nothing_decodes(model):
   _, _, params = model
   engine = _parked(model, prefill_hold=100)
-  engine.continue_turn(15, [9])
+  engine.scheduler.continue_turn(15, [9])
   _delta(engine, {0: params})                          # nothing else decodes: not held
-  assert engine.slots[15].state == DECODE and engine.stats.prefill_held == 0
+  assert engine.scheduler.slots[15].state == DECODE and engine.stats.prefill_held == 0
   for slot in (0, 1, 2):
-    engine.continue_turn(slot, [9])
+    engine.scheduler.continue_turn(slot, [9])
   _delta(engine, {0: params})
-  assert engine.slots[0].state == PREFILL and engine.stats.prefill_held == 3
-  engine.continue_turn(3, [9])                         # four waiting: the smallest bucket's rows
+  assert engine.scheduler.slots[0].state == PREFILL and engine.stats.prefill_held == 3
+  engine.scheduler.continue_turn(3, [9])                         # four waiting: the smallest bucket's rows
   d = _delta(engine, {0: params})
   assert d["prefill_calls"] == 1 and engine.stats.prefill_held == 3
-  assert [engine.slots[s].state for s in (0, 1, 2, 3)] == [DECODE] * 4
+  assert [engine.scheduler.slots[s].state for s in (0, 1, 2, 3)] == [DECODE] * 4
 
 
 def test_a_new_prefill_joins_a_row_mid_prefill_at_once(model):
@@ -135,15 +137,15 @@ def test_a_new_prefill_joins_a_row_mid_prefill_at_once(model):
   _, _, params = model
   engine = _parked(model, prefill_hold=100)
   for slot in (4, 5):
-    engine.continue_turn(slot, [9])
-  engine.release(7)
-  assert engine.start(7, list(range(10, 30)), version=0, member=-1, stream=7)   # 3 chunks of 8
+    engine.scheduler.continue_turn(slot, [9])
+  engine.scheduler.release(7)
+  assert engine.scheduler.start(7, list(range(10, 30)), version=0, member=-1, stream=7)   # 3 chunks of 8
   _delta(engine, {0: params})                          # nothing decodes yet: all go
-  assert engine.slots[7].state == PREFILL and engine.slots[7].held is None     # mid-prefill
-  assert [engine.slots[s].state for s in (4, 5)] == [DECODE] * 2
-  engine.continue_turn(0, [9])
+  assert engine.scheduler.slots[7].state == PREFILL and engine.scheduler.slots[7].held is None     # mid-prefill
+  assert [engine.scheduler.slots[s].state for s in (4, 5)] == [DECODE] * 2
+  engine.scheduler.continue_turn(0, [9])
   d = _delta(engine, {0: params})
-  assert d["prefill_calls"] == 1 and engine.slots[0].state == DECODE
+  assert d["prefill_calls"] == 1 and engine.scheduler.slots[0].state == DECODE
   assert engine.stats.prefill_held == 0
 
 
@@ -159,7 +161,7 @@ def test_holding_compiles_no_new_programs(model):
   assert held.compilations() <= bound
   warm = held.compilations()
   for slot in range(7):
-    held.release(slot)
+    held.scheduler.release(slot)
   ragged_turns(held, {0: state0.params}, [0] * 7, turns=3)
   assert held.compilations() == warm
 
@@ -189,23 +191,23 @@ def test_noisers_are_rebuilt_only_for_a_call_with_a_row_started_since(model):
 
   cfg, graphdef, _ = model
   engine = Engine(graphdef, cfg, num_slots=16, max_len=64, prefill_chunk=8, max_new_tokens=24,
-                  stop_ids=[], im_end_id=IM_END, make_noiser=make_noiser, prefill_hold=2,
+                  stop_ids=[], im_end_id=IM_END, policy=ESPolicyBank(make_noiser), prefill_hold=2,
                   decode_steps=1)   # rows 0-2 still decode while slot 3 is held
   pbv = {0: state0.params}
   for slot in range(4):
-    assert engine.start(slot, [5 + slot, 6, 7], version=0, member=slot, stream=slot)
+    assert engine.scheduler.start(slot, [5 + slot, 6, 7], version=0, member=slot, stream=slot)
   engine.step(pbv)
   jax.effects_barrier()
-  assert len(builds) == 1 and all(engine.slots[s].state == DECODE for s in range(4))
-  engine.release(3)
+  assert len(builds) == 1 and all(engine.scheduler.slots[s].state == DECODE for s in range(4))
+  engine.scheduler.release(3)
   engine.step(pbv)
   jax.effects_barrier()
   assert len(builds) == 1                              # a free row is in no call
-  assert engine.start(3, [9, 6, 7], version=0, member=5, stream=3)
+  assert engine.scheduler.start(3, [9, 6, 7], version=0, member=5, stream=3)
   for _ in range(2):                                   # held two steps: not in a call yet
     engine.step(pbv)
   jax.effects_barrier()
-  assert len(builds) == 1 and engine.slots[3].state == PREFILL
+  assert len(builds) == 1 and engine.scheduler.slots[3].state == PREFILL
   engine.step(pbv)                                     # it joins a call: one build
   jax.effects_barrier()
-  assert len(builds) == 2 and engine.slots[3].state == DECODE
+  assert len(builds) == 2 and engine.scheduler.slots[3].state == DECODE

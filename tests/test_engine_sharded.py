@@ -8,10 +8,11 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from helpers_models import engine_noiser
+from helpers_models import es_bank
 from jaxes import es, sharding
 from jaxes.models import attention, qwen2
-from jaxes.rollout.engine import Engine, VersionSteps
+from jaxes.rollout.engine import Engine
+from jaxes.rollout.policy_bank import VersionSteps
 
 pytestmark = pytest.mark.skipif(
   jax.device_count() < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
@@ -28,10 +29,11 @@ def model():
   return cfg, graphdef, params
 
 
-def _engine(model, mesh, strategy=None, run_key=None, **kw):
+def _engine(model, mesh, strategy=None, run_key=None, version_steps=None, **kw):
   cfg, graphdef, _ = model
+  policy = es_bank(strategy, run_key, version_steps=version_steps)
   args = dict(num_slots=SLOTS, max_len=64, prefill_chunk=8, max_new_tokens=6, stop_ids=[],
-              im_end_id=IM_END, make_noiser=engine_noiser(strategy, run_key), mesh=mesh)
+              im_end_id=IM_END, policy=policy, mesh=mesh)
   return Engine(graphdef, cfg, **{**args, **kw})
 
 
@@ -41,16 +43,16 @@ def _decode(engine, params_by_version, jobs):
   rng = np.random.default_rng(0)
   for slot, (version, member) in jobs.items():
     prompt = list(rng.integers(4, 64, size=int(rng.integers(2, 20))))
-    assert engine.start(slot, prompt, version=version, member=member, stream=slot)
+    assert engine.scheduler.start(slot, prompt, version=version, member=member, stream=slot)
   out = {slot: [] for slot in jobs}
   second = set()
-  while engine.busy():
+  while engine.scheduler.busy():
     for turn in engine.step(params_by_version):
       out[turn.slot].append(turn.tokens)
       if turn.slot not in second:
         second.add(turn.slot)
         observation = np.random.default_rng(100 + turn.slot).integers(4, 64, size=1 + turn.slot)
-        assert engine.continue_turn(turn.slot, list(observation))   # whatever order turns end in
+        assert engine.scheduler.continue_turn(turn.slot, list(observation))   # whatever order turns end in
   return out
 
 
@@ -93,7 +95,7 @@ def test_sharded_engine_runs_both_versions_in_one_call_with_the_single_device_to
   mesh = sharding.make_mesh(data=4, tensor=2)
   steps = VersionSteps(strategy.version_step(params, state0.run_key), 8, 1)
   engine = _engine(model, mesh, strategy, state0.run_key, version_steps=steps)
-  assert engine.add_step(1, *strategy.cohort(state0, results))
+  assert engine.policy.add_step(1, *strategy.cohort(state0, results))
   assert _decode(engine, params_by_version, jobs) == single
   assert engine.stats.multi_version_calls > 0
 
@@ -148,7 +150,7 @@ def test_abstract_engine_allocates_nothing_and_lowers_every_program(model):
   strategy = es.Strategy(population=8, sigma=0.3, learning_rate=0.1, mode="lowrank")
   engine = _engine(model, mesh, strategy, jax.random.key(0), abstract=True)
   assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(engine.cache))
-  for leaf, sh in zip(jax.tree.leaves(engine.abstract_noiser), jax.tree.leaves(engine.noiser_shardings)):
+  for leaf, sh in zip(jax.tree.leaves(engine.policy.abstract_noiser), jax.tree.leaves(engine.policy.noiser_shardings)):
     if leaf.shape[0] == SLOTS:  # per-slot noise factors live with their rows
       assert sh.spec[0] == "data"
   programs = engine.programs()
@@ -156,7 +158,7 @@ def test_abstract_engine_allocates_nothing_and_lowers_every_program(model):
   steps = len(engine.buckets) * len(engine.spans)
   assert len(programs) == steps + 2  # + reset, noiser build
   with pytest.raises(RuntimeError, match="abstract engine"):
-    engine.start(0, [5, 6], version=0, member=-1, stream=0)
+    engine.scheduler.start(0, [5, 6], version=0, member=-1, stream=0)
     engine.step({0: None})
 
 
@@ -167,12 +169,12 @@ def test_sharded_compile_count_is_bounded(model):
   def rounds():
     for round_ in range(3):
       rng = np.random.default_rng(round_)
-      for slot in engine.free_slots():
-        engine.start(slot, list(rng.integers(4, 64, size=int(rng.integers(1, 30)))), version=0,
+      for slot in engine.scheduler.free_slots():
+        engine.scheduler.start(slot, list(rng.integers(4, 64, size=int(rng.integers(1, 30)))), version=0,
                      member=-1, stream=round_ * SLOTS + slot)
-      while engine.busy():
+      while engine.scheduler.busy():
         for t in engine.step({0: params}):
-          engine.release(t.slot)
+          engine.scheduler.release(t.slot)
 
   rounds()
   warm = engine.compilations()

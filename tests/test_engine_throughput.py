@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers_models import assert_same_turns, engine_noiser, tiny_model
+from helpers_models import assert_same_turns, es_bank, tiny_model
 from jaxes import es, sharding
 from jaxes.rollout.engine import DECODE, PARKED, PREFILL, Engine
 
@@ -17,10 +17,11 @@ def model():
   return tiny_model(vocab_size=64)
 
 
-def _engine(model, strategy=None, run_key=None, **kw):
+def _engine(model, strategy=None, run_key=None, version_steps=None, **kw):
   cfg, graphdef, _ = model
+  policy = es_bank(strategy, run_key, version_steps=version_steps)
   args = dict(num_slots=SLOTS, max_len=64, prefill_chunk=8, max_new_tokens=4, stop_ids=[],
-              im_end_id=IM_END, make_noiser=engine_noiser(strategy, run_key))
+              im_end_id=IM_END, policy=policy)
   return Engine(graphdef, cfg, **{**args, **kw})
 
 
@@ -30,17 +31,17 @@ def _schedule(engine, params_by_version):
   rng = np.random.default_rng(3)
   for slot in range(SLOTS - 1):                    # the last slot stays free
     prompt = list(rng.integers(4, 64, size=int(rng.integers(2, 20))))
-    assert engine.start(slot, prompt, version=slot % 2, member=slot - 1, stream=slot,
+    assert engine.scheduler.start(slot, prompt, version=slot % 2, member=slot - 1, stream=slot,
                         temperature=0.0 if slot < 4 else 0.8, top_p=0.9)
   out = {slot: [] for slot in range(SLOTS - 1)}
   waiting, step = {}, 0
-  while engine.busy() or waiting:
+  while engine.scheduler.busy() or waiting:
     for slot, due in list(waiting.items()):
       if due <= step:
         del waiting[slot]
         # Drawn from (slot, turn), not in arrival order: the engines end turns at other steps.
         observation = np.random.default_rng(100 * slot + len(out[slot])).integers(4, 64, size=1 + 2 * slot)
-        assert engine.continue_turn(slot, list(observation))
+        assert engine.scheduler.continue_turn(slot, list(observation))
     for turn in engine.step(params_by_version):
       out[turn.slot].append((turn.tokens, turn.logprobs))
       if len(out[turn.slot]) < 3:
@@ -71,10 +72,10 @@ def test_a_call_runs_only_its_working_rows(model):
   # Every prefill runs when it comes; one token per decode call (the counts below are per step).
   engine = _engine(model, max_new_tokens=6, prefill_hold=0, decode_steps=1)
   for slot in range(SLOTS):
-    assert engine.start(slot, [5 + slot, 6, 7], version=0, member=-1, stream=slot)
-  while engine.busy():
+    assert engine.scheduler.start(slot, [5 + slot, 6, 7], version=0, member=-1, stream=slot)
+  while engine.scheduler.busy():
     engine.step({0: params})
-  assert all(s.state == PARKED for s in engine.slots)
+  assert all(s.state == PARKED for s in engine.scheduler.slots)
 
   def one_step():
     before = dict(vars(engine.stats))
@@ -82,21 +83,21 @@ def test_a_call_runs_only_its_working_rows(model):
     return {k: v - before[k] for k, v in vars(engine.stats).items()}
 
   # A short observation into one of 8 rows: the smallest token bucket that holds it.
-  engine.continue_turn(0, [9])
-  pending = len(engine.slots[0].pending)         # the turn's last token, im_end, the observation
+  engine.scheduler.continue_turn(0, [9])
+  pending = len(engine.scheduler.slots[0].pending)         # the turn's last token, im_end, the observation
   d = one_step()
   bucket = next(t for t in engine.buckets if t >= pending)
   assert (d["positions_computed"], d["tokens_prefilled"]) == (bucket, pending)
-  assert engine.slots[0].state == DECODE
+  assert engine.scheduler.slots[0].state == DECODE
   d = one_step()                                   # it decodes alone: the smallest bucket, 2
   assert (d["positions_computed"], d["tokens_decoded"]) == (2, 1)
   # Four more rows decoding and one prefilling a chunk: one call of 4 + 8 tokens in the bucket
   # of 16, not 8 rows x 8 positions (the chunk's last token goes next call).
   for slot in (1, 2, 3):
-    engine.continue_turn(slot, [9])
+    engine.scheduler.continue_turn(slot, [9])
   one_step()
-  engine.continue_turn(4, list(range(10, 17)))
-  assert [s.state for s in engine.slots[:5]] == [DECODE] * 4 + [PREFILL]
+  engine.scheduler.continue_turn(4, list(range(10, 17)))
+  assert [s.state for s in engine.scheduler.slots[:5]] == [DECODE] * 4 + [PREFILL]
   d = one_step()
   assert d["prefill_calls"] + d["decode_calls"] == 1
   assert (d["positions_computed"], d["tokens_prefilled"], d["tokens_decoded"]) == (16, 8, 4)

@@ -1,4 +1,4 @@
-"""In-flight version change in the engine (``Engine.continue_turn(version=)``): the turns after
+"""In-flight version change in the engine (``Scheduler.continue_turn(version=)``): the turns after
 the change decode under the newer version's weights with the row's own member noise, over the
 cache the older weights wrote; without version steps and with them (the row then joins the newer
 version's calls as a step on the base)."""
@@ -6,9 +6,10 @@ import jax
 import numpy as np
 import pytest
 
-from helpers_models import engine_noiser, tiny_model
+from helpers_models import es_bank, tiny_model
 from jaxes import es
-from jaxes.rollout.engine import Engine, VersionSteps
+from jaxes.rollout.engine import Engine
+from jaxes.rollout.policy_bank import VersionSteps
 
 POP, MEMBER = 8, 5
 PROMPT, OBSERVATION = list(range(4, 16)), [20, 21, 22, 23, 24]
@@ -27,8 +28,7 @@ def setup():
 def _engine(setup, version_steps=None):
   cfg, graphdef, strategy, s0, _, _ = setup
   return Engine(graphdef, cfg, num_slots=4, max_len=64, prefill_chunk=8, max_new_tokens=6,
-                stop_ids=[], im_end_id=3, make_noiser=engine_noiser(strategy, s0.run_key),
-                version_steps=version_steps)
+                stop_ids=[], im_end_id=3, policy=es_bank(strategy, s0.run_key, version_steps=version_steps))
 
 
 def _turn(engine, params_by_version):
@@ -42,9 +42,9 @@ def _turn(engine, params_by_version):
 def _two_turns(engine, first, second, version=None):
   """Row 0 (member ``MEMBER`` of version 0, sampled) decodes a turn under ``first``, takes the
   observation (moving to ``version`` if given) and decodes the next under ``second``."""
-  engine.start(0, PROMPT, version=0, member=MEMBER, stream=7, temperature=1.0)
+  engine.scheduler.start(0, PROMPT, version=0, member=MEMBER, stream=7, temperature=1.0)
   one = _turn(engine, first)
-  assert engine.continue_turn(0, OBSERVATION, version=version)
+  assert engine.scheduler.continue_turn(0, OBSERVATION, version=version)
   return one, _turn(engine, second)
 
 
@@ -67,8 +67,8 @@ def test_with_version_steps_the_moved_row_runs_as_a_step_on_the_base(setup):
   steps = VersionSteps(strategy.version_step(s0.params, s0.run_key), POP, 1)
   engine = _engine(setup, steps)
   # A long prompt of version 0 still prefilling when row 0 moves: they share calls.
-  engine.start(1, list(range(4, 54)), version=0, member=1, stream=1)
-  assert engine.add_step(1, *cohort)
+  engine.scheduler.start(1, list(range(4, 54)), version=0, member=1, stream=1)
+  assert engine.policy.add_step(1, *cohort)
   moved = _two_turns(engine, {0: s0.params}, {0: s0.params, 1: s1.params}, version=1)
   reference = _two_turns(_engine(setup), {0: s0.params}, {0: s1.params})
   assert engine.stats.multi_version_calls > 0

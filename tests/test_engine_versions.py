@@ -8,10 +8,11 @@ import numpy as np
 import optax
 import pytest
 
-from helpers_models import assert_same_turns, engine_noiser, ragged_turns, tiny_model
+from helpers_models import assert_same_turns, es_bank, ragged_turns, tiny_model
 from jaxes import es, sharding
 from jaxes.models import qwen2
-from jaxes.rollout.engine import Engine, VersionSteps
+from jaxes.rollout.engine import Engine
+from jaxes.rollout.policy_bank import VersionSteps
 
 IM_END = 3
 SLOTS = 8
@@ -92,10 +93,11 @@ def test_logits_on_the_base_plus_steps_equal_the_materialised_versions(any_model
   assert np.abs(plain - want)[newer].max() > 1e-2
 
 
-def _engine(model, strategy, run_key, **kw):
+def _engine(model, strategy, run_key, version_steps=None, **kw):
   cfg, graphdef, _ = model
+  policy = es_bank(strategy, run_key, version_steps=version_steps)
   args = dict(num_slots=SLOTS, max_len=64, prefill_chunk=8, max_new_tokens=5, stop_ids=[],
-              im_end_id=IM_END, make_noiser=engine_noiser(strategy, run_key))
+              im_end_id=IM_END, policy=policy)
   return Engine(graphdef, cfg, **{**args, **kw})
 
 
@@ -113,7 +115,7 @@ def test_one_call_for_a_chain_of_versions_decodes_the_per_version_calls_tokens(m
   merged = _engine(model, strategy, run_key, compact=compact,
                    version_steps=VersionSteps(strategy.version_step(params, run_key), POP, 2))
   for v, cohort in enumerate(cohorts, start=1):
-    assert merged.add_step(v, *cohort)
+    assert merged.policy.add_step(v, *cohort)
   # Jitted functions can be shared by engines of the same shapes: count what this test adds
   # (the CI worker's earlier tests had left one more program in them).
   compiled_before = merged.compilations()
@@ -134,15 +136,15 @@ def _calls_per_step(engine, params_by_version, versions):
   """Engine calls per step, and multi-version calls, while slots of ``versions`` decode in
   lockstep (same prompt length: every step is one merged decode per group)."""
   for slot, v in enumerate(versions):
-    engine.start(slot, [5, 6, 7], version=v, member=slot, stream=slot)
+    engine.scheduler.start(slot, [5, 6, 7], version=v, member=slot, stream=slot)
   engine.step(params_by_version)                   # the prompts (one prefill per group)
   before = dict(vars(engine.stats))
   engine.step(params_by_version)
   d = {k: v - before[k] for k, v in vars(engine.stats).items()}
-  while engine.busy():
+  while engine.scheduler.busy():
     engine.step(params_by_version)
   for slot in range(len(versions)):
-    engine.release(slot)
+    engine.scheduler.release(slot)
   return d["decode_calls"], d["multi_version_calls"]
 
 
@@ -156,11 +158,11 @@ def test_the_base_moves_on_and_unregistered_or_distant_versions_get_their_own_ca
   # One token per call: each step after the prompts' is one decode call per group.
   engine = _engine(model, strategy, run_key, version_steps=VersionSteps(make, POP, 1),
                    decode_steps=1)
-  assert engine.add_step(2, *cohorts[1])
-  assert not engine.add_step(1, *(x[:2] for x in cohorts[0][:3]), cohorts[0][3])  # wrong length
+  assert engine.policy.add_step(2, *cohorts[1])
+  assert not engine.policy.add_step(1, *(x[:2] for x in cohorts[0][:3]), cohorts[0][3])  # wrong length
   # 1 -> 2 registered, 0 -> 1 not: {0} alone, {1, 2} together.
   assert _calls_per_step(engine, every, [0, 1, 2]) == (2, 1)
-  assert engine.add_step(1, *cohorts[0])
+  assert engine.policy.add_step(1, *cohorts[0])
   assert _calls_per_step(engine, every, [0, 1, 2]) == (2, 1)   # max_steps 1: {0, 1}, {2}
   # Version 0 retired: 1 is the base of 2; the step 0 -> 1 is dropped with it, so 0 and 1 come
   # back apart.
@@ -169,7 +171,7 @@ def test_the_base_moves_on_and_unregistered_or_distant_versions_get_their_own_ca
   wide = _engine(model, strategy, run_key, version_steps=VersionSteps(make, POP, 2),
                  decode_steps=1)
   for v, cohort in enumerate(cohorts, start=1):
-    assert wide.add_step(v, *cohort)
+    assert wide.policy.add_step(v, *cohort)
   assert _calls_per_step(wide, every, [0, 1, 2]) == (1, 1)
 
 
@@ -208,9 +210,9 @@ def test_program_count_with_version_steps_is_twice_the_step_programs(model):
   mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
   args = dict(num_slots=240, max_len=16384, prefill_chunk=512, max_new_tokens=1024, stop_ids=[],
               im_end_id=IM_END, mesh=mesh, abstract=True,
-              make_noiser=engine_noiser(strategy, jax.random.key(0)))
-  engine = Engine(graphdef, cfg, **args, version_steps=VersionSteps(
-      strategy.version_step(params, jax.random.key(0)), POP, 2))
+              policy=es_bank(strategy, jax.random.key(0), version_steps=VersionSteps(
+                  strategy.version_step(params, jax.random.key(0)), POP, 2)))
+  engine = Engine(graphdef, cfg, **args)
   assert engine.buckets == [30, 120, 632]   # a quarter of a shard's rows, all, all + a chunk
   per_call = len(engine.buckets) * len(engine.spans)
   assert per_call == 3

@@ -93,7 +93,7 @@ def _run(setup, delay_seed: int, sandbox_steps: int):
     while done < len(tasks):
       for _ in runner.free_slots()[:len(todo)]:
         runner.submit(todo.pop())
-      schedule.append(tuple((s.index, s.state, s.length) for s in engine.slots))
+      schedule.append(tuple((s.index, s.state, s.length) for s in engine.scheduler.slots))
       done += len(runner.poll({0: params}, block=True))
   finally:
     runner.close()

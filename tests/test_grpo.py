@@ -419,7 +419,7 @@ def test_engine_greedy_turns_match_the_teacher_forced_batch(tokenizer):
   for slot in range(2):
     messages = [{"role": "system", "content": "You are in a terminal."},
                 {"role": "user", "content": f"task {slot}: count the files"}]
-    assert engine.start(slot, chat.prompt_ids(tok, messages), version=0, member=-1, stream=slot)
+    assert engine.scheduler.start(slot, chat.prompt_ids(tok, messages), version=0, member=-1, stream=slot)
     episodes.append((messages, []))
   for turn_index in range(3):
     done = 0
@@ -430,7 +430,7 @@ def test_engine_greedy_turns_match_the_teacher_forced_batch(tokenizer):
         messages.append({"role": "assistant", "content": tok.decode(t.tokens, skip_special_tokens=True)})
         messages.append({"role": "user", "content": f"(exit_code=0) turn {turn_index}"})
         if turn_index < 2:
-          assert engine.continue_turn(t.slot, chat.observation_ids(tok, messages[-1]["content"]))
+          assert engine.scheduler.continue_turn(t.slot, chat.observation_ids(tok, messages[-1]["content"]))
         done += 1
   built = [episode_from_turns(tok, m, turns, [[0.0] * len(x) for x in turns]) for m, turns in episodes]
   batch = build_batch(built, [1.0, 0.0], [0, 0], seq_len=256)
@@ -458,7 +458,7 @@ def test_engine_logprobs_equal_a_teacher_forced_forward(tokenizer, temperature, 
              for s in range(3)]
   turns, logprobs, observations = ([[] for _ in range(3)] for _ in range(3))
   for s in range(3):
-    assert engine.start(s, prompts[s], version=0, member=-1, stream=7 + s, temperature=temperature,
+    assert engine.scheduler.start(s, prompts[s], version=0, member=-1, stream=7 + s, temperature=temperature,
                         top_p=top_p)
   # Three turns per slot, each slot at its own pace (slots prefill in turn, not in lockstep).
   while sum(map(len, turns)) < 3 * 3:
@@ -468,7 +468,7 @@ def test_engine_logprobs_equal_a_teacher_forced_forward(tokenizer, temperature, 
       turn_index = len(turns[t.slot]) - 1
       if turn_index < 2:
         obs = chat.observation_ids(tok, f"(exit_code={turn_index}) out {t.slot}")
-        assert engine.continue_turn(t.slot, obs)
+        assert engine.scheduler.continue_turn(t.slot, obs)
         observations[t.slot].append(tuple(obs))
   streams = [EpisodeStream(tuple(prompts[s]), tuple(turns[s]), tuple(logprobs[s]),
                            tuple(observations[s])) for s in range(3)]

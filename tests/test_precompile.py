@@ -109,14 +109,14 @@ def test_the_start_up_compile_warms_the_first_grpo_step():
 # numpy arguments traced with avals of another mesh, and the call's program text differed
 # (inner helpers deduplicated otherwise), so it compiled again (issue 32).
 def test_every_warmed_engine_program_is_read_back_at_its_real_call():
-  from helpers_models import engine_noiser, ragged_turns, tiny_model
+  from helpers_models import es_bank, ragged_turns, tiny_model
   from jaxes import es
   from jaxes.rollout.engine import Engine
   cfg, graphdef, params = tiny_model(vocab_size=68)   # shapes of this test only
   strategy = es.Strategy(population=6, sigma=0.3, learning_rate=0.5, mode="lowrank", rank=2)
   state = strategy.init(params, jax.random.key(1))
   engine = Engine(graphdef, cfg, num_slots=6, max_len=40, prefill_chunk=4, max_new_tokens=10,
-                  stop_ids=[7], im_end_id=3, make_noiser=engine_noiser(strategy, state.run_key),
+                  stop_ids=[7], im_end_id=3, policy=es_bank(strategy, state.run_key),
                   decode_steps=4)
   with compile_cache.watch() as warm:
     precompile.warm_up(engine.programs, jobs=2, log=print, progress=False)

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers_models import engine_noiser, tiny_model
+from helpers_models import es_bank, tiny_model
 from jaxes import es
 from jaxes.models import qwen2
 from jaxes.rollout import sampling
@@ -44,7 +44,7 @@ def reference(graphdef, params, ids, max_new):
 def run_until_turns(engine, params_by_version, n):
   turns = {}
   while len(turns) < n:
-    assert engine.busy()
+    assert engine.scheduler.busy()
     for t in engine.step(params_by_version):
       turns[t.slot] = t
   return turns
@@ -56,23 +56,23 @@ def test_multi_turn_continuous_batching_matches_uncached_greedy(model):
                   stop_ids=[], im_end_id=IM_END)
   prompts = {0: [5, 6, 7], 1: list(range(10, 31)), 3: [9] * 11}  # slot 2 stays free
   for slot, p in prompts.items():
-    assert engine.start(slot, p, version=0, member=-1, stream=slot)
+    assert engine.scheduler.start(slot, p, version=0, member=-1, stream=slot)
   turns = run_until_turns(engine, {0: params}, 3)
-  assert engine.slots[2].state == FREE
+  assert engine.scheduler.slots[2].state == FREE
   history = {}
   for slot, p in prompts.items():
     assert turns[slot].tokens == reference(graphdef, params, p, 5)
-    assert engine.slots[slot].state == PARKED
+    assert engine.scheduler.slots[slot].state == PARKED
     history[slot] = p + turns[slot].tokens
   # Second turn for two slots (different observation lengths) while slot 0 stays parked.
   for slot, obs in ((1, [20, 21, 22]), (3, list(range(40, 52)))):
     closing = [] if history[slot][-1] == IM_END else [IM_END]
-    assert engine.continue_turn(slot, obs)
+    assert engine.scheduler.continue_turn(slot, obs)
     history[slot] = history[slot] + closing + obs
   turns = run_until_turns(engine, {0: params}, 2)
   for slot in (1, 3):
     assert turns[slot].tokens == reference(graphdef, params, history[slot], 5)
-  assert engine.slots[0].state == PARKED and engine.stats.rows_busy < engine.stats.rows_total
+  assert engine.scheduler.slots[0].state == PARKED and engine.stats.rows_busy < engine.stats.rows_total
 
 
 def test_each_slot_decodes_its_own_member_and_version(model):
@@ -80,13 +80,12 @@ def test_each_slot_decodes_its_own_member_and_version(model):
   strategy = es.Strategy(population=4, sigma=0.3, learning_rate=0.1, mode="lowrank", rank=2)
   state0 = strategy.init(params, jax.random.key(1))
   state1, _ = strategy.update(state0, [(0, m, float(m)) for m in range(4)])
-  make_noiser = engine_noiser(strategy, state0.run_key)
   engine = Engine(graphdef, cfg, num_slots=4, max_len=64, prefill_chunk=8, max_new_tokens=6,
-                  stop_ids=[], im_end_id=IM_END, make_noiser=make_noiser)
+                  stop_ids=[], im_end_id=IM_END, policy=es_bank(strategy, state0.run_key))
   prompt = [7, 8, 9, 10, 11]
   jobs = {0: (0, 0), 1: (0, 1), 2: (1, 2), 3: (1, -1)}  # slot: (version, member)
   for slot, (v, m) in jobs.items():
-    engine.start(slot, prompt, version=v, member=m, stream=slot)
+    engine.scheduler.start(slot, prompt, version=v, member=m, stream=slot)
   turns = run_until_turns(engine, {0: state0.params, 1: state1.params}, 4)
   states = {0: state0, 1: state1}
   outs = set()
@@ -105,17 +104,17 @@ def test_fixed_shapes_compile_once(model):
 
   def episodes(k):
     for e in range(k):
-      for slot in engine.free_slots():
-        engine.start(slot, list(rng.integers(4, 64, size=int(rng.integers(1, 12)))), version=0,
+      for slot in engine.scheduler.free_slots():
+        engine.scheduler.start(slot, list(rng.integers(4, 64, size=int(rng.integers(1, 12)))), version=0,
                      member=-1, stream=e * 3 + slot, temperature=float(rng.uniform(0, 1)), top_p=0.9)
-      while engine.busy():
+      while engine.scheduler.busy():
         for t in engine.step({0: params}):
-          if engine.slots[t.slot].length < 40:
-            engine.continue_turn(t.slot, list(rng.integers(4, 64, size=3)))
+          if engine.scheduler.slots[t.slot].length < 40:
+            engine.scheduler.continue_turn(t.slot, list(rng.integers(4, 64, size=3)))
           else:
-            engine.release(t.slot)
-      for s in engine.slots:
-        engine.release(s.index)
+            engine.scheduler.release(t.slot)
+      for s in engine.scheduler.slots:
+        engine.scheduler.release(s.index)
 
   episodes(4)
   warm = engine.compilations()
@@ -130,12 +129,12 @@ def test_prompt_and_turn_that_do_not_fit_are_refused(model):
   cfg, graphdef, params = model
   engine = Engine(graphdef, cfg, num_slots=1, max_len=16, prefill_chunk=8, max_new_tokens=4,
                   stop_ids=[], im_end_id=IM_END)
-  assert not engine.start(0, list(range(4, 20)), version=0, member=-1, stream=0)
-  assert engine.start(0, list(range(4, 12)), version=0, member=-1, stream=0)
+  assert not engine.scheduler.start(0, list(range(4, 20)), version=0, member=-1, stream=0)
+  assert engine.scheduler.start(0, list(range(4, 12)), version=0, member=-1, stream=0)
   (turn,) = run_until_turns(engine, {0: params}, 1).values()
-  assert len(turn.tokens) <= 4 and engine.slots[0].length <= 16
-  assert not engine.continue_turn(0, list(range(4, 12)))
-  assert engine.slots[0].state == PARKED
+  assert len(turn.tokens) <= 4 and engine.scheduler.slots[0].length <= 16
+  assert not engine.scheduler.continue_turn(0, list(range(4, 12)))
+  assert engine.scheduler.slots[0].state == PARKED
 
 
 def test_sampling_greedy_top_p_and_reproducible_streams():
@@ -163,3 +162,36 @@ def test_the_config_key_prefill_tokens_sets_the_engines_largest_token_bucket():
   for tokens, largest in ((0, 4 + 8), (24, 4 + 24)):   # 0: a chunk beside the 4 decode tokens
     config.rollout.prefill_tokens = tokens
     assert builders.build_engine(config, model, None, abstract=True).buckets[-1] == largest
+
+
+def test_a_policy_bank_serves_one_engine(model):
+  """The engine binds its bank to its slots and placement: a second engine needs its own (a
+  shared one would key its noisers by the first engine's slots)."""
+  from jaxes.rollout.policy_bank import PolicyBank
+  cfg, graphdef, _ = model
+  bank = PolicyBank()
+  args = dict(num_slots=2, max_len=16, prefill_chunk=8, max_new_tokens=4, stop_ids=[],
+              im_end_id=IM_END, abstract=True)
+  assert Engine(graphdef, cfg, policy=bank, **args).policy is bank
+  with pytest.raises(ValueError, match="a policy bank serves one engine"):
+    Engine(graphdef, cfg, policy=bank, **args)
+
+
+def test_the_algorithms_banks_es_members_or_plain_versions():
+  """ES decodes through an ``ESPolicyBank`` (members' noise; version steps for an async low-rank
+  SGD run), GRPO's engine through the plain bank: the engine itself does not know which."""
+  from jaxes.rollout.policy_bank import ESPolicyBank, PolicyBank
+  from jaxes.train import builders, defaults
+  config = defaults.base_config()
+  config.rollout.update(num_slots=4, max_len=64, prefill_chunk=8, max_new_tokens=5)
+  config.controller.update(mode="async", max_staleness=2)
+  config.es.update(mode="lowrank", optimizer="sgd", population=4)
+  model = builders.build_model(config, 64)
+  strategy = builders.build_strategy(config)
+  bank = builders.es_policy_bank(config, model, strategy, jax.random.key(0))
+  assert isinstance(bank, ESPolicyBank) and bank.max_steps == 2 and not bank.member_slices
+  engine = builders.build_engine(config, model, None, bank, abstract=True)
+  assert engine.scheduler.max_steps == 2 and "merge_noisers" in engine.lowerings()
+  plain = builders.build_engine(config, model, None, abstract=True)
+  assert type(plain.policy) is PolicyBank and plain.scheduler.max_steps is None
+  assert "noiser" not in plain.lowerings()

@@ -21,7 +21,7 @@ applied, and what it costs (G groups, B rows):
   matmul gathers each row's weights (``B * in * out`` transient) unless ``G == 1`` or the rows
   come in slices (``in_slices``: G equal runs of rows, run g all of group g), where each slice
   multiplies by its own group's weights with no gather. The rollout engine's member slices
-  (``Engine(member_slices=True)``) are one group per data shard: one copy per device.
+  (``ESPolicyBank(member_slices=True)``) are one group per data shard: one copy per device.
 * ``frozen`` leaves: the op runs on the stored parameter.
 """
 from __future__ import annotations

@@ -26,7 +26,7 @@ order, so they stay identical without reading the clock.
 
 In-flight version change (``switch_versions``, off by default; PipelineRL's idea for ES): an
 episode's next turn decodes under the newest version ``poll`` was given, its member's noise
-applied to those weights (``Engine.continue_turn(version=)``); ``EpisodeResult.turn_versions``
+applied to those weights (``Scheduler.continue_turn(version=)``); ``EpisodeResult.turn_versions``
 says which version decoded each turn.
 
 Every sandbox handle the runner opened is closed by ``close()``, also after an exception.
@@ -136,11 +136,12 @@ class EpisodeRunner:
     if exchange is not None and not sandbox_steps:
       raise ValueError("a multi-process runner needs the deterministic schedule (sandbox_steps > 0): "
                        "processes must agree on when each sandbox result is taken")
-    if switch_versions and engine.member_slices:
+    if switch_versions and engine.scheduler.member_slices:
       raise ValueError("switch_versions needs per-row members: under member_slices (full-rank "
                        "noise) a data shard runs one (version, member) at a time")
     self.switch_versions = switch_versions
     self.engine, self.tok, self.sandbox = engine, tokenizer, sandbox
+    self.scheduler = engine.scheduler   # the slots: episodes start, continue and end there
     self._make_episode = make_episode
     self.sandbox_steps = sandbox_steps
     self._owned = None if owned is None else frozenset(owned)
@@ -197,11 +198,11 @@ class EpisodeRunner:
   def free_slots(self) -> list[int]:
     """Slots a new episode may be submitted for (with member slices: less those the waiting
     episodes will take; ``submit`` picks the slot)."""
-    free = [i for i in self.engine.free_slots() if i not in self._reserved]
+    free = [i for i in self.scheduler.free_slots() if i not in self._reserved]
     return free[len(self._waiting):]
 
   def live_versions(self) -> set[int]:
-    return self.engine.live_versions() | {live.spec.version for _, live, _ in self._futures.values()}
+    return self.scheduler.live_versions() | {live.spec.version for _, live, _ in self._futures.values()}
 
   def stats(self) -> dict[str, float]:
     """Cumulative counters: the runner's (engine-step seconds ``decode_s``, of which
@@ -211,13 +212,13 @@ class EpisodeRunner:
             "steps": self.steps, **dataclasses.asdict(self.engine.stats)}
 
   def idle(self) -> bool:
-    return not self._futures and not self.engine.busy() and not self._reserved and not self._waiting
+    return not self._futures and not self.scheduler.busy() and not self._reserved and not self._waiting
 
   def submit(self, spec: EpisodeSpec) -> None:
     free = self.free_slots()
     if not free:
       raise RuntimeError("submit: no free slot")
-    if self.engine.member_slices:
+    if self.scheduler.member_slices:
       self._waiting.append(spec)
       self._place_waiting()
       return
@@ -231,12 +232,12 @@ class EpisodeRunner:
     others wait until a shard of their member has room or a whole shard is free, so the members
     of a shard run in turn."""
     per_shard = self.engine.num_slots // self.engine.shards
-    held = self.engine.slice_members()
+    held = self.scheduler.slice_members()
     # Reserved slots (their sandboxes starting) are their episodes' already.
     self._reserved_for = {i: m for i, m in self._reserved_for.items() if i in self._reserved}
     for slot, member in self._reserved_for.items():
       held[slot // per_shard] = member
-    free = [i for i in self.engine.free_slots() if i not in self._reserved]
+    free = [i for i in self.scheduler.free_slots() if i not in self._reserved]
     waiting, self._waiting = self._waiting, []
     for spec in waiting:
       member = (spec.version, spec.member)
@@ -264,12 +265,12 @@ class EpisodeRunner:
                          turn_versions=tuple(live.versions))
 
   def _end(self, live: _Live, truncated: bool = False, failure: str | None = None):
-    self.engine.release(live.slot)
+    self.scheduler.release(live.slot)
     live.truncated, live.failure = truncated, failure
     self._spawn("finish", self._finish, live)
 
   def _admit(self, live: _Live) -> None:
-    ok = self.engine.start(live.slot, list(live.prompt), version=live.spec.version,
+    ok = self.scheduler.start(live.slot, list(live.prompt), version=live.spec.version,
                            member=live.spec.member, stream=live.spec.stream,
                            temperature=live.spec.temperature, top_p=live.spec.top_p, tag=live)
     if not ok:  # the prompt alone overflows the cache row
@@ -279,12 +280,12 @@ class EpisodeRunner:
   def _ready(self, block: bool, timeout: float) -> list[cf.Future]:
     """The futures whose results this poll takes, in hand-out order."""
     if not self.sandbox_steps:
-      if block and not self.engine.busy() and self._futures:
+      if block and not self.scheduler.busy() and self._futures:
         t = time.perf_counter()
         cf.wait(list(self._futures), timeout=timeout, return_when=cf.FIRST_COMPLETED)
         self.wait_s += time.perf_counter() - t
       return [f for f in self._futures if f.done()]
-    if self._futures and not self.engine.busy():
+    if self._futures and not self.scheduler.busy():
       # Nothing to decode: move the clock to the next result that is due.
       self.steps = max(self.steps, min(due for _, _, due in self._futures.values()))
     due = [f for f, (_, _, step) in self._futures.items() if step <= self.steps]
@@ -348,14 +349,14 @@ class EpisodeRunner:
           results.append(self._result(live, error=error))
           continue
         live.prompt = tuple(value)
-        if not self.engine.can_start(live.slot, len(value)):  # paged: wait for the prompt's pages
+        if not self.scheduler.can_start(live.slot, len(value)):  # paged: wait for the prompt's pages
           self._reserved.add(live.slot)
           self._admitting.append(live)
           continue
         self._admit(live)
       elif kind == "act":
         if error is not None:
-          self.engine.release(live.slot)
+          self.scheduler.release(live.slot)
           self._close(live)
           results.append(self._result(live, error=error))
           continue
@@ -364,8 +365,8 @@ class EpisodeRunner:
         newest = max(params_by_version) if self.switch_versions else None
         if done:
           self._end(live)
-        elif not self.engine.continue_turn(live.slot, observation, newest):
-          self._end(live, truncated=True, failure=self.engine.slots[live.slot].failure)
+        elif not self.scheduler.continue_turn(live.slot, observation, newest):
+          self._end(live, truncated=True, failure=self.scheduler.slots[live.slot].failure)
         else:
           live.observations.append(tuple(observation))
       else:  # finish
@@ -374,11 +375,11 @@ class EpisodeRunner:
     if self._waiting:   # shards freed by this poll's releases
       self._place_waiting()
     for live in list(self._admitting):   # in submission order, as pages are free now
-      if self.engine.can_start(live.slot, len(live.prompt)):
+      if self.scheduler.can_start(live.slot, len(live.prompt)):
         self._admitting.remove(live)
         self._reserved.discard(live.slot)
         self._admit(live)
-    if self.engine.busy():
+    if self.scheduler.busy():
       t, prefills = time.perf_counter(), self.engine.stats.prefill_calls
       turns = self.engine.step(params_by_version)
       self.steps += 1
@@ -391,7 +392,7 @@ class EpisodeRunner:
         # Another process's row: its ids come with its owner's next result (``_payload``).
         live.turns.append(None if turn.tokens is None else tuple(turn.tokens))
         live.logprobs.append(None if turn.logprobs is None else tuple(turn.logprobs))
-        live.versions.append(self.engine.slots[turn.slot].version)
+        live.versions.append(self.scheduler.slots[turn.slot].version)
         if turn.failure is not None:   # no free KV page for its next token: it ends here
           self._end(live, truncated=True, failure=turn.failure)
           continue
@@ -418,4 +419,4 @@ class EpisodeRunner:
     self._reserved_for.clear()
     self._admitting.clear()
     for i in range(self.engine.num_slots):
-      self.engine.release(i)
+      self.scheduler.release(i)

@@ -6,7 +6,9 @@ decisions of an engine step that depend on the slots alone: which new prefills w
 (``held``), which versions share a call (``groups``), how many tokens each row feeds in a call
 (``pack``) and may sample (``limit``), which rows take pages or end for lack of one
 (``page_decoding_rows``), and what a call's sampled tokens do to each row (``fed``). The
-``Engine`` (``jaxes.rollout.engine``) turns those decisions into device calls. Nothing here
+``Engine`` (``jaxes.rollout.engine``) turns those decisions into device calls; whoever schedules
+episodes (``jaxes.rollout.episodes``, the benchmarks, the tests) calls ``start``,
+``continue_turn`` and ``release`` here directly. Nothing here
 reads the clock or a device, so every process of a multi-process run takes the same decisions
 from the same inputs: a row's sampled ids matter only through its count and last token, which
 every process has (``Engine.readable`` says whose ids a process reads).
@@ -96,9 +98,9 @@ class EngineStats:
 class Scheduler:
   """The slots of an engine of ``num_slots`` rows split over ``shards`` data shards. ``buckets``:
   the token buckets per shard (``Engine.buckets``, smallest first). ``max_steps``: the most
-  low-rank steps a call adds on top of its base version (``VersionSteps.max_steps``; None:
-  every version has calls of its own). ``page_size``/``num_pages``: a paged cache (None: dense
-  rows of ``max_len``). ``readable``: the slots whose sampled ids this process reads (None:
+  low-rank steps a call adds on top of its base version (``policy_bank.VersionSteps.max_steps``;
+  None: every version has calls of its own). ``page_size``/``num_pages``: a paged cache (None:
+  dense rows of ``max_len``). ``readable``: the slots whose sampled ids this process reads (None:
   all)."""
 
   def __init__(self, *, num_slots: int, shards: int, max_len: int, prefill_chunk: int,
@@ -167,7 +169,9 @@ class Scheduler:
 
   def start(self, index: int, prompt: list[int], *, version: int, member: int, stream: int,
             temperature: float = 0.0, top_p: float = 1.0, tag: Any = None) -> bool:
-    """Begin an episode in a free slot (``Engine.start``)."""
+    """Begin an episode in a free slot; False (slot untouched) if the prompt leaves no room (in
+    a cache row, or in all of a paged shard's pages). A paged cache takes the prompt's pages now;
+    when too few are free (``can_start`` is False) the caller must wait: an error."""
     slot = self.slots[index]
     if slot.state != FREE:
       raise ValueError(f"slot {index} is {slot.state}, not free")
@@ -191,7 +195,12 @@ class Scheduler:
     return True
 
   def continue_turn(self, index: int, observation: list[int], version: int | None = None) -> bool:
-    """Close the parked slot's assistant turn and queue the observation (``Engine.continue_turn``).
+    """Close the parked slot's assistant turn and queue the observation; False if the cache row
+    cannot hold it plus one new token, or (paged) its shard has too few free pages for it
+    (``Slot.failure`` is then ``PAGES_EXHAUSTED``); the caller then ends the episode.
+    ``version``: a newer version whose weights decode the rest of the episode (an in-flight
+    version change, PipelineRL's), the row keeping its member's noise (``Slot.noise_version``);
+    the cache keeps the keys and values the older weights wrote. Refused under member slices.
     The closing tokens depend on the turn's last token only, which every process knows."""
     slot = self.slots[index]
     if slot.state != PARKED:
@@ -220,6 +229,8 @@ class Scheduler:
     return True
 
   def release(self, index: int) -> None:
+    """End the slot's episode: its pages go back (its policy bank's noisers stay: a free row is
+    in no call)."""
     if self.slots[index].state != FREE:
       if self.slots[index].pages:
         self.pool.give(self.shard(index), self.slots[index].pages)
@@ -327,6 +338,34 @@ class Scheduler:
       if n:
         fed[s.index], room[d] = n, room[d] - n
     return fed
+
+  def call_arrays(self, rows: list[Slot], fed: dict[int, int], bucket: int) -> tuple:
+    """A call's host arrays (``step_program.StepInputs`` less the key) over ``rows``, each
+    feeding ``fed[row]`` tokens, ``bucket`` tokens per data shard: per flat token ``(index,
+    tokens, positions, valid, offsets)``, per sample ``(sample_at, limit)``, per slot ``(streams,
+    counters, temperature, top_p)``; and each row's sample (its place among the samples)."""
+    per_shard, samples = self.num_slots // self.shards, self.samples(bucket)
+    n = bucket * self.shards
+    index, tokens, positions, offsets = (np.zeros(n, np.int32) for _ in range(4))
+    valid = np.zeros(n, bool)
+    sample_at, limit = (np.zeros(samples * self.shards, np.int32) for _ in range(2))
+    used, sampled = np.zeros(self.shards, int), np.zeros(self.shards, int)
+    where = []
+    for s in rows:
+      d, k = self.shard(s.index), fed[s.index]
+      chunk = s.pending[:k] if s.state == PREFILL else s.generated[-1:]
+      at = slice(d * bucket + used[d], d * bucket + used[d] + k)
+      index[at], tokens[at], valid[at] = s.index - d * per_shard, chunk, True
+      positions[at], offsets[at] = s.length + np.arange(k), np.arange(k)
+      j = d * samples + sampled[d]
+      sample_at[j], limit[j] = used[d] + k - 1, self.limit(s, k)
+      used[d], sampled[d] = used[d] + k, sampled[d] + 1
+      where.append(j)
+    slots = (np.array([s.stream for s in self.slots], np.uint32),
+             np.array([s.sampled for s in self.slots], np.int32),
+             np.array([s.temperature for s in self.slots], np.float32),
+             np.array([s.top_p for s in self.slots], np.float32))
+    return (index, tokens, positions, valid, offsets), (sample_at, limit), slots, where
 
   def limit(self, s: Slot, n: int) -> int:
     """Tokens a row feeding ``n`` tokens may sample in a call: none while its prefill goes on

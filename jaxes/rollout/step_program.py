@@ -17,6 +17,8 @@ each row's version a few low-rank steps on from the call's base, ``PopulationNoi
 """
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import jax.numpy as jnp
 from flax import nnx
 
@@ -24,20 +26,72 @@ from jaxes.models import attention, qwen2
 from jaxes.rollout import decode_loop, sampling
 
 
+class Decoding(NamedTuple):
+  """What a call's rows decode with (``jaxes.rollout.policy_bank``): the base version's ``params``
+  and the rows' ``noiser`` (None: unperturbed)."""
+  params: Any
+  noiser: Any = None
+
+
+class Steps(NamedTuple):
+  """Rows of several versions in one call: K low-rank steps on top of the base version, shared by
+  the rows (``factors``, ``PopulationNoiser.with_steps``), and ``rows [B, K]``: 1 where slot b
+  adds step k."""
+  factors: Any
+  rows: Any
+
+
+class Tokens(NamedTuple):
+  """Per flat token ``[D * T]``: its cache row in its shard, id, position, validity and offset
+  among its row's tokens of the call."""
+  index: Any
+  tokens: Any
+  positions: Any
+  valid: Any
+  offsets: Any
+
+
+class Samples(NamedTuple):
+  """Per sample ``[D * S]``: its token's place in its shard's T tokens, and the tokens it may
+  sample in this call."""
+  at: Any
+  limit: Any
+
+
+class SlotSampling(NamedTuple):
+  """Per slot ``[B]``: its sampling stream, tokens sampled so far, temperature and top-p."""
+  streams: Any
+  counters: Any
+  temperature: Any
+  top_p: Any
+
+
+class StepInputs(NamedTuple):
+  tokens: Tokens
+  samples: Samples
+  slots: SlotSampling
+  base_key: Any
+
+
+def input_shardings(rows, replicated) -> StepInputs:
+  """``StepInputs``' shardings as one prefix tree: everything with the rows but the key."""
+  return StepInputs(rows, rows, rows, replicated)
+
+
 def call(graphdef, layout: tuple, max_steps: int, stop_ids: tuple, paged: bool, attend_len: int,
-         params, noiser, cache, index, tokens, positions, valid, offsets, sample_at, base_key,
-         streams, counters, temperature, top_p, limit, steps=None, step_rows=None):
+         decoding: Decoding, cache, inputs: StepInputs, steps: Steps | None = None):
   """One engine call. Static: ``layout`` (``attention.Rows``'s mesh, batch and KV-head axes),
   ``max_steps``, ``stop_ids``, ``paged`` (the cache is a ``PagedKVCache``), ``attend_len``.
-  Per flat token ``[D * T]``: ``index`` (its cache row in its shard), ``tokens``, ``positions``,
-  ``valid``, ``offsets``. Per sample ``[D * S]``: ``sample_at`` (its token's place in its
-  shard's T tokens) and ``limit``. Per slot ``[B]``: ``streams``, ``counters`` (tokens the slot
-  has sampled), ``temperature``, ``top_p`` and, with ``steps``, ``step_rows [B, K]``. Returns
-  ``((tokens [D * S, max_steps], logprobs [D * S, max_steps], taken [D * S], last [D * S]),
+  Returns ``((tokens [D * S, max_steps], logprobs [D * S, max_steps], taken [D * S], last [D * S]),
   cache)``: entries past a sample's last sampled token are 0; ``taken`` and ``last`` are each
-  sample's count of sampled tokens and the last of them (``decode_loop.tokens_taken``)."""
+  sample's count of sampled tokens and the last of them (``decode_loop.tokens_taken``).
+  ``steps`` comes last: XLA assigns buffers in argument order, and the programs with steps keep
+  the per-device memory they had when their arguments were listed one by one, these last."""
+  params, noiser = decoding
+  (index, tokens, positions, valid, offsets), (sample_at, limit) = inputs.tokens, inputs.samples
+  base_key = inputs.base_key
   if steps is not None:
-    noiser = noiser.with_steps(steps, step_rows)
+    noiser = noiser.with_steps(steps.factors, steps.rows)
   flat = attention.Rows(index, *layout)
   samples = attention.Rows(sample_at, *layout)
   rows = attention.Rows(samples.take(index), *layout)   # each sample's cache row
@@ -54,8 +108,7 @@ def call(graphdef, layout: tuple, max_steps: int, stop_ids: tuple, paged: bool, 
       cache_pages=pages_of(flat), token_offsets=offsets[:, None], head=False)
   row_noiser = noiser_of(rows)
   logits = nnx.merge(graphdef, params).lm_logits(samples.take(hidden[:, 0]), row_noiser)
-  streams, counters, temperature, top_p = (rows.take(x) for x in (streams, counters, temperature,
-                                                                  top_p))
+  streams, counters, temperature, top_p = (rows.take(x) for x in inputs.slots)
   first = sampling.sample_with_logprob(
       logits, sampling.row_keys(base_key, streams, counters), temperature, top_p)
 

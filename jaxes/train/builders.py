@@ -20,7 +20,8 @@ from jaxes.controller import ControllerConfig, policies
 from jaxes.envs import protocol
 from jaxes.envs.latency import LatencySandbox
 from jaxes.models import hf, qwen2
-from jaxes.rollout.engine import Engine, VersionSteps
+from jaxes.rollout.engine import Engine
+from jaxes.rollout.policy_bank import ESPolicyBank, PolicyBank, VersionSteps
 from jaxes.rollout.episodes import EpisodeRunner
 from jaxes.train import coevolution, environments
 from jaxes.train.errors import ConfigError
@@ -237,23 +238,27 @@ def es_controller_config(config) -> ControllerConfig:
 
 
 # -- rollout --------------------------------------------------------------------------------------
-def build_engine(config, model: Model, tokenizer, strategy: es.Strategy | None = None,
-                 run_key: jax.Array | None = None, mesh=None, abstract: bool = False) -> Engine:
-  """The rollout engine; each slot's policy is its member's perturbation under ``run_key``
-  (``strategy`` None: every row runs the unperturbed policy, as GRPO's do). ``mesh``: where its
-  arrays live (None: one device). ``abstract``: shapes and shardings only, for compiling its
-  programs ahead of time (the preflight); ``tokenizer`` may then be None (no stop ids: the
-  programs do not depend on them)."""
+def build_engine(config, model: Model, tokenizer, policy: PolicyBank | None = None, mesh=None,
+                 abstract: bool = False) -> Engine:
+  """The rollout engine; ``policy``: what its rows decode with, the algorithm's bank (None: every
+  row runs its version's unperturbed policy, as GRPO's do; ``es_policy_bank``: ES's members).
+  ``mesh``: where its arrays live (None: one device). ``abstract``: shapes and shardings only,
+  for compiling its programs ahead of time (the preflight); ``tokenizer`` may then be None (no
+  stop ids: the programs do not depend on them)."""
   stop, im_end = stop_ids(tokenizer) if tokenizer is not None else ([], 0)
   r = config.rollout
   return Engine(model.graphdef, model.config, num_slots=r.num_slots, max_len=r.max_len,
                 prefill_chunk=r.prefill_chunk, max_new_tokens=r.max_new_tokens, stop_ids=stop,
-                im_end_id=im_end, make_noiser=None if strategy is None else strategy.engine_noiser(run_key),
-                seed=config.seed, mesh=mesh, abstract=abstract,
-                version_steps=version_steps(config, model, strategy, run_key),
-                member_slices=member_slices(strategy), prefill_hold=int(r.prefill_hold),
-                decode_steps=int(r.decode_steps),
+                im_end_id=im_end, policy=policy, seed=config.seed, mesh=mesh, abstract=abstract,
+                prefill_hold=int(r.prefill_hold), decode_steps=int(r.decode_steps),
                 prefill_tokens=int(r.prefill_tokens) or None, **paged_cache(config))
+
+
+def es_policy_bank(config, model: Model, strategy: es.Strategy, run_key: jax.Array) -> ESPolicyBank:
+  """ES's policy bank: each slot's policy is its member's perturbation under ``run_key``."""
+  return ESPolicyBank(strategy.engine_noiser(run_key),
+                      version_steps=version_steps(config, model, strategy, run_key),
+                      member_slices=member_slices(strategy))
 
 
 def paged_cache(config) -> dict:
@@ -265,16 +270,17 @@ def paged_cache(config) -> dict:
 
 
 def member_slices(strategy: es.Strategy | None) -> bool:
-  """Full-rank ES decodes in member slices (``Engine(member_slices=True)``): each data shard runs
-  one member at a time, so the engine holds one perturbed weight copy per shard, not per slot."""
+  """Full-rank ES decodes in member slices (``ESPolicyBank(member_slices=True)``): each data
+  shard runs one member at a time, so the engine holds one perturbed weight copy per shard, not
+  per slot."""
   return strategy is not None and strategy.mode == "full"
 
 
 def version_steps(config, model: Model, strategy: es.Strategy | None, run_key) -> VersionSteps | None:
   """An async ES run whose updates are low-rank steps (``Strategy.steps_are_lowrank``: low-rank
   mode, plain SGD) runs the rows of all its live versions in one engine call, up to
-  ``max_staleness`` steps from the oldest (the trainer registers each update, ``Engine.add_step``);
-  None otherwise (a call per version)."""
+  ``max_staleness`` steps from the oldest (the update registers each step,
+  ``ESPolicyBank.add_step``); None otherwise (a call per version)."""
   c = config.controller
   if strategy is None or c.mode != "async" or c.max_staleness < 1:
     return None

@@ -267,8 +267,9 @@ class Trainer:
     state, t = self.state, time.perf_counter()
     results = sorted(update.results)  # a deterministic order: float sums do not depend on arrival
     keep = set(state.controller.live_versions()) | self.runner.live_versions()
-    context = UpdateContext(state.controller.version, state.controller.config, self.runner.engine,
-                            state.params_by_version, keep, state.initial_params)
+    context = UpdateContext(state.controller.version, state.controller.config,
+                            self.runner.engine.policy, state.params_by_version, keep,
+                            state.initial_params)
     if self._drift is not None:
       self._drift.before_update(self._current_params(), state.params_by_version.get(state.version - 2),
                                 donated=self.algorithm.donates_params)

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 from jaxes.controller import ControllerConfig, Job
 from jaxes.rollout.engine import Engine
+from jaxes.rollout.policy_bank import PolicyBank
 from jaxes.rollout.episodes import EpisodeSpec
 
 
@@ -27,7 +28,8 @@ class UpdateContext:
   """What an update may read besides its state and cohort."""
   version: int                    # the version the update makes (the controller's, after it)
   controller: ControllerConfig    # the run's controller's configuration
-  engine: Engine                  # the rollout engine (an async low-rank run registers each step)
+  policy: PolicyBank              # the engine's policy bank (an async low-rank ES run registers
+                                  # each step: ``ESPolicyBank.add_step``)
   params_by_version: dict         # every live version's parameters, the current one included
   keep: set[int]                  # the versions that must stay decodable after the update
   initial_params: Any = None      # θ₀ (version 0), held when ``needs_initial_params``

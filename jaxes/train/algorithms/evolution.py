@@ -98,8 +98,9 @@ class EvolutionStrategies:
   def build_engine(self, state: es.ESState | None, mesh, abstract: bool = False):
     # Abstractly (the preflight) the run key is the fresh run's, which has the same shape.
     run_key = jax.random.key(self.config.seed) if state is None else state.run_key
-    return builders.build_engine(self.config, self.parts.model, self.parts.tokenizer, self.strategy,
-                                 run_key, mesh=mesh, abstract=abstract)
+    policy = builders.es_policy_bank(self.config, self.parts.model, self.strategy, run_key)
+    return builders.build_engine(self.config, self.parts.model, self.parts.tokenizer, policy,
+                                 mesh=mesh, abstract=abstract)
 
   def spec(self, job: Job) -> EpisodeSpec:
     c = self.config
@@ -113,8 +114,8 @@ class EvolutionStrategies:
   def update(self, state: es.ESState, results: list, context: UpdateContext
              ) -> tuple[es.ESState, dict]:
     new_state, metrics = self.strategy.update(state, results, context.initial_params)
-    if context.engine.version_steps is not None:   # rows of the new version may join older calls
-      context.engine.add_step(int(new_state.version), *self.strategy.cohort(state, results))
+    if context.policy.version_steps is not None:   # rows of the new version may join older calls
+      context.policy.add_step(int(new_state.version), *self.strategy.cohort(state, results))
     if int(new_state.version) != context.version:
       raise RuntimeError(f"ES version {int(new_state.version)} != controller version {context.version}")
     return new_state, metrics

@@ -15,7 +15,7 @@ resumes.
 Each step makes one call per live policy version (per group of versions, below), covering all
 of that version's working slots, as one flat buffer of tokens (``jaxes.rollout.step_program``):
 decoding rows feed their last token, prefilling rows their next chunk, each token naming its
-cache row and its offset in the row (the ragged ``qwen2.forward(token_offsets=)``). A data
+cache row and its offset in the row (the ragged ``qwen2.Options.token_offsets``). A data
 shard's tokens are padded to the smallest of a few token buckets (``Engine.buckets``: a quarter
 of the shard's ``B / D`` rows, all of them, all plus a chunk); a call's prefill is cut to fit the
 largest (``_pack``), the rest going next call. One program per bucket serves every call — decode
@@ -221,13 +221,9 @@ class Engine:
                        f"the largest bucket holds a whole chunk beside the decode tokens")
     self.buckets = sorted({per_shard + prefill_tokens} | (
         {per_shard, max(per_shard >> 2, 1)} if compact else set()))
-    # Attention spans. Blockwise attention reads key blocks up to the call's furthest token only
-    # (a traced trip count, ``bounded_keys``), so one span, the whole row, serves every length.
-    # cuDNN (GPU) is handed the whole span: there a step attends to the shortest of three
-    # prefixes of the cache rows that holds every row of the call, so short episodes do not pay
-    # for the longest one the cache allows.
-    gpu = self.mesh.devices.flat[0].platform in ("gpu", "cuda", "rocm")
-    self.spans = sorted({max(max_len >> k, 1) for k in range(3 if gpu else 1)})
+    # Attention spans: one, or three prefixes of the rows where the attention implementation
+    # reads the whole span it is handed (cuDNN on GPU; attention.attention_spans).
+    self.spans = attention.attention_spans(max_len, self.mesh, paged=page_size is not None)
     self.page_size = None if page_size is None else int(page_size)
     if page_size is not None:
       self._check_pages(int(page_size), int(num_pages), data)

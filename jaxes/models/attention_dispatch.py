@@ -58,6 +58,11 @@ def register(platform: str, cache: str, phase: str, impl: Implementation) -> Non
   _TABLE[(platform if platform == ANY else platform_name(platform), cache, phase)] = impl
 
 
+def unregister(platform: str, cache: str, phase: str) -> None:
+  """Removes the entry ``register`` made for exactly this key (a no-op where there is none)."""
+  _TABLE.pop((platform if platform == ANY else platform_name(platform), cache, phase), None)
+
+
 def choose(platform: str, cache: str, phase: str) -> Implementation:
   """The implementation registered for ``(platform, cache, phase)``, the most specific entry."""
   platform = platform_name(platform)
@@ -67,12 +72,6 @@ def choose(platform: str, cache: str, phase: str) -> Implementation:
       return _TABLE[key]
   raise ValueError(f"no attention implementation for platform {platform!r}, cache {cache!r}, "
                    f"phase {phase!r}; registered: {sorted(_TABLE)}")
-
-
-def has_own(platform: str, cache: str) -> bool:
-  """Whether ``platform`` has an entry of its own (not ``"*"``) for ``cache`` in some phase."""
-  platform = platform_name(platform)
-  return any(p == platform and c == cache for p, c, _ in _TABLE)
 
 
 def entries() -> dict[tuple[str, str, str], str]:

@@ -191,7 +191,8 @@ def _plain_step(graphdef, attend_len, params, noiser, cache, tokens, positions, 
   cache, so the loop's state stays on the device."""
   last = jnp.maximum(valid.sum(axis=1) - 1, 0)
   logits, cache = qwen2.forward(graphdef, params, tokens, positions, valid, cache=cache,
-                                noiser=noiser, logits_at=last, attend_len=attend_len)
+                                noiser=noiser,
+                                options=qwen2.Options(logits_at=last, attend_len=attend_len))
   next_tokens, logprobs = sampling.sample_with_logprob(
       logits, sampling.row_keys(key, streams, counters), temperature, top_p)
   return next_tokens[:, None], positions[:, -1:] + 1, counters + 1, logprobs, cache

@@ -62,7 +62,7 @@ import jaxlib
 import numpy as np
 
 from jaxes import preflight
-from jaxes.models import qwen2
+from jaxes.models import attention_dispatch, qwen2
 from jaxes.train import algorithms, builders, compile_cache, precompile
 from jaxes.train.state import Parts
 
@@ -362,15 +362,14 @@ def platform_before_init() -> str:
   probe = subprocess.run([sys.executable, "-c", "import jax; print(jax.devices()[0].platform)"],
                          capture_output=True, text=True, timeout=300)
   name = probe.stdout.strip().splitlines()[-1] if probe.stdout.strip() else "cpu"
-  return "gpu" if name in ("gpu", "cuda", "rocm") else name
+  return attention_dispatch.platform_name(name)
 
 
 def measure(config, model_shape: str, steps: int, log=print, hardware: dict | None = None) -> dict:
   """Every measurement as one dict (``summary`` picks the JSON line's keys); ``hardware``: the
   hardware tests' result, run before (``hardware_tests``)."""
   devices = jax.devices()
-  platform_name = devices[0].platform
-  platform_name = "gpu" if platform_name in ("gpu", "cuda", "rocm") else platform_name
+  platform_name = attention_dispatch.platform_name(devices[0].platform)
   kind = devices[0].device_kind
   turn_budget = config.rollout.max_new_tokens
   config = measure_config(config, model_shape, len(devices))

@@ -215,7 +215,7 @@ def test_a_forward_over_interleaved_pages_gives_the_split_pages_logits():
   cfg, graphdef, params = tiny_model()
   step = jax.jit(lambda cache, tokens, valid: qwen2.forward(
       graphdef, params, tokens, cache.index[:, None] + jnp.cumsum(valid, 1) - 1, valid, cache=cache,
-      cache_pages=attention.Pages(cache.table)))
+      options=qwen2.Options(access=attention.Pages(cache.table))))
   r = np.random.default_rng(0)
   prompt = jnp.asarray(r.integers(0, cfg.vocab_size, (2, 6)), jnp.int32)
   valid = jnp.asarray([[True] * 6, [True] * 3 + [False] * 3])
@@ -255,8 +255,8 @@ def test_a_forward_over_an_interleaved_cache_compiles_for_v5p_with_the_kernel(mo
   valid = jax.ShapeDtypeStruct((4, 2), bool, sharding=NamedSharding(mesh, P("data")))
 
   def step(params, cache, tokens, positions, valid):
-    return qwen2.forward(graphdef, params, tokens, positions, valid, cache=cache, bounded_keys=True,
-                         cache_pages=attention.Pages(cache.table, mesh, "data", "tensor"))
+    return qwen2.forward(graphdef, params, tokens, positions, valid, cache=cache, options=qwen2.Options(
+        bounded_keys=True, access=attention.Pages(cache.table, mesh, "data", "tensor")))
   lowered = jax.jit(step).lower(params, cache, tokens, tokens, valid)
   assert "ragged_paged_attention_kernel" in lowered.as_text()
   assert lowered.compile().memory_analysis().temp_size_in_bytes > 0

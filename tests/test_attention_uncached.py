@@ -1,5 +1,5 @@
 """The uncached forward's attention and remat: ``attention.causal`` (blockwise over query blocks
-when the sequence is long) equals the dense softmax, and ``qwen2.forward(remat=True)`` equals the
+when the sequence is long) equals the dense softmax, and ``qwen2.Options(remat=True)`` equals the
 plain forward, in logits and gradients at float32; both lower the gradient's compiled memory."""
 import jax
 import jax.numpy as jnp
@@ -69,7 +69,8 @@ def logprob_sum(graphdef, tokens, valid, remat):
   weights = jax.random.normal(jax.random.key(5), (*tokens.shape, 1))
 
   def f(params):
-    logits, _ = qwen2.forward(graphdef, params, tokens, positions, valid, remat=remat)
+    logits, _ = qwen2.forward(graphdef, params, tokens, positions, valid,
+                              options=qwen2.Options(remat=remat))
     return jnp.sum(weights * jax.nn.log_softmax(logits) * valid[..., None]), logits
   return f
 

@@ -1,4 +1,4 @@
-"""A ragged token batch through the cached forward (``qwen2.forward(token_offsets=)``): tokens of
+"""A ragged token batch through the cached forward (``qwen2.Options(token_offsets=)``): tokens of
 several rows, prefill chunks and decode tokens mixed, laid out flat as width-1 batch rows that
 may share a cache row, give the logits and cache of the per-row ``[B, T]`` call, and attention
 reads key blocks up to the furthest token only (``attention.blockwise(keys_needed=)``)."""
@@ -42,8 +42,8 @@ def _ragged_call(model, cache, chunks, pad=3):
   valid = np.arange(n + pad) < n
   positions = np.asarray(cache.index)[index] + offsets
   logits, cache = qwen2.forward(graphdef, params, tokens[:, None], positions[:, None],
-                                valid[:, None], cache=cache, cache_rows=attention.Rows(index),
-                                token_offsets=offsets[:, None])
+                                valid[:, None], cache=cache, options=qwen2.Options(
+                                    access=attention.Rows(index), token_offsets=offsets[:, None]))
   out, start = [], 0
   for c in chunks:
     out.append(np.asarray(logits[start:start + len(c), 0]))

@@ -225,7 +225,8 @@ def test_sampled_logprobs_equal_teacher_forced_forward(model, temperature, top_p
   @jax.jit
   def draw(tokens, i, keys):
     logits, _ = qwen2.forward(graphdef, params, tokens, jnp.broadcast_to(jnp.arange(length), tokens.shape),
-                              jnp.arange(length)[None] < i, logits_at=jnp.full((n,), i - 1))
+                              jnp.arange(length)[None] < i,
+                              options=qwen2.Options(logits_at=jnp.full((n,), i - 1)))
     tok, lp = sampling.sample_with_logprob(logits, keys, temps, tops)
     return tok, lp, sampling.sample(logits, keys, temps, tops)
 

@@ -23,7 +23,7 @@ PARITY_CONFIGS = {
                                         tie_word_embeddings=True),
 }
 
-forward = jax.jit(qwen2.forward, static_argnums=0, static_argnames="attend_len")
+forward = jax.jit(qwen2.forward, static_argnums=0)
 
 
 @pytest.fixture(scope="module", params=sorted(PARITY_CONFIGS))
@@ -113,12 +113,14 @@ def test_logits_at_and_attend_len_change_no_logits():
   at = jnp.asarray([5, 1, 3])
   for cache in (None, qwen2.KVCache.init(cfg, B, 8)):
     full, _ = forward(graphdef, params, tokens, positions, valid, cache)
-    picked, _ = forward(graphdef, params, tokens, positions, valid, cache, logits_at=at)
+    picked, _ = forward(graphdef, params, tokens, positions, valid, cache,
+                        options=qwen2.Options(logits_at=at))
     assert picked.shape == (B, cfg.vocab_size)
     np.testing.assert_allclose(picked, np.asarray(full)[np.arange(B), at], atol=1e-6, rtol=0)
   # Attention bounded to the first T of the cache's 8 slots (all rows fit): the same logits.
   cache = qwen2.KVCache.init(cfg, B, 8)
-  short, short_cache = forward(graphdef, params, tokens, positions, valid, cache, attend_len=T)
+  short, short_cache = forward(graphdef, params, tokens, positions, valid, cache,
+                                     options=qwen2.Options(attend_len=T))
   np.testing.assert_allclose(short, full, atol=1e-6, rtol=0)
   np.testing.assert_array_equal(np.asarray(short_cache.valid), np.asarray(_.valid))
 

@@ -17,9 +17,14 @@ repeated), keys/values ``[B, S, K, hd]``, outputs ``[B, T, K, G, hd]`` in ``q``'
   (``kernels_tpu``); otherwise ``blockwise`` over key blocks of whole pages gathered through each
   row's page table.
 
-The path is chosen for the platform the program is compiled for (``target_platform``: the
-mesh's devices), not the process's default backend, so a deviceless compile for a GPU or TPU
-target from a CPU machine (the preflight) builds the program the real run would.
+Which of these runs is decided in one place, the table of ``jaxes.models.attention_dispatch``
+(keyed by platform, cache kind and phase; the built-in entries are registered at the end of this
+module). Every implementation reads the keys through a ``KeyView``. The model reaches its cache
+through one interface, ``CacheAccess`` (``Dense``, ``Rows``, ``Pages``), inside one named pytree
+per layer, ``LayerCache``. The platform is the one the program is compiled for
+(``target_platform``: the mesh's devices), not the process's default backend, so a deviceless
+compile for a GPU or TPU target from a CPU machine (the preflight) builds the program the real
+run would.
 
 Why not the other Pallas TPU kernels: ``pallas.ops.tpu.flash_attention`` aligns its causal mask
 at key 0, while a cache row here is a prefix of slots whose queries sit at a per-row offset.
@@ -42,12 +47,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jaxes.models import attention_dispatch as dispatch
 from jaxes.models import kernels_tpu
 
 # A finite floor (not -inf) keeps rows without any visible key (padding) free of NaN.
@@ -130,9 +136,9 @@ def target_platform(mesh=None) -> str:
   ``jax.set_mesh`` (abstract devices included), else the default backend. A deviceless compile
   for a TPU or GPU topology from a CPU process names its target here, not ``"cpu"``."""
   if mesh is not None:
-    return mesh.devices.flat[0].platform
+    return dispatch.platform_name(mesh.devices.flat[0].platform)
   device = jax.sharding.get_abstract_mesh().abstract_device
-  return jax.default_backend() if device is None else device.platform
+  return dispatch.platform_name(jax.default_backend() if device is None else device.platform)
 
 
 def as_bits(x: jax.Array) -> jax.Array:
@@ -140,22 +146,80 @@ def as_bits(x: jax.Array) -> jax.Array:
   return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
 
 
+@dataclasses.dataclass(frozen=True)
+class KeyView:
+  """What an attention implementation reads, on one device (built inside the trace, per layer):
+  ``read(start, n) -> (k, v)`` each ``[n_rows, n, K, hd]`` in the compute dtype, key slots
+  ``[start, start + n)`` of each batch row (``start`` may be traced); ``valid [n_rows, S]`` and
+  ``q_slots [n_rows, T]``: query t of row b sees slot s iff ``valid[b, s]`` and
+  ``s <= q_slots[b, t]``; keys ``[0, span)`` only. ``block``: keys per block of ``blockwise``
+  (None: ``KV_BLOCK``); ``page``: the keys are read in whole pages of this many (blocks round to
+  pages). ``bounded``: no query sees a slot past the furthest ``q_slots`` (padding tokens point
+  at slot 0), so blocks after it need not be read. ``pages``, ``table``, ``layer``, ``dtype``:
+  a paged cache's raw storage, for a kernel that reads it itself (``kernels_tpu``)."""
+  read: Callable[[jax.Array, int], tuple[jax.Array, jax.Array]]
+  valid: jax.Array
+  q_slots: jax.Array | None
+  span: int
+  block: int | None = None
+  bounded: bool = False
+  page: int | None = None
+  pages: jax.Array | None = None
+  table: jax.Array | None = None
+  layer: jax.Array | None = None
+  dtype: Any = None
+
+  def visible(self, start, n) -> jax.Array:
+    """bool ``[n_rows, T, n]``: which of the slots ``[start, start + n)`` each query sees."""
+    keys = start + jnp.arange(n)
+    return (jax.lax.dynamic_slice_in_dim(self.valid, start, n, axis=1)[:, None, :]
+            & (keys[None, None, :] <= self.q_slots[:, :, None]))
+
+  def key_block(self) -> int | None:
+    """Keys per ``blockwise`` block: ``block``, or whole pages as many as fit in it."""
+    return self.block if self.page is None else _page_block(self.span, self.page, self.block)
+
+
+def _blockwise_cached(q: jax.Array, keys: KeyView) -> jax.Array:
+  """``blockwise`` over a cache (``bounded``: up to this device's furthest query only)."""
+  return blockwise(q, keys.read, keys.visible, keys.span, keys.key_block(),
+                   keys_needed=keys.q_slots.max() + 1 if keys.bounded else None)
+
+
+def _cudnn_cached(q: jax.Array, keys: KeyView) -> jax.Array:
+  """cuDNN over the whole span; where cuDNN refuses the call (or is not installed),
+  ``blockwise``."""
+  k, v = keys.read(0, keys.span)
+  out = _cudnn(q, k, v, keys.visible(0, keys.span))
+  return _blockwise_cached(q, keys) if out is None else out
+
+
+def _ragged_paged(q: jax.Array, keys: KeyView) -> jax.Array:
+  """``kernels_tpu.paged_attention`` over interleaved pages: it reads each row's pages up to its
+  last token, so ``span`` and ``bounded`` change nothing; it takes a row's valid slots to be a
+  prefix, as the engine keeps them."""
+  return kernels_tpu.paged_attention(q, keys.pages, keys.layer, keys.q_slots, keys.table,
+                                     keys.dtype)
+
+
+def _causal_sequence(q: jax.Array, keys: KeyView) -> jax.Array:
+  """``causal`` over a whole sequence's own keys (no cache)."""
+  k, v = keys.read(0, keys.span)
+  return causal(q, k, v, keys.valid, keys.block)
+
+
 def cached(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, layer: jax.Array,
            cache_valid: jax.Array, q_slots: jax.Array, span: int, dtype=None,
-           block: int | None = None, rows: "Rows | None" = None, bounded: bool = False,
-           platform: str | None = None) -> jax.Array:
+           block: int | None = None, bounded: bool = False, platform: str | None = None,
+           phase: str = "mixed") -> jax.Array:
   """Attention of ``q`` to the first ``span`` slots of layer ``layer`` of a ``[L, B, S, K, hd]``
   cache; query t of row b sees slot s iff ``cache_valid[b, s]`` and ``s <= q_slots[b, t]``.
   ``dtype``: the cache holds raw bits (``as_bits``) of this dtype; None: plain values. Blocks
   are read as bits and converted one at a time, so no compiler can hoist a dtype conversion of
   the whole cache out of the block loop (the CPU backend, which computes bfloat16 dots in
-  float32, did: a float32 copy of the cache). ``rows``: q's batch is those rows of the cache
-  (``cache_valid`` and ``q_slots`` per batch row); see ``Rows``. ``bounded``: read key blocks
-  up to the furthest query only (``_attend``). ``platform``: the target's (None:
-  ``target_platform()``; ``rows`` name their own mesh's)."""
-  if rows is not None:
-    return rows.attend(q, cache_k, cache_v, layer, cache_valid, q_slots, span, dtype, block,
-                       bounded)
+  float32, did: a float32 copy of the cache). ``bounded``: read key blocks up to the furthest
+  query only (``KeyView``). ``platform``: the target's (None: ``target_platform()``); with the
+  ``phase``, it picks the implementation (``attention_dispatch``)."""
   B = q.shape[0]
   K, hd = cache_k.shape[-2:]
 
@@ -167,12 +231,12 @@ def cached(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, layer: jax.Arra
       k, v = (jax.lax.bitcast_convert_type(c, dtype) for c in (k, v))
     return k, v
 
-  return _attend(q, read, cache_valid, q_slots, span, block, bounded,
-                 target_platform() if platform is None else platform)
+  return _attend(q, KeyView(read, cache_valid, q_slots, span, block, bounded),
+                 target_platform() if platform is None else platform, "dense", phase)
 
 
 def _attend_rows(q, cache_k, cache_v, layer, row_valid, q_slots, index, span, dtype, block,
-                 bounded, platform):
+                 bounded, platform, phase):
   """``cached`` for batch row i reading cache row ``index[i]``, all on one device: each key block
   is gathered for the batch's rows only (``[n, block, K, hd]``), never their whole rows."""
   def read(start, n):
@@ -182,27 +246,13 @@ def _attend_rows(q, cache_k, cache_v, layer, row_valid, q_slots, index, span, dt
       k, v = (jax.lax.bitcast_convert_type(c, dtype) for c in (k, v))
     return k, v
 
-  return _attend(q, read, row_valid, q_slots, span, block, bounded, platform)
+  return _attend(q, KeyView(read, row_valid, q_slots, span, block, bounded), platform, "dense",
+                 phase)
 
 
-def _attend(q, read, valid, q_slots, span, block, bounded, platform):
-  """Attention of ``q`` to the keys ``read(start, n)`` returns: query t of row b sees slot s iff
-  ``valid[b, s]`` and ``s <= q_slots[b, t]``. cuDNN when ``platform`` is the GPU (handed the
-  whole span; where cuDNN refuses the call, or is not installed, ``blockwise``), else
-  ``blockwise``; ``bounded``: ``blockwise`` reads key blocks up to this device's furthest query
-  only (``q_slots`` of padding tokens must not point past the real ones)."""
-  def visible(start, n):
-    keys = start + jnp.arange(n)
-    return (jax.lax.dynamic_slice_in_dim(valid, start, n, axis=1)[:, None, :]
-            & (keys[None, None, :] <= q_slots[:, :, None]))
-
-  if platform == "gpu":
-    k, v = read(0, span)
-    out = _cudnn(q, k, v, visible(0, span))
-    if out is not None:
-      return out
-  return blockwise(q, read, visible, span, block,
-                   keys_needed=q_slots.max() + 1 if bounded else None)
+def _attend(q: jax.Array, keys: KeyView, platform: str, cache: str, phase: str) -> jax.Array:
+  """Attention of ``q`` to ``keys`` by the implementation the dispatch table names."""
+  return dispatch.choose(platform, cache, phase).fn(q, keys)
 
 
 def _per_device(mesh, fn, in_specs, out_specs):
@@ -216,6 +266,64 @@ def _kv_spec(batch_axis, heads_axis) -> P:
   """``[L, rows or pages, tokens, K, hd]`` keys or values: rows over ``batch_axis``, KV heads
   over ``heads_axis``."""
   return P(None, batch_axis, None, heads_axis, None)
+
+
+class CacheAccess(Protocol):
+  """How a batch reaches a KV cache: the one interface the model uses (``LayerCache``, and
+  ``qwen2.Qwen2ForCausalLM`` for a call's bookkeeping). The cache is per-row arrays ``index
+  [B]``, ``valid [B, S]`` and key/value buffers ``[L, rows or pages, ...]``; the batch is ``n``
+  rows of tokens. Implemented by ``Dense`` (batch row b is cache row b), ``Rows`` (some rows of
+  a sharded cache, per device) and ``Pages`` (a paged cache, per device)."""
+
+  names_rows: bool   # batch rows name their cache rows, so several may share one (ragged)
+
+  def take(self, x: jax.Array) -> jax.Array:
+    """A per-cache-row array ``[B, ...]`` -> each batch row's ``[n, ...]``."""
+
+  def mark(self, valid: jax.Array, slots: jax.Array) -> jax.Array:
+    """``valid [B, S]`` with the slots ``[n, T]`` of each batch row's cache row set."""
+
+  def advance(self, index: jax.Array, counts: jax.Array) -> jax.Array:
+    """``index [B]`` plus ``counts [n]`` at each batch row's cache row."""
+
+  def write_kv(self, cache_k: jax.Array, cache_v: jax.Array, layer: jax.Array, slots: jax.Array,
+               k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The buffers with keys and values ``[n, T, K, hd]`` (raw bits) written at layer ``layer``,
+    slots ``slots [n, T]`` of each batch row's cache row (slots >= S dropped)."""
+
+  def attend(self, q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, layer: jax.Array,
+             valid: jax.Array, q_slots: jax.Array, span: int, dtype=None,
+             block: int | None = None, bounded: bool = False, platform: str | None = None,
+             phase: str = "mixed") -> jax.Array:
+    """Attention of ``q [n, T, K, G, hd]`` to layer ``layer`` (see ``cached``)."""
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=[], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class Dense:
+  """``CacheAccess`` where batch row b is cache row b of ``[L, B, S, K, hd]`` buffers, as one
+  program over the whole batch (no ``shard_map``: the partitioner places it)."""
+  names_rows = False
+
+  def take(self, x: jax.Array) -> jax.Array:
+    return x
+
+  def mark(self, valid: jax.Array, slots: jax.Array) -> jax.Array:
+    rows = jnp.arange(slots.shape[0])[:, None]
+    return valid.at[rows, slots].set(True, mode="drop")
+
+  def advance(self, index: jax.Array, counts: jax.Array) -> jax.Array:
+    return index + counts
+
+  def write_kv(self, cache_k, cache_v, layer, slots, k, v):
+    rows = jnp.arange(slots.shape[0])[:, None]
+    return (cache_k.at[layer, rows, slots].set(k, mode="drop"),
+            cache_v.at[layer, rows, slots].set(v, mode="drop"))
+
+  def attend(self, q, cache_k, cache_v, layer, valid, q_slots, span, dtype=None, block=None,
+             bounded=False, platform=None, phase="mixed"):
+    return cached(q, cache_k, cache_v, layer, valid, q_slots, span, dtype, block, bounded,
+                  platform, phase)
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["index"],
@@ -234,6 +342,7 @@ class Rows:
   mesh: Any = None
   batch_axis: Any = None
   heads_axis: Any = None
+  names_rows = True   # ``CacheAccess``
 
   def _local(self, fn, in_specs, out_specs):
     return _per_device(self.mesh, fn, in_specs, out_specs)
@@ -255,6 +364,11 @@ class Rows:
     return self._local(fn, (self._cache_spec(), P(), P(b), P(b, None, h), P(b)),
                        self._cache_spec())(cache, layer, slots, x, self.index)
 
+  def write_kv(self, cache_k: jax.Array, cache_v: jax.Array, layer: jax.Array, slots: jax.Array,
+               k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``write`` of keys ``k`` and values ``v`` ``[n, T, K, hd]``."""
+    return self.write(cache_k, layer, slots, k), self.write(cache_v, layer, slots, v)
+
   def mark(self, valid: jax.Array, slots: jax.Array) -> jax.Array:
     """``valid [B, S]`` with ``slots [n, T]`` of each batch row's cache row set (>= S dropped)."""
     rows = P(self.batch_axis)
@@ -269,12 +383,12 @@ class Rows:
         index, counts, self.index)
 
   def attend(self, q, cache_k, cache_v, layer, row_valid, q_slots, span, dtype=None, block=None,
-             bounded=False, platform=None):
+             bounded=False, platform=None, phase="mixed"):
     """``cached`` for these rows: ``q [n, T, K, G, hd]``, ``row_valid [n, S]``, ``q_slots [n, T]``
-    (``bounded``: see ``_attend``; ``platform`` None: the mesh's, ``target_platform``)."""
+    (``bounded``: see ``KeyView``; ``platform`` None: the mesh's, ``target_platform``)."""
     b, h = self.batch_axis, self.heads_axis
     fn = functools.partial(_attend_rows, span=span, dtype=dtype, block=block, bounded=bounded,
-                           platform=platform or target_platform(self.mesh))
+                           platform=platform or target_platform(self.mesh), phase=phase)
     cache = self._cache_spec()
     return self._local(fn, (P(b, None, h), cache, cache, P(), P(b), P(b), P(b)),
                        P(b, None, h))(q, cache_k, cache_v, layer, row_valid, q_slots, self.index)
@@ -297,24 +411,23 @@ def interleaved(pages_v: jax.Array) -> bool:
 
 def interleave_pages(mesh=None) -> bool:
   """Whether a paged cache for ``mesh`` should be kept interleaved (``qwen2.PagedKVCache.init(
-  interleaved=)``): on TPU, where ``ragged_paged_attention`` reads that layout."""
-  return target_platform(mesh) == "tpu"
+  interleaved=)``): where the dispatch table reads that layout with an implementation of its
+  own (TPU: ``ragged_paged_attention``); elsewhere split pages read the same way."""
+  platform = target_platform(mesh)
+  return any(dispatch.choose(platform, "paged_interleaved", phase)
+             is not dispatch.choose(platform, "paged", phase) for phase in dispatch.PHASES)
 
 
 def _paged_attend(q, pages_k, pages_v, layer, row_valid, q_slots, table, span, dtype, block,
-                  bounded, platform):
+                  bounded, platform, phase):
   """``cached`` for batch row i reading the pages ``table[i]`` of ``[L, P, page, K, hd]`` (or the
-  interleaved layout), on one device. TPU with interleaved pages: ``kernels_tpu.paged_attention``
-  (it reads each row's pages up to its last token, so ``span`` and ``bounded`` change nothing
-  there; it takes a row's valid slots to be a prefix, as the engine keeps them). Otherwise
-  ``blockwise``: a key block is whole pages, gathered for the batch's rows only. (The kernel is
-  not run on split pages: building its layout at the call copies the page pool every layer,
-  ~10x the live keys and values on v5p, more than ``blockwise`` reads; benchmarks/RESULTS.md.)"""
+  interleaved layout), on one device, by the table's implementation for the layout (TPU with
+  interleaved pages: ``kernels_tpu.paged_attention``; else ``blockwise`` with a key block of
+  whole pages, gathered for the batch's rows only). (The kernel is not run on split pages:
+  building its layout at the call copies the page pool every layer, ~10x the live keys and
+  values on v5p, more than ``blockwise`` reads; benchmarks/RESULTS.md.)"""
   mixed = interleaved(pages_v)
-  if mixed and platform == "tpu":
-    return kernels_tpu.paged_attention(q, pages_k, layer, q_slots, table, dtype)
   page = pages_k.shape[2]
-  n_block = _page_block(span, page, block)
 
   def read(start, n):
     ids = jax.lax.dynamic_slice_in_dim(table, start // page, n // page, axis=1)   # [b, n / page]
@@ -328,7 +441,9 @@ def _paged_attend(q, pages_k, pages_v, layer, row_valid, q_slots, table, span, d
       k, v = (jax.lax.bitcast_convert_type(c, dtype) for c in (k, v))
     return k, v
 
-  return _attend(q, read, row_valid, q_slots, span, n_block, bounded, platform)
+  keys = KeyView(read, row_valid, q_slots, span, block, bounded, page=page, pages=pages_k,
+                 table=table, layer=layer, dtype=dtype)
+  return _attend(q, keys, platform, "paged_interleaved" if mixed else "paged", phase)
 
 
 def _write_pages(pages, layer, slots, x, table):
@@ -349,7 +464,7 @@ def _write_interleaved(pages, layer, slots, k, v, table):
   return _write_pages(pages, layer, slots, jax.lax.bitcast_convert_type(x, pages.dtype), table)
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["table"],
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["table", "rows"],
                    meta_fields=["mesh", "batch_axis", "heads_axis"])
 @dataclasses.dataclass(frozen=True)
 class Pages:
@@ -359,14 +474,32 @@ class Pages:
   hd]``) sharded over the same axis. Every access runs per device under ``shard_map``: a shard
   writes and reads its own pages only. Reads of interleaved pages go through
   ``ragged_paged_attention`` on TPU; everything else through the portable path (plain JAX
-  gathers of whole pages inside ``blockwise``; ``_paged_attend``)."""
+  gathers of whole pages inside ``blockwise``; ``_paged_attend``). ``rows``: which cache rows
+  the batch rows are, for the per-row ``index`` and ``valid`` (``Rows``; None: ``Dense``)."""
   table: jax.Array
   mesh: Any = None
   batch_axis: Any = None
   heads_axis: Any = None
+  rows: Any = None
 
   def _local(self, fn, in_specs, out_specs):
     return _per_device(self.mesh, fn, in_specs, out_specs)
+
+  def _rows(self) -> CacheAccess:
+    return Dense() if self.rows is None else self.rows
+
+  @property
+  def names_rows(self) -> bool:   # ``CacheAccess``
+    return self._rows().names_rows
+
+  def take(self, x: jax.Array) -> jax.Array:
+    return self._rows().take(x)
+
+  def mark(self, valid: jax.Array, slots: jax.Array) -> jax.Array:
+    return self._rows().mark(valid, slots)
+
+  def advance(self, index: jax.Array, counts: jax.Array) -> jax.Array:
+    return self._rows().advance(index, counts)
 
   def _pages_spec(self) -> P:
     return _kv_spec(self.batch_axis, self.heads_axis)
@@ -390,13 +523,13 @@ class Pages:
                        self._pages_spec())(pages_k, layer, slots, k, v, self.table), pages_v
 
   def attend(self, q, pages_k, pages_v, layer, row_valid, q_slots, span, dtype=None, block=None,
-             bounded=False, platform=None):
+             bounded=False, platform=None, phase="mixed"):
     """``cached`` over these rows' pages: ``q [n, T, K, G, hd]``, ``row_valid [n, S]``,
-    ``q_slots [n, T]`` (``bounded``: see ``_attend``; ``platform`` None: the mesh's,
+    ``q_slots [n, T]`` (``bounded``: see ``KeyView``; ``platform`` None: the mesh's,
     ``target_platform``)."""
     b, h = self.batch_axis, self.heads_axis
     fn = functools.partial(_paged_attend, span=span, dtype=dtype, block=block, bounded=bounded,
-                           platform=platform or target_platform(self.mesh))
+                           platform=platform or target_platform(self.mesh), phase=phase)
     pages = self._pages_spec()
     return self._local(fn, (P(b, None, h), pages, pages, P(), P(b), P(b), P(b)),
                        P(b, None, h))(q, pages_k, pages_v, layer, row_valid, q_slots, self.table)
@@ -446,3 +579,86 @@ def causal(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array,
 
   out = jax.lax.map(query_block, jnp.arange(blocks))   # [blocks, B, n, K, G, hd]
   return jnp.moveaxis(out, 0, 1).reshape(B, blocks * n, K, G, hd)[:, :T]
+
+
+def attend_sequence(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array,
+                    platform: str | None = None) -> jax.Array:
+  """Causal self-attention of a whole sequence (no cache) by the dispatch table's implementation:
+  ``q [B, T, K, G, hd]``, ``k, v [B, T, K, hd]``, ``valid`` bool [B, T] (see ``causal``)."""
+  def read(start, n):
+    if isinstance(start, int) and start == 0 and n == k.shape[1]:
+      return k, v   # the whole sequence, as is (no slice in the program)
+    return (jax.lax.dynamic_slice_in_dim(k, start, n, axis=1),
+            jax.lax.dynamic_slice_in_dim(v, start, n, axis=1))
+  return _attend(q, KeyView(read, valid, None, k.shape[1]),
+                 target_platform() if platform is None else platform, "none", "prefill")
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["k", "v", "valid", "q_slots", "write_slots", "access"],
+                   meta_fields=["span", "dtype", "bounded", "phase"])
+@dataclasses.dataclass(frozen=True)
+class LayerCache:
+  """The KV cache as one decoder layer sees it, a named pytree. ``k, v``: the whole cache's
+  buffers (every layer; raw bits of ``dtype``, or interleaved pages holding values), which a
+  layer scan carries and each layer writes into in place. Per batch row: ``valid [n, S]`` (the
+  slots a query may see), ``q_slots [n, T]`` (each query's own slot; it sees the valid slots up
+  to it), ``write_slots [n, T]`` (where each token's keys go; padding: past the cache, dropped).
+  ``access``: how the batch reaches the buffers (``CacheAccess``). Static: ``span`` (queries see
+  the first ``span`` slots only), ``dtype``, ``bounded`` (``KeyView``), ``phase``
+  (``attention_dispatch``)."""
+  k: jax.Array
+  v: jax.Array
+  valid: jax.Array
+  q_slots: jax.Array
+  write_slots: jax.Array
+  access: Any
+  span: int
+  dtype: Any
+  bounded: bool = False
+  phase: str = "mixed"
+
+  def write(self, layer: jax.Array, k: jax.Array, v: jax.Array) -> "LayerCache":
+    """This cache with the new keys and values ``[n, T, K, hd]`` (compute dtype) written at
+    layer ``layer``: only the new tokens are converted to the cache's bits."""
+    cache_k, cache_v = self.access.write_kv(self.k, self.v, layer, self.write_slots,
+                                            as_bits(k.astype(self.dtype)),
+                                            as_bits(v.astype(self.dtype)))
+    return dataclasses.replace(self, k=cache_k, v=cache_v)
+
+  def attend(self, q: jax.Array, layer: jax.Array) -> jax.Array:
+    """Attention of ``q [n, T, K, G, hd]`` to layer ``layer`` of this cache."""
+    return self.access.attend(q, self.k, self.v, layer, self.valid, self.q_slots, self.span,
+                              self.dtype, bounded=self.bounded, phase=self.phase)
+
+
+def attention_spans(max_len: int, mesh=None, paged: bool = False) -> list[int]:
+  """The attention spans (``qwen2.Options.attend_len``) an engine over rows of ``max_len`` slots
+  on ``mesh`` compiles a program for. One, the whole row, where the implementation reads key
+  blocks up to the call's furthest token only (one span serves every length); where it reads the
+  whole span it is handed (cuDNN), three prefixes of the rows, so a step attends to the shortest
+  one that holds every row and short episodes do not pay for the longest one the cache allows."""
+  platform = target_platform(mesh)
+  cache = ("paged_interleaved" if interleave_pages(mesh) else "paged") if paged else "dense"
+  whole = any(dispatch.choose(platform, cache, phase).reads_whole_span
+              for phase in ("mixed", "decode"))
+  return sorted({max(max_len >> k, 1) for k in range(3 if whole else 1)})
+
+
+# The dispatch table's entries: (platform, cache kind, phase) -> implementation ("*": any).
+# Shipped kernels where JAX has one that fits: cuDNN's flash attention through
+# jax.nn.dot_product_attention, Pallas' TPU ragged_paged_attention (kernels_tpu). ``blockwise``
+# and ``causal`` are hand-written because no shipped kernel takes this cache's queries at a
+# per-row slot offset, mixed decode and prefill rows, and a validity mask over every backend
+# (the module docstring says why not each Pallas kernel).
+BLOCKWISE = dispatch.Implementation("blockwise", _blockwise_cached)
+CUDNN = dispatch.Implementation("cuDNN", _cudnn_cached, reads_whole_span=True)
+dispatch.register("*", "none", "*", dispatch.Implementation("causal", _causal_sequence))
+dispatch.register("*", "dense", "*", BLOCKWISE)
+dispatch.register("*", "paged", "*", BLOCKWISE)
+dispatch.register("*", "paged_interleaved", "*", BLOCKWISE)
+dispatch.register("gpu", "dense", "*", CUDNN)
+dispatch.register("gpu", "paged", "*", CUDNN)
+dispatch.register("gpu", "paged_interleaved", "*", CUDNN)
+dispatch.register("tpu", "paged_interleaved", "*",
+                  dispatch.Implementation("ragged_paged_attention", _ragged_paged))

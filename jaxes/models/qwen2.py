@@ -207,6 +207,42 @@ def cache_bytes_per_token(cache: KVCache | PagedKVCache) -> int:
   return jnp.dtype(k.dtype).itemsize * k.shape[0] * heads
 
 
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["logits_at", "access", "token_offsets"],
+                   meta_fields=["attend_len", "bounded_keys", "head", "remat"])
+@dataclasses.dataclass(frozen=True)
+class Options:
+  """A forward's optional inputs (``Qwen2ForCausalLM.__call__``), a pytree whose static fields
+  are static under ``jax.jit``.
+
+  ``logits_at`` (int32 [B]): the logits of one position per row only, [B, V]: a sampler needs
+  no more, and the LM head is a large part of a wide prefill chunk's cost. ``head=False``
+  (static): the final-normed hidden states [B, T, d] in place of the logits, for a caller that
+  applies the LM head (``lm_logits``) to a few positions at a time. ``remat`` (static; without
+  a cache): each layer under ``jax.checkpoint``, so a gradient holds one layer's activations at
+  a time (plus every layer's input) and recomputes the rest in the backward.
+
+  With a cache: ``access`` (``attention.CacheAccess``; None: ``attention.Dense``, batch row b
+  is cache row b): how the batch reaches the cache: ``attention.Rows``, some rows of a larger
+  (sharded) cache read and written in place, the other rows untouched; ``attention.Pages``
+  for a ``PagedKVCache``, the batch rows' page tables (with ``rows``: those rows).
+  ``attend_len`` (static) bounds attention to the cache's first slots when every row's tokens,
+  these included, fit in them: attention over the whole cache otherwise dominates the cost of a
+  step while rows are short. ``token_offsets`` (int32 [B, T], with ``access`` naming rows; a
+  ragged token batch): batch rows may share a cache row, token t of batch row i going to slot
+  ``index + token_offsets[i, t]`` of its row and seeing every slot of that row this call writes
+  up to its own; attention reads key blocks up to each device's furthest token only (one
+  program for every attention length). ``bounded_keys`` (static): that bound for an ordinary
+  batch too (invalid tokens query slot 0), so one ``attend_len`` serves every length."""
+  logits_at: jax.Array | None = None
+  access: Any = None
+  token_offsets: jax.Array | None = None
+  attend_len: int | None = None
+  bounded_keys: bool = False
+  head: bool = True
+  remat: bool = False
+
+
 def _stack(layers: int, shape: tuple, axes: tuple) -> tuple[tuple, tuple]:
   """Prefix a leading layer axis when the parameter belongs to the scanned decoder layers."""
   return ((layers, *shape), ("layers", *axes)) if layers else (shape, axes)
@@ -292,17 +328,11 @@ class Attention(nnx.Module):
                          **common)
     self.o_proj = Linear("layers/attn/o_proj", q_dim, d, ("heads", "embed"), bias=False, **common)
 
-  def __call__(self, x, positions, noiser, layer, mask=None, cached=None):
+  def __call__(self, x, positions, noiser, layer, mask=None, cache=None):
     """x: [B, T, d]. Without a cache, ``mask`` [B, T] says which tokens are real; query t sees
-    the real ones up to t (``attention.causal``). With one, ``cached = (k, v, valid, slots,
-    write_slots, span, dtype, rows, pages)``: the whole cache ``k, v [L, B, S, KVH, hd]`` as raw bits
-    of ``dtype`` (this layer's keys are written into it at ``write_slots``), ``valid [B, S]``
-    and ``slots [B, T]`` (each query's own slot; it sees the valid slots up to it), and queries
-    attend to the first ``span`` <= S slots only (the caller knows no row holds more). ``rows``
-    (``attention.Rows``, or None: batch row b is cache row b): the batch is those cache rows,
-    ``valid`` is per batch row. ``pages`` (``attention.Pages``, or None): ``k, v`` are the pages
-    of a ``PagedKVCache`` and the batch rows' page tables say where each slot lives. Returns
-    (output, (k, v)) with the cache updated, or (output, None)."""
+    the real ones up to t (``attention.attend_sequence``). With one (``attention.LayerCache``),
+    this layer's keys and values are written into it and the queries attend to it. Returns
+    (output, the cache written, or None)."""
     cfg = self.cfg
     B, T, _ = x.shape
     q = self.q_proj(x, noiser, layer).reshape(B, T, cfg.num_heads, cfg.head_size)
@@ -311,29 +341,12 @@ class Attention(nnx.Module):
     q = apply_rope(q, positions, cfg.rope_theta)
     k = apply_rope(k, positions, cfg.rope_theta)
     q = q.reshape(B, T, cfg.num_kv_heads, cfg.num_groups, cfg.head_size)
-    if cached is None:
-      out, kv = attention.causal(q, k, v, mask), None
+    if cache is None:
+      out = attention.attend_sequence(q, k, v, mask)
     else:
-      cache_k, cache_v, valid, slots, write_slots, span, dtype, cache_rows, pages, bounded = cached
-      # Written into the whole cache (the layer scan's carry, as raw bits) in place; invalid
-      # tokens carry an out-of-range slot, so mode="drop" skips them.
-      if pages is not None:  # a paged cache (``attention.Pages``): each shard its own pages
-        cache_k, cache_v = pages.write_kv(cache_k, cache_v, layer, write_slots,
-                                          attention.as_bits(k.astype(dtype)),
-                                          attention.as_bits(v.astype(dtype)))
-        out = pages.attend(q, cache_k, cache_v, layer, valid, slots, span, dtype, bounded=bounded)
-        return self.o_proj(out.reshape(B, T, -1), noiser, layer), (cache_k, cache_v)
-      if cache_rows is None:
-        rows = jnp.arange(B)[:, None]
-        cache_k = cache_k.at[layer, rows, write_slots].set(attention.as_bits(k.astype(dtype)), mode="drop")
-        cache_v = cache_v.at[layer, rows, write_slots].set(attention.as_bits(v.astype(dtype)), mode="drop")
-      else:  # some rows of the cache (``attention.Rows``): each device writes its own
-        cache_k = cache_rows.write(cache_k, layer, write_slots, attention.as_bits(k.astype(dtype)))
-        cache_v = cache_rows.write(cache_v, layer, write_slots, attention.as_bits(v.astype(dtype)))
-      out = attention.cached(q, cache_k, cache_v, layer, valid, slots, span, dtype, rows=cache_rows,
-                             bounded=bounded)
-      kv = (cache_k, cache_v)
-    return self.o_proj(out.reshape(B, T, -1), noiser, layer), kv
+      cache = cache.write(layer, k, v)
+      out = cache.attend(q, layer)
+    return self.o_proj(out.reshape(B, T, -1), noiser, layer), cache
 
 
 class MLP(nnx.Module):
@@ -361,11 +374,11 @@ class DecoderLayer(nnx.Module):
     self.post_attn_norm = RMSNorm("layers/post_attn_norm", cfg.hidden_size, layers=L, cfg=cfg)
     self.mlp = MLP(cfg, rngs=rngs)
 
-  def __call__(self, x, positions, noiser, layer, mask=None, cached=None):
-    h, kv = self.attn(self.input_norm(x, noiser, layer), positions, noiser, layer, mask, cached)
+  def __call__(self, x, positions, noiser, layer, mask=None, cache=None):
+    h, cache = self.attn(self.input_norm(x, noiser, layer), positions, noiser, layer, mask, cache)
     x = x + h
     x = x + self.mlp(self.post_attn_norm(x, noiser, layer), noiser, layer)
-    return x, kv
+    return x, cache
 
 
 class Qwen2ForCausalLM(nnx.Module):
@@ -382,32 +395,10 @@ class Qwen2ForCausalLM(nnx.Module):
                             bias=False, layers=0, cfg=cfg, rngs=rngs)
 
   def __call__(self, tokens: jax.Array, positions: jax.Array, valid: jax.Array,
-               cache: KVCache | None = None, noiser: Noiser | None = None,
-               logits_at: jax.Array | None = None, attend_len: int | None = None,
-               cache_rows: attention.Rows | None = None, remat: bool = False,
-               head: bool = True, cache_pages: attention.Pages | None = None,
-               token_offsets: jax.Array | None = None, bounded_keys: bool = False
-               ) -> tuple[jax.Array, KVCache | None]:
+               cache: KVCache | PagedKVCache | None = None, noiser: Noiser | None = None,
+               options: Options = Options()) -> tuple[jax.Array, KVCache | PagedKVCache | None]:
     """tokens, positions: int32 [B, T]; valid: bool [B, T]. Returns (float32 logits [B, T, V],
-    updated cache). See ``KVCache`` and the module docstring for the cache semantics.
-    ``logits_at`` (int32 [B]) computes the logits of one position per row only, [B, V]: a
-    sampler needs no more, and the LM head is a large part of a wide prefill chunk's cost.
-    ``attend_len`` (static; with a cache) bounds attention to the cache's first slots when every
-    row's tokens, these included, fit in them: attention over the whole cache otherwise
-    dominates the cost of a step while rows are short. ``cache_rows`` (with a cache): the batch
-    is those rows of a larger cache (``attention.Rows``), read and written in place; the other
-    rows are untouched. None: batch row b is cache row b. ``cache_pages`` (with a
-    ``PagedKVCache``): the batch rows' page tables (``attention.Pages``). ``remat`` (static;
-    without a cache): each layer under ``jax.checkpoint``, so a gradient holds one layer's
-    activations at a time (plus every layer's input) and recomputes the rest in the backward. ``head=False`` (static):
-    the final-normed hidden states [B, T, d] in place of the logits, for a caller that applies
-    the LM head (``lm_logits``) to a few positions at a time. ``token_offsets`` (int32 [B, T],
-    with ``cache_rows``; a ragged token batch): batch rows may share a cache row, token t of
-    batch row i going to slot ``index + token_offsets[i, t]`` of its row and seeing every slot
-    of that row this call writes up to its own; attention reads key blocks up to each device's
-    furthest token only (one program for every attention length). ``bounded_keys`` (static;
-    with a cache): that bound for an ordinary batch too (invalid tokens query slot 0), so one
-    ``attend_len`` serves every attention length."""
+    updated cache). See ``KVCache`` for the cache semantics and ``Options`` for the rest."""
     cfg = self.config
     noiser = IdentityNoiser() if noiser is None else noiser
     valid = valid.astype(bool)
@@ -421,63 +412,67 @@ class Qwen2ForCausalLM(nnx.Module):
         x, _ = nnx.merge(layers_def, state)(x, positions, noiser, layer, mask=valid)
         return x, None
 
-      if remat:  # the backward keeps each layer's input only and recomputes the rest
+      if options.remat:  # the backward keeps each layer's input only and recomputes the rest
         one_layer = jax.checkpoint(one_layer, prevent_cse=False)
       x, _ = jax.lax.scan(one_layer, x, (layers_state, layer_ids))
     else:
-      S = cache.valid.shape[1]
-      # Each batch row's cache index and valid slots (its cache row's, with ``cache_rows``).
-      row_index, row_valid = ((cache.index, cache.valid) if cache_rows is None else
-                              (cache_rows.take(cache.index), cache_rows.take(cache.valid)))
-      if token_offsets is None:
-        slots = row_index[:, None] + jnp.cumsum(valid, axis=1, dtype=jnp.int32) - 1
-        write_slots = jnp.where(valid, slots, S)
-        if bounded_keys:   # invalid tokens (their outputs unused) must not extend the key blocks
-          slots = jnp.where(valid, slots, 0)
-        rows = jnp.arange(tokens.shape[0])[:, None]
-        cache_valid = row_valid.at[rows, write_slots].set(True, mode="drop")
-      else:
-        if cache_rows is None:
-          raise ValueError("token_offsets needs cache_rows: a ragged batch names its tokens' rows")
-        # Padding tokens query slot 0, so they never extend the key blocks a device reads.
-        slots = jnp.where(valid, row_index[:, None] + token_offsets, 0)
-        write_slots = jnp.where(valid, slots, S)
-        # A row's slots from its index on are this call's tokens (of any batch row), each written
-        # before attention reads it; ``s <= q_slot`` keeps the later ones out of view.
-        cache_valid = row_valid | (jnp.arange(S)[None, :] >= row_index[:, None])
-      span = S if attend_len is None else min(attend_len, S)
-      bounded = token_offsets is not None or bounded_keys
+      access = attention.Dense() if options.access is None else options.access
+      layer_cache = self._layer_cache(cache, access, valid, options)
 
-      # The cache rides in the scan's carry and each layer writes its new keys into it: a cache
-      # passed as scanned input/output would be rebuilt as a second full copy.
-      dtype = jnp.dtype(cache.dtype)
-
+      # The cache's buffers ride in the scan's carry and each layer writes its new keys into
+      # them: a cache passed as scanned input/output would be rebuilt as a second full copy.
       def one_layer(carry, scanned):
         x, k, v = carry
         state, layer = scanned
-        x, (k, v) = nnx.merge(layers_def, state)(
-            x, positions, noiser, layer,
-            cached=(k, v, cache_valid, slots, write_slots, span, dtype, cache_rows, cache_pages,
-                    bounded))
-        return (x, k, v), None
+        x, written = nnx.merge(layers_def, state)(
+            x, positions, noiser, layer, cache=dataclasses.replace(layer_cache, k=k, v=v))
+        return (x, written.k, written.v), None
 
       (x, cache_k, cache_v), _ = jax.lax.scan(one_layer, (x, cache.k, cache.v),
                                               (layers_state, layer_ids))
-    if logits_at is not None:
-      x = x[jnp.arange(x.shape[0]), logits_at]
-    x = self.final_norm(x, noiser)
-    out = self.lm_logits(x, noiser) if head else x
-
-    if cache is not None and cache_rows is None:
-      cache = dataclasses.replace(cache, k=cache_k, v=cache_v,
-                                  index=cache.index + valid.sum(axis=1, dtype=jnp.int32),
-                                  valid=cache_valid)
-    elif cache is not None:
       cache = dataclasses.replace(
           cache, k=cache_k, v=cache_v,
-          index=cache_rows.advance(cache.index, valid.sum(axis=1, dtype=jnp.int32)),
-          valid=cache_rows.mark(cache.valid, write_slots))
+          index=access.advance(cache.index, valid.sum(axis=1, dtype=jnp.int32)),
+          valid=access.mark(cache.valid, layer_cache.write_slots))
+    if options.logits_at is not None:
+      x = x[jnp.arange(x.shape[0]), options.logits_at]
+    x = self.final_norm(x, noiser)
+    out = self.lm_logits(x, noiser) if options.head else x
     return out, cache
+
+  @staticmethod
+  def _layer_cache(cache: KVCache | PagedKVCache, access: attention.CacheAccess,
+                   valid: jax.Array, options: Options) -> attention.LayerCache:
+    """What every layer of this call reads and writes: each token's slot, where its keys go
+    and which slots each batch row sees (its cache row's valid slots and this call's)."""
+    S = cache.valid.shape[1]
+    row_index, row_valid = access.take(cache.index), access.take(cache.valid)
+    offsets = options.token_offsets
+    if offsets is None:
+      slots = row_index[:, None] + jnp.cumsum(valid, axis=1, dtype=jnp.int32) - 1
+      write_slots = jnp.where(valid, slots, S)
+      if options.bounded_keys:   # invalid tokens (their outputs unused) must not extend the key blocks
+        slots = jnp.where(valid, slots, 0)
+      rows = jnp.arange(valid.shape[0])[:, None]
+      cache_valid = row_valid.at[rows, write_slots].set(True, mode="drop")
+      phase = "decode" if valid.shape[1] == 1 else "prefill"
+    else:
+      if not access.names_rows:
+        raise ValueError("Options.token_offsets needs Options.access naming each batch row's cache "
+                         "row (attention.Rows, or attention.Pages with rows): a ragged batch names "
+                         "its tokens' rows")
+      # Padding tokens query slot 0, so they never extend the key blocks a device reads.
+      slots = jnp.where(valid, row_index[:, None] + offsets, 0)
+      write_slots = jnp.where(valid, slots, S)
+      # A row's slots from its index on are this call's tokens (of any batch row), each written
+      # before attention reads it; ``s <= q_slot`` keeps the later ones out of view.
+      cache_valid = row_valid | (jnp.arange(S)[None, :] >= row_index[:, None])
+      phase = "mixed"
+    span = S if options.attend_len is None else min(options.attend_len, S)
+    return attention.LayerCache(
+        k=cache.k, v=cache.v, valid=cache_valid, q_slots=slots, write_slots=write_slots,
+        access=access, span=span, dtype=jnp.dtype(cache.dtype),
+        bounded=offsets is not None or options.bounded_keys, phase=phase)
 
   def lm_logits(self, x: jax.Array, noiser: Noiser | None = None) -> jax.Array:
     """float32 logits [..., V] of final-normed hidden states [..., d]: the LM head."""
@@ -487,13 +482,7 @@ class Qwen2ForCausalLM(nnx.Module):
 
 
 def forward(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array, positions: jax.Array,
-            valid: jax.Array, cache: KVCache | None = None, noiser: Noiser | None = None,
-            logits_at: jax.Array | None = None, attend_len: int | None = None,
-            cache_rows: attention.Rows | None = None, remat: bool = False, head: bool = True,
-            cache_pages: attention.Pages | None = None, token_offsets: jax.Array | None = None,
-            bounded_keys: bool = False):
+            valid: jax.Array, cache: KVCache | PagedKVCache | None = None,
+            noiser: Noiser | None = None, options: Options = Options()):
   """Pure functional forward for use inside ``jax.jit``: ``nnx.merge`` then call."""
-  model = nnx.merge(graphdef, params)
-  return model(tokens, positions, valid, cache=cache, noiser=noiser, logits_at=logits_at,
-               attend_len=attend_len, cache_rows=cache_rows, remat=remat, head=head,
-               cache_pages=cache_pages, token_offsets=token_offsets, bounded_keys=bounded_keys)
+  return nnx.merge(graphdef, params)(tokens, positions, valid, cache, noiser, options)

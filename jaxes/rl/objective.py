@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxes.models import qwen2
 from jaxes.rl.config import ADVANTAGES, AGGREGATIONS
 from jaxes.rollout import sampling
 
@@ -71,7 +72,7 @@ def sequence_logprobs_and_hidden(graphdef, params, tokens: jax.Array, valid: jax
   (a value head)."""
   positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
   model = nnx.merge(graphdef, params)
-  hidden, _ = model(tokens, positions, valid, remat=remat, head=False)
+  hidden, _ = model(tokens, positions, valid, options=qwen2.Options(remat=remat, head=False))
   logp = chunked_logprobs(model.lm_logits, hidden[:, :-1], tokens[:, 1:], temperature, top_p, chunk)
   return jnp.pad(logp, ((0, 0), (1, 0))), hidden
 

@@ -127,13 +127,9 @@ class Engine:
     self.prefill_hold, self.decode_steps = int(prefill_hold), int(decode_steps)
     self.shards, self.compact, self.abstract = data, compact, abstract
     self.buckets = _buckets(num_slots // data, prefill_chunk, prefill_tokens, compact)
-    # Attention spans. Blockwise attention reads key blocks up to the call's furthest token only
-    # (a traced trip count, ``bounded_keys``), so one span, the whole row, serves every length.
-    # cuDNN (GPU) is handed the whole span: there a step attends to the shortest of three
-    # prefixes of the cache rows that holds every row of the call, so short episodes do not pay
-    # for the longest one the cache allows.
-    gpu = mesh.devices.flat[0].platform in ("gpu", "cuda", "rocm")
-    self.spans = sorted({max(max_len >> k, 1) for k in range(3 if gpu else 1)})
+    # Attention spans: one, or three prefixes of the rows where the attention implementation
+    # reads the whole span it is handed (cuDNN on GPU; attention.attention_spans).
+    self.spans = attention.attention_spans(max_len, self.mesh, paged=page_size is not None)
     self.page_size = None if page_size is None else int(page_size)
     if page_size is not None:
       self._check_pages(int(page_size), int(num_pages), data)

@@ -3,7 +3,7 @@
 An engine call is a flat buffer of tokens — prefill chunks and decode tokens of any rows, of any
 live versions — ``T`` per data shard (a token bucket, ``Engine.buckets``), each token naming its
 cache row (shard-local, ``attention.Rows``) and its offset among that row's tokens of the call
-(the ragged ``qwen2.forward(token_offsets=)``). Each row of the call has one *sample*: the last
+(the ragged ``qwen2.Options.token_offsets``). Each row of the call has one *sample*: the last
 of its tokens, whose logits give the row's next token. ``S = min(T, rows per shard)`` samples
 per shard hold every row a call can have, so the LM head runs on S positions per shard, not T.
 
@@ -96,16 +96,18 @@ def call(graphdef, layout: tuple, max_steps: int, stop_ids: tuple, paged: bool, 
   samples = attention.Rows(sample_at, *layout)
   rows = attention.Rows(samples.take(index), *layout)   # each sample's cache row
 
-  def pages_of(batch_rows):
-    return attention.Pages(batch_rows.take(cache.table), *layout) if paged else None
+  def access_of(batch_rows):
+    return (attention.Pages(batch_rows.take(cache.table), *layout, rows=batch_rows) if paged
+            else batch_rows)
 
   def noiser_of(batch_rows):
     return None if noiser is None else noiser.select_rows(batch_rows.take)
 
   hidden, cache = qwen2.forward(
       graphdef, params, tokens[:, None], positions[:, None], valid[:, None], cache=cache,
-      noiser=noiser_of(flat), attend_len=attend_len, cache_rows=flat,
-      cache_pages=pages_of(flat), token_offsets=offsets[:, None], head=False)
+      noiser=noiser_of(flat), options=qwen2.Options(
+          access=access_of(flat), token_offsets=offsets[:, None], attend_len=attend_len,
+          head=False))
   row_noiser = noiser_of(rows)
   logits = nnx.merge(graphdef, params).lm_logits(samples.take(hidden[:, 0]), row_noiser)
   streams, counters, temperature, top_p = (rows.take(x) for x in inputs.slots)
@@ -117,8 +119,9 @@ def call(graphdef, layout: tuple, max_steps: int, stop_ids: tuple, paged: bool, 
     call (the sampling counter's offset)."""
     logits, cache = qwen2.forward(
         graphdef, params, fed[:, None], at[:, None], alive[:, None], cache=cache,
-        noiser=row_noiser, logits_at=jnp.zeros_like(fed), attend_len=attend_len, cache_rows=rows,
-        cache_pages=pages_of(rows), bounded_keys=True)
+        noiser=row_noiser, options=qwen2.Options(
+            logits_at=jnp.zeros_like(fed), access=access_of(rows), attend_len=attend_len,
+            bounded_keys=True))
     keys = sampling.row_keys(base_key, streams, counters + i)
     return sampling.sample_with_logprob(logits, keys, temperature, top_p), cache
 

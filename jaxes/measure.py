@@ -59,6 +59,7 @@ import numpy as np
 from jaxes import cli, preflight
 from jaxes.models import qwen2
 from jaxes.train import algorithms, builders, compile_cache, precompile
+from jaxes.train.algorithms import evolution
 from jaxes.train.state import Parts
 
 SHAPES = {"tiny": None, "0.5B": "qwen2.5-0.5b", "1.5B": "qwen2.5-1.5b", "7B": "qwen2.5-7b"}
@@ -184,7 +185,7 @@ def _run_mode(config) -> str:
 
 
 def _engine(config, model, es_mode: bool, mesh, abstract: bool, run_key=None):
-  strategy = builders.build_strategy(config) if es_mode else None
+  strategy = evolution.build_strategy(config) if es_mode else None
   key = jax.random.key(config.seed) if run_key is None else run_key
   # No tokenizer, as the preflight builds its engines (the same programs: the stop ids are part of
   # them): token 0 ends a turn, which random weights rarely sample; such a row starts again.

@@ -131,7 +131,8 @@ def _check_drift_and_replay(workdir, final_params):
   """The drift measures of an anchored run: 0 / 0 / the probe at version 0, ``param_drift`` as
   numpy computes it on the checkpointed parameters; and the update log replayed from version 0
   with θ₀ reproduces the run's parameters bit for bit."""
-  from jaxes.train import builders, drift
+  from jaxes.train import drift
+  from jaxes.train.algorithms import evolution
   from jaxes.train.policy import load_policy
   from jaxes.train.update_log import UpdateLog
   evals = [r["eval"] for r in metrics.read_metrics(str(workdir / "metrics.jsonl")) if "eval" in r]
@@ -146,7 +147,7 @@ def _check_drift_and_replay(workdir, final_params):
   assert want > 0 and evals[1]["param_drift"] == pytest.approx(want, rel=1e-5)
   groups = evals[1]["param_drift_groups"]   # every leaf of the model is in one group
   assert sum(v * v for v in groups.values()) == pytest.approx(want * want, rel=1e-4)
-  strategy = builders.build_strategy(start.config)
+  strategy = evolution.build_strategy(start.config)
   state = strategy.init(start.params, jax.random.key(start.config.seed))
   for record in UpdateLog(str(workdir / "update_log")).records():
     state = strategy.update(state, [tuple(r) for r in record["results"]], start.params)[0]

@@ -16,7 +16,6 @@ from flax import nnx
 from ml_collections import config_dict
 
 from jaxes import es, sharding, tokenization
-from jaxes.controller import ControllerConfig, policies
 from jaxes.envs import protocol
 from jaxes.envs.latency import LatencySandbox
 from jaxes.models import hf, qwen2
@@ -32,8 +31,8 @@ def make_tasks(config, split: str, n: int, start: int = 0) -> list:
 
 
 def training_tasks(config) -> list:
-  """The tasks ES trains on: the training split after the warm start's own tasks, so ES learns
-  on tasks the warm-started policy was never taught."""
+  """The tasks a run trains on: the training split after the warm start's own tasks, so it
+  learns on tasks the warm-started policy was never taught."""
   return make_tasks(config, "train", config.env.num_train_tasks, start=config.warmstart.num_tasks)
 
 
@@ -210,30 +209,6 @@ def initial_params(config, model: Model):
     return params
   _, params = nnx.split(qwen2.Qwen2ForCausalLM(model.config, rngs=nnx.Rngs(config.seed)), nnx.Param)
   return params
-
-
-# -- ES and the controller ------------------------------------------------------------------------
-def build_strategy(config) -> es.Strategy:
-  e = config.es
-  scheduled = e.sigma_schedule != "constant"
-  return es.Strategy(population=e.population, sigma=e.sigma, learning_rate=e.learning_rate,
-                     mode=e.mode, rank=e.rank, antithetic=e.antithetic, shaping=e.shaping,
-                     sigma_schedule=e.sigma_schedule,
-                     sigma_final=e.sigma_final if scheduled else None,
-                     schedule_steps=config.train.num_updates if scheduled else None,
-                     optimizer=e.optimizer, weight_decay=e.weight_decay,
-                     perturb_vectors=e.perturb_vectors,
-                     frozen=[p.strip() for p in e.frozen.split(",") if p.strip()],
-                     anchor=e.anchor, anchor_decay=e.anchor_decay,
-                     # The controller's stale-result policy weighs each result's shaped fitness.
-                     staleness_weighting=policies.from_config(es_controller_config(config)).result_weight)
-
-
-def es_controller_config(config) -> ControllerConfig:
-  """ES's controller: a member is a perturbation, its episodes run different tasks (GRPO's is
-  its own, ``algorithms.grpo``)."""
-  return ControllerConfig.from_config(config.controller, population=config.es.population,
-                                      seed=config.seed, antithetic=config.es.antithetic)
 
 
 # -- rollout --------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from ml_collections import config_dict
 from jaxes.envs.sandbox import Sandbox, SandboxError
 from jaxes.train import (algorithms, builders, checkpoint, coevolution, compile_cache, config_history,
                          drift, evaluation, metrics, multihost, precompile, report, tracker, warmstart)
-from jaxes.train.algorithms import UpdateContext
+from jaxes.train.algorithms import ReplaysUpdates, UpdateContext
 from jaxes.train.config import validate
 from jaxes.train.hooks import Hook, UpdateInfo, run_hooks
 from jaxes.train.transcripts import TranscriptSampler
@@ -183,7 +183,8 @@ class Trainer:
     return load_initial_params(ckpt, self.algorithm)
 
   def _log_update(self, update_log: UpdateLog, info: UpdateInfo) -> None:
-    if self.host.primary and self.algorithm.logs_updates:   # identical on every process: one writes it
+    # Identical on every process: one writes it.
+    if self.host.primary and isinstance(self.algorithm, ReplaysUpdates):
       update_log.append(log_record(self.state, info.results, info.record))
 
   def _transcripts(self, sandbox, resuming: bool) -> list[list[dict]]:

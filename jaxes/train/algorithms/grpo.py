@@ -68,12 +68,13 @@ class GRPO(Capabilities):
   """``train.algorithm = "grpo"``: the ``grpo.*`` config block (``jaxes.rl.config``). Beyond the
   core: its config rules, the kept episodes (``on_result``, a checkpoint's host record), a learner
   step that donates its state, and its compiled update; rows decode the current policy, one
-  stream per episode (the defaults). A variant with another learner (SAO) sets ``block`` and
-  overrides ``learner_config``, ``make_learner``, ``learner_step`` and ``group_size``."""
+  stream per episode, and the metrics line (the defaults). A variant with another learner (SAO)
+  sets ``block`` and overrides ``learner_config``, ``make_learner``, ``learner_step``,
+  ``group_size`` and ``learner_batch``."""
 
   name = "GRPO"
   checkpoint_item = "learner"
-  block = "grpo"   # its config block (and so its metrics line's key and its program's name)
+  block = "grpo"   # its config block (and its update program's name, "grpo_step")
   # The anchor (grpo.anchor) pulls toward the learner's own reference params, so the trainer holds
   # no θ₀ for it; the learner step donates its state, params included.
   donates_params = True

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import math
 import os
 import platform
 import statistics
@@ -64,6 +63,7 @@ import numpy as np
 from jaxes import preflight
 from jaxes.models import attention_dispatch, qwen2
 from jaxes.train import algorithms, builders, compile_cache, precompile
+from jaxes.train.algorithms import evolution
 from jaxes.train.state import Parts
 
 SHAPES = {"tiny": None, "0.5B": "qwen2.5-0.5b", "1.5B": "qwen2.5-1.5b", "7B": "qwen2.5-7b"}
@@ -190,7 +190,7 @@ def _run_mode(config) -> str:
 
 def _engine(config, model, es_mode: bool, mesh, abstract: bool, run_key=None):
   key = jax.random.key(config.seed) if run_key is None else run_key
-  policy = (builders.es_policy_bank(config, model, builders.build_strategy(config), key)
+  policy = (evolution.es_policy_bank(config, model, evolution.build_strategy(config), key)
             if es_mode else None)
   # No tokenizer, as the preflight builds its engines (the same programs: the stop ids are part of
   # them): token 0 ends a turn, which random weights rarely sample; such a row starts again.

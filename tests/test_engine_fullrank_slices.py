@@ -22,7 +22,7 @@ from jaxes.models import qwen2
 from jaxes.rollout.engine import Engine
 from jaxes.rollout.policy_bank import VersionSteps
 from jaxes.rollout.episodes import EpisodeRunner, EpisodeSpec
-from jaxes.train import builders
+from jaxes.train.algorithms import evolution
 
 pytestmark = pytest.mark.skipif(
   jax.device_count() < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
@@ -194,10 +194,10 @@ def test_engine_refuses_a_second_member_in_a_shard(model):
 
 
 def test_builders_use_member_slices_for_full_rank_es_only():
-  assert builders.member_slices(_strategy())
-  assert not builders.member_slices(es.Strategy(population=8, sigma=0.3, learning_rate=0.1,
+  assert evolution.member_slices(_strategy())
+  assert not evolution.member_slices(es.Strategy(population=8, sigma=0.3, learning_rate=0.1,
                                                 mode="lowrank"))
-  assert not builders.member_slices(None)
+  assert not evolution.member_slices(None)
 
 
 SYSTEM = "Answer with <command>CMD</command>, then <action>done</action>."

@@ -26,14 +26,14 @@ from jaxes import distributed
 distributed.initialize()
 from jaxes.train import builders, multihost
 from jaxes.train.config import load_config_file
-from jaxes.train.algorithms.evolution import es_shardings
+from jaxes.train.algorithms.evolution import build_strategy, es_shardings
 
 config = load_config_file(sys.argv[1])
 reference = np.load(sys.argv[2])
 host = multihost.host(config)
 model = builders.build_model(config, 400)
 params = builders.initial_params(config, model)
-strategy = builders.build_strategy(config)
+strategy = build_strategy(config)
 shardings = es_shardings(strategy, model, host.mesh)
 es_state = distributed.place(strategy.init(params, jax.random.key(0)), shardings)
 checked = 0

@@ -15,6 +15,7 @@ from jaxes import preflight, sharding
 from jaxes.models import partition
 from jaxes.rollout.engine import Engine
 from jaxes.train import algorithms, builders
+from jaxes.train.algorithms import evolution
 needs_8_devices = pytest.mark.skipif(
   jax.device_count() < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -121,7 +122,7 @@ def test_report_matches_the_real_arrays_on_8_cpu_devices(over_memory, monkeypatc
   cfg = builders.model_config(config, config.model.vocab_size)
   mesh = sharding.make_mesh(4, 1, 2)
   graphdef, params = partition.init_params(cfg, mesh)
-  strategy = builders.build_strategy(config)
+  strategy = evolution.build_strategy(config)
   state = strategy.init(params, jax.random.key(0))
   noiser = jax.jit(strategy.member_noiser)(params, np.zeros(8, np.int32), np.arange(8, dtype=np.int32),
                                            np.arange(8, dtype=np.int32), run_key=state.run_key)

@@ -10,6 +10,7 @@ from jaxes import es
 from jaxes.models import qwen2
 from jaxes.rollout import sampling
 from jaxes.rollout.engine import FREE, PARKED, Engine
+from jaxes.train.algorithms import evolution
 
 IM_END = 3
 
@@ -187,8 +188,8 @@ def test_the_algorithms_banks_es_members_or_plain_versions():
   config.controller.update(mode="async", max_staleness=2)
   config.es.update(mode="lowrank", optimizer="sgd", population=4)
   model = builders.build_model(config, 64)
-  strategy = builders.build_strategy(config)
-  bank = builders.es_policy_bank(config, model, strategy, jax.random.key(0))
+  strategy = evolution.build_strategy(config)
+  bank = evolution.es_policy_bank(config, model, strategy, jax.random.key(0))
   assert isinstance(bank, ESPolicyBank) and bank.max_steps == 2 and not bank.member_slices
   engine = builders.build_engine(config, model, None, bank, abstract=True)
   assert engine.scheduler.max_steps == 2 and "merge_noisers" in engine.lowerings()

@@ -137,7 +137,8 @@ def _check_drift_and_replay(workdir, final_params):
   numpy computes it on the checkpointed parameters, the multiple-choice probe of the checkpointed
   versions at each evaluation; and the update log replayed from version 0
   with θ₀ reproduces the run's parameters bit for bit."""
-  from jaxes.train import builders, drift, mc_probe
+  from jaxes.train import drift, mc_probe
+  from jaxes.train.algorithms import evolution
   from jaxes.train.policy import load_policy
   from jaxes.train.update_log import UpdateLog
   evals = [r["eval"] for r in metrics.read_metrics(str(workdir / "metrics.jsonl")) if "eval" in r]
@@ -157,7 +158,7 @@ def _check_drift_and_replay(workdir, final_params):
   assert want > 0 and evals[1]["param_drift"] == pytest.approx(want, rel=1e-5)
   groups = evals[1]["param_drift_groups"]   # every leaf of the model is in one group
   assert sum(v * v for v in groups.values()) == pytest.approx(want * want, rel=1e-4)
-  strategy = builders.build_strategy(start.config)
+  strategy = evolution.build_strategy(start.config)
   state = strategy.init(start.params, jax.random.key(start.config.seed))
   for record in UpdateLog(str(workdir / "update_log")).records():
     state = strategy.update(state, [tuple(r) for r in record["results"]], start.params)[0]

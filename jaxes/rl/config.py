@@ -120,16 +120,15 @@ def default_config():
 def from_run_config(c) -> GRPOConfig:
   """The learner's config from a run config (``c.grpo``, ``c.rollout``), after checking the
   trainer's keys; errors name the run config's key (``config.grpo.group_size: ...``)."""
-  block = dict(c.grpo)
+  block = {**TRAINER_KEYS, **dict(c.grpo)}   # a trainer key left out is at its default
   for key, lo in (("group_size", 2), ("tasks_per_update", 1), ("seq_len", 0), ("updates_per_batch", 1)):
-    v = block.get(key, TRAINER_KEYS[key])
+    v = block[key]
     if isinstance(v, bool) or not isinstance(v, int) or v < lo:
       raise ValueError(f"config.grpo.{key}: must be an int >= {lo}, got {v!r}")
-  if block.get("seq_len", 0) > c.rollout.max_len:
+  if block["seq_len"] > c.rollout.max_len:
     raise ValueError(f"config.grpo.seq_len: must be <= config.rollout.max_len={c.rollout.max_len} "
                      f"(0 = equal to it), got {block['seq_len']!r}")
-  rows = block.get("group_size", TRAINER_KEYS["group_size"]) * block.get("tasks_per_update",
-                                                                         TRAINER_KEYS["tasks_per_update"])
+  rows = block["group_size"] * block["tasks_per_update"]
   learner = {k: v for k, v in block.items() if k not in TRAINER_KEYS}
   for key in FROM_ROLLOUT:
     if key in learner:
@@ -163,9 +162,9 @@ SAO_KEYS = dict(
 
 @dataclasses.dataclass(frozen=True)
 class SAOValueConfig:
-  """What ``SAOLearner`` takes beside the policy's ``GRPOConfig``."""
-  learning_rate: float = 1e-3
-  turn_values: bool = True
+  """What ``SAOLearner`` takes beside the policy's ``GRPOConfig`` (defaults: ``SAO_KEYS``)."""
+  learning_rate: float
+  turn_values: bool
 
 
 def sao_default_config():
@@ -181,18 +180,18 @@ def sao_default_config():
 def sao_from_run_config(c) -> tuple[GRPOConfig, SAOValueConfig]:
   """The policy learner's and the value head's configs from a run config (``c.sao``,
   ``c.rollout``); errors name the run config's key (``config.sao.tasks_per_update: ...``)."""
-  block = dict(c.sao)
+  block = {**SAO_KEYS, **dict(c.sao)}   # a trainer or value-head key left out is at its default
   for key, lo in (("tasks_per_update", 1), ("seq_len", 0), ("updates_per_batch", 1),
                   ("value_warmup_updates", 0)):
-    v = block.get(key, SAO_KEYS[key])
+    v = block[key]
     if isinstance(v, bool) or not isinstance(v, int) or v < lo:
       raise ValueError(f"config.sao.{key}: must be an int >= {lo}, got {v!r}")
-  lr = block.get("value_learning_rate", SAO_KEYS["value_learning_rate"])
+  lr = block["value_learning_rate"]
   if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
     raise ValueError(f"config.sao.value_learning_rate: must be a number > 0, got {lr!r}")
-  if not isinstance(block.get("turn_values", True), bool):
+  if not isinstance(block["turn_values"], bool):
     raise ValueError(f"config.sao.turn_values: must be a bool, got {block['turn_values']!r}")
-  if block.get("seq_len", 0) > c.rollout.max_len:
+  if block["seq_len"] > c.rollout.max_len:
     raise ValueError(f"config.sao.seq_len: must be <= config.rollout.max_len={c.rollout.max_len} "
                      f"(0 = equal to it), got {block['seq_len']!r}")
   for key in SAO_UNUSED + FROM_ROLLOUT:
@@ -207,8 +206,8 @@ def sao_from_run_config(c) -> tuple[GRPOConfig, SAOValueConfig]:
     key = str(err).split(":")[0].removeprefix("GRPOConfig.")
     block_name = "rollout" if key in FROM_ROLLOUT else "sao"
     raise ValueError(f"config.{block_name}.{str(err).removeprefix('GRPOConfig.')}") from None
-  rows = block.get("tasks_per_update", SAO_KEYS["tasks_per_update"])
+  rows = block["tasks_per_update"]
   if rows % config.micro_batches:
     raise ValueError(f"config.sao.micro_batches: must divide tasks_per_update = {rows}, "
                      f"got {config.micro_batches}")
-  return config, SAOValueConfig(float(lr), block.get("turn_values", True))
+  return config, SAOValueConfig(float(lr), block["turn_values"])

@@ -15,13 +15,12 @@ import jax
 from flax import nnx
 from ml_collections import config_dict
 
-from jaxes import es, sharding, tokenization
-from jaxes.controller import ControllerConfig, policies
+from jaxes import sharding, tokenization
 from jaxes.envs import protocol
 from jaxes.envs.latency import LatencySandbox
 from jaxes.models import hf, qwen2
 from jaxes.rollout.engine import Engine
-from jaxes.rollout.policy_bank import ESPolicyBank, PolicyBank, VersionSteps
+from jaxes.rollout.policy_bank import PolicyBank
 from jaxes.rollout.episodes import EpisodeRunner
 from jaxes.train import coevolution, environments
 from jaxes.train.errors import ConfigError
@@ -33,8 +32,8 @@ def make_tasks(config, split: str, n: int, start: int = 0) -> list:
 
 
 def training_tasks(config) -> list:
-  """The tasks ES trains on: the training split after the warm start's own tasks, so ES learns
-  on tasks the warm-started policy was never taught."""
+  """The tasks a run trains on: the training split after the warm start's own tasks, so it
+  learns on tasks the warm-started policy was never taught."""
   return make_tasks(config, "train", config.env.num_train_tasks, start=config.warmstart.num_tasks)
 
 
@@ -213,30 +212,6 @@ def initial_params(config, model: Model):
   return params
 
 
-# -- ES and the controller ------------------------------------------------------------------------
-def build_strategy(config) -> es.Strategy:
-  e = config.es
-  scheduled = e.sigma_schedule != "constant"
-  return es.Strategy(population=e.population, sigma=e.sigma, learning_rate=e.learning_rate,
-                     mode=e.mode, rank=e.rank, antithetic=e.antithetic, shaping=e.shaping,
-                     sigma_schedule=e.sigma_schedule,
-                     sigma_final=e.sigma_final if scheduled else None,
-                     schedule_steps=config.train.num_updates if scheduled else None,
-                     optimizer=e.optimizer, weight_decay=e.weight_decay,
-                     perturb_vectors=e.perturb_vectors,
-                     frozen=[p.strip() for p in e.frozen.split(",") if p.strip()],
-                     anchor=e.anchor, anchor_decay=e.anchor_decay,
-                     # The controller's stale-result policy weighs each result's shaped fitness.
-                     staleness_weighting=policies.from_config(es_controller_config(config)).result_weight)
-
-
-def es_controller_config(config) -> ControllerConfig:
-  """ES's controller: a member is a perturbation, its episodes run different tasks (GRPO's is
-  its own, ``algorithms.grpo``)."""
-  return ControllerConfig.from_config(config.controller, population=config.es.population,
-                                      seed=config.seed, antithetic=config.es.antithetic)
-
-
 # -- rollout --------------------------------------------------------------------------------------
 def build_engine(config, model: Model, tokenizer, policy: PolicyBank | None = None, mesh=None,
                  abstract: bool = False) -> Engine:
@@ -254,38 +229,12 @@ def build_engine(config, model: Model, tokenizer, policy: PolicyBank | None = No
                 prefill_tokens=int(r.prefill_tokens) or None, **paged_cache(config))
 
 
-def es_policy_bank(config, model: Model, strategy: es.Strategy, run_key: jax.Array) -> ESPolicyBank:
-  """ES's policy bank: each slot's policy is its member's perturbation under ``run_key``."""
-  return ESPolicyBank(strategy.engine_noiser(run_key),
-                      version_steps=version_steps(config, model, strategy, run_key),
-                      member_slices=member_slices(strategy))
-
-
 def paged_cache(config) -> dict:
   """``Engine``'s paged-cache arguments from ``rollout.page_size`` / ``rollout.num_pages`` (both
   0, the default: the dense cache, no arguments)."""
   r = config.rollout
   page_size, num_pages = int(r.page_size), int(r.num_pages)
   return dict(page_size=page_size, num_pages=num_pages) if page_size or num_pages else {}
-
-
-def member_slices(strategy: es.Strategy | None) -> bool:
-  """Full-rank ES decodes in member slices (``ESPolicyBank(member_slices=True)``): each data
-  shard runs one member at a time, so the engine holds one perturbed weight copy per shard, not
-  per slot."""
-  return strategy is not None and strategy.mode == "full"
-
-
-def version_steps(config, model: Model, strategy: es.Strategy | None, run_key) -> VersionSteps | None:
-  """An async ES run whose updates are low-rank steps (``Strategy.steps_are_lowrank``: low-rank
-  mode, plain SGD) runs the rows of all its live versions in one engine call, up to
-  ``max_staleness`` steps from the oldest (the update registers each step,
-  ``ESPolicyBank.add_step``); None otherwise (a call per version)."""
-  c = config.controller
-  if strategy is None or c.mode != "async" or c.max_staleness < 1:
-    return None
-  make = strategy.version_step(model.abstract_params, run_key)
-  return None if make is None else VersionSteps(make, strategy.population, int(c.max_staleness))
 
 
 def build_runner(config, engine: Engine, tokenizer, sandbox, owned=None, exchange=None) -> EpisodeRunner:

@@ -14,6 +14,7 @@ from jaxes import envs
 from jaxes.envs import generator
 from jaxes.models import hf, qwen2
 from jaxes.train import algorithms, builders, coevolution, defaults, environments, mc_probe
+from jaxes.train.algorithms import evolution
 from jaxes.train.errors import ConfigError
 from jaxes.train.tracker import TRACKERS
 
@@ -77,7 +78,7 @@ def validate(config: config_dict.ConfigDict) -> None:
   # ES, controller and model settings are checked by the objects they build, which own their rules.
   # The strategy weighs results by the controller's stale-result policy: it builds the
   # controller's configuration too, whose errors name their controller key.
-  _built("es", lambda: builders.build_strategy(config), also="controller")
+  _built("es", lambda: evolution.build_strategy(config), also="controller")
   checks.algorithm()   # before the controller: what a member is depends on the algorithm
   _built("controller", lambda: algorithms.controller_config(config))
   _built("coevolve", lambda: coevolution.from_config(config))

@@ -28,7 +28,8 @@ def free_keys(recorded: dict) -> frozenset:
   """``FREE_KEYS`` of a run whose flat config in force is ``recorded``: under a sigma schedule the
   run's length is the schedule's length (``es.Strategy.schedule_steps``), so extending it changes
   every later sigma and is a change like any other."""
-  if recorded.get("config.es.sigma_schedule", "constant") != "constant":
+  # Absent: a run recorded before the key existed, whose sigma was constant.
+  if recorded.get("config.es.sigma_schedule") not in (None, "constant"):
     return FREE_KEYS - {"config.train.num_updates"}
   return FREE_KEYS
 

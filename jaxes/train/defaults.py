@@ -227,6 +227,22 @@ def base_config() -> config_dict.ConfigDict:
   return c
 
 
+def completed(recorded: dict) -> config_dict.ConfigDict:
+  """A recorded config (a checkpoint's, ``config.json``) with every key it lacks at its default
+  here: a run recorded before a key existed ran as the key's default says (no run reads a
+  default of its own with ``.get(key, default)``). Keys since removed are kept as recorded."""
+  def merge(into: dict, values: dict) -> None:
+    for key, value in values.items():
+      if isinstance(value, dict) and isinstance(into.get(key), dict):
+        merge(into[key], value)
+      else:
+        into[key] = value
+
+  out = base_config().to_dict()
+  merge(out, dict(recorded))
+  return config_dict.ConfigDict(out)
+
+
 # Keys users bring from elsewhere (other tools, earlier names) -> the key that does it here.
 RENAMED = {"config.env.backend": "config.env.sandbox", "config.env.sandbox_backend": "config.env.sandbox",
            "config.model.name": "config.model.preset", "config.model.checkpoint": "config.model.path",

@@ -17,7 +17,7 @@ from flax import nnx
 from ml_collections import config_dict
 
 from jaxes.models import qwen2
-from jaxes.train import algorithms, builders, checkpoint, config_history
+from jaxes.train import algorithms, builders, checkpoint, config_history, defaults
 
 
 class PolicyLoadError(RuntimeError):
@@ -26,7 +26,7 @@ class PolicyLoadError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class Policy:
-  config: config_dict.ConfigDict   # the run's config, as its checkpoint recorded it
+  config: config_dict.ConfigDict   # the run's config, as its checkpoint recorded it (``defaults.completed``)
   tokenizer: Any
   model_config: qwen2.Qwen2Config
   graphdef: nnx.GraphDef
@@ -62,13 +62,13 @@ def load_policy(workdir: str, version: int | None = None) -> Policy:
 
 
 def _load_step(ckpt: checkpoint.Checkpointer, workdir: str, step: int) -> Policy:
-  config = config_dict.ConfigDict(ckpt.restore_host(step)["config"])   # the config in force at step
+  config = defaults.completed(ckpt.restore_host(step)["config"])   # the config in force at step
   tokenizer_path = builders.tokenizer_dir(config, workdir)
   if tokenizer_path is None:
     raise PolicyLoadError(f"{workdir}: the run's tokenizer is missing (expected {workdir}/tokenizer)")
   tokenizer = builders.load_tokenizer(tokenizer_path)
   model = builders.build_model(config, len(tokenizer))
-  item = algorithms.checkpoint_item(config.train.get("algorithm", "es"))
+  item = algorithms.checkpoint_item(config.train.algorithm)
   params = ckpt.restore_item(step, item, {"params": model.abstract_params}, partial=True)["params"]
   changes = [e for e in config_history.history(workdir) if e["since_version"] < step]
   return Policy(config, tokenizer, model.config, model.graphdef, params, step, changes)

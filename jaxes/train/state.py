@@ -10,13 +10,13 @@ evaluation history and timings. A checkpoint stores exactly that:
          ``old/<v>``     parameters of each older version still live
   host   ``controller``, ``evals``, ``timings``, ``old_versions``, ``config`` (the run's config,
          so a rerun with a changed config is told which key differs) and what the algorithm
-         keeps besides its item (``Algorithm.checkpoint_host``)
+         keeps besides its item (the algorithm's ``checkpoint_host``)
 
 Full checkpoints are written every ``train.checkpoint_every`` updates. For an algorithm whose
-update is a function of the state before it and its cohort (ES: ``logs_updates``), every update
-in between appends a few-KB record to the update log (``update_log.py``): the cohort it consumed,
-the controller's state after it and its metrics line; a resume restores the newest checkpoint
-and replays the logged updates after it, bit for bit.
+update is a function of the state before it and its cohort (``algorithms.ReplaysUpdates``: ES),
+every update in between appends a few-KB record to the update log (``update_log.py``): the
+cohort it consumed, the controller's state after it and its metrics line; a resume restores the
+newest checkpoint and replays the logged updates after it, bit for bit.
 
 ``initial_state`` restores the newest checkpoint when the run directory has one. A checkpoint
 that does not match the config stops the run before any compute, naming the leaf and the config
@@ -33,6 +33,7 @@ from typing import Any
 from jaxes.controller import Controller
 from jaxes.controller.coevolve import Coevolution
 from jaxes.train import builders, checkpoint, coevolution, warmstart
+from jaxes.train.algorithms import ReplaysUpdates
 from jaxes.train.errors import RunStateError
 from jaxes.train.policy import load_policy
 from jaxes.train.update_log import UpdateLog
@@ -48,7 +49,7 @@ class RunState:
   restored_from: int | None = None    # the checkpoint step this run resumed from
   replayed: list[dict] = dataclasses.field(default_factory=list)  # metrics of updates replayed from the log
   contexts: Coevolution | None = None  # co-evolved contexts (``coevolve.enabled``), else None
-  # θ₀ on the devices, where every update reads it (``Algorithm.needs_initial_params``), else None
+  # θ₀ on the devices, where every update reads it (``Capabilities.needs_initial_params``), else None
   initial_params: Any = None
 
   @property
@@ -185,7 +186,7 @@ def initial_state(config, workdir: str, parts: Parts, algorithm, ckpt: checkpoin
     state = _restore(ckpt, algorithm, config)
     if algorithm.needs_initial_params:
       state.initial_params = load_initial_params(ckpt, algorithm)
-    if algorithm.logs_updates:
+    if isinstance(algorithm, ReplaysUpdates):
       state.replayed = replay(state, update_log.replay_after(state.restored_from),
                               algorithm_for or (lambda version: algorithm))
     log(f"resumed from checkpoint at version {state.restored_from}"
@@ -194,7 +195,7 @@ def initial_state(config, workdir: str, parts: Parts, algorithm, ckpt: checkpoin
   update_log.truncate_to(0)   # a fresh start: records of an earlier run are set aside
   params, timings = version_zero_params(config, parts, transcripts, log)
   algorithm_state = algorithm.init(params)
-  controller = Controller(algorithm.controller_config(), num_tasks=len(parts.train_tasks))
+  controller = Controller(algorithm.controller_config_of(config), num_tasks=len(parts.train_tasks))
   return RunState(algorithm_state, {0: algorithm.params(algorithm_state)}, controller, [], timings,
                   contexts=coevolution.from_config(config),
                   initial_params=(algorithm.params(algorithm_state) if algorithm.needs_initial_params

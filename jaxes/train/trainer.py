@@ -26,7 +26,7 @@ from jaxes.envs.sandbox import Sandbox, SandboxError
 from jaxes.train import (algorithms, builders, checkpoint, coevolution, compile_cache, config_history,
                          drift, evaluation, mc_probe, metrics, multihost, precompile, report, tracker,
                          warmstart)
-from jaxes.train.algorithms import UpdateContext
+from jaxes.train.algorithms import ReplaysUpdates, UpdateContext
 from jaxes.train.config import validate
 from jaxes.train.hooks import Hook, UpdateInfo, run_hooks
 from jaxes.train.transcripts import TranscriptSampler
@@ -187,7 +187,8 @@ class Trainer:
     return load_initial_params(ckpt, self.algorithm)
 
   def _log_update(self, update_log: UpdateLog, info: UpdateInfo) -> None:
-    if self.host.primary and self.algorithm.logs_updates:   # identical on every process: one writes it
+    # Identical on every process: one writes it.
+    if self.host.primary and isinstance(self.algorithm, ReplaysUpdates):
       update_log.append(log_record(self.state, info.results, info.record))
 
   def _transcripts(self, sandbox, resuming: bool) -> list[list[dict]]:

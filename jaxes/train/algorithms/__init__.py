@@ -1,18 +1,20 @@
 """The training algorithms one ``Trainer`` runs, by ``train.algorithm``.
 
-Adding an algorithm is a module here implementing ``Algorithm`` (``base.py``), its config block
-and one entry in ``ALGORITHMS``; the trainer, run state, checkpoints and update log are shared.
+Adding an algorithm is a module here (a ``base.Capabilities`` subclass writing ``base.Algorithm``'s
+seven-member core and overriding only the optional capabilities it uses), its config block and
+one entry in ``ALGORITHMS``; the trainer, run state, checkpoints and update log are shared.
 """
 from __future__ import annotations
 
 from jaxes.train.algorithms import evolution, grpo, sao
-from jaxes.train.algorithms.base import Algorithm, TrainEpisode, UpdateContext
+from jaxes.train.algorithms.base import (Algorithm, Capabilities, ReplaysUpdates, TrainEpisode,
+                                         UpdateContext)
 from jaxes.train.errors import ConfigError
 
 ALGORITHMS = {"es": evolution.EvolutionStrategies, "grpo": grpo.GRPO, "sao": sao.SAO}
 
-__all__ = ["ALGORITHMS", "Algorithm", "TrainEpisode", "UpdateContext", "build", "checkpoint_item",
-           "controller_config"]
+__all__ = ["ALGORITHMS", "Algorithm", "Capabilities", "ReplaysUpdates", "TrainEpisode", "UpdateContext",
+           "build", "checkpoint_item", "controller_config"]
 
 
 def _class(name: str):

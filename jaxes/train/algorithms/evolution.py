@@ -13,11 +13,12 @@ import zlib
 import jax
 
 from jaxes import distributed, es, sharding
-from jaxes.controller import ControllerConfig, Job
+from jaxes.controller import ControllerConfig, Job, policies
 from jaxes.es import keys
 from jaxes.rollout.episodes import EpisodeSpec
+from jaxes.rollout.policy_bank import ESPolicyBank, VersionSteps
 from jaxes.train import builders, multihost
-from jaxes.train.algorithms.base import TrainEpisode, UpdateContext
+from jaxes.train.algorithms.base import Capabilities, TrainEpisode, UpdateContext
 from jaxes.train.errors import RunStateError
 
 PAIR_STREAM_BASE = 1 << 31     # sampling streams shared by antithetic partners
@@ -34,6 +35,29 @@ def training_stream(job: Job, antithetic: bool, common_random_numbers: bool) -> 
   return PAIR_STREAM_BASE + zlib.crc32(f"{job.version}/{pair}/{job.episode}".encode()) % (1 << 30)
 
 
+def build_strategy(config) -> es.Strategy:
+  """The ``es.Strategy`` of the config's ``es`` block (its own checks name their key)."""
+  e = config.es
+  scheduled = e.sigma_schedule != "constant"
+  return es.Strategy(population=e.population, sigma=e.sigma, learning_rate=e.learning_rate,
+                     mode=e.mode, rank=e.rank, antithetic=e.antithetic, shaping=e.shaping,
+                     sigma_schedule=e.sigma_schedule,
+                     sigma_final=e.sigma_final if scheduled else None,
+                     schedule_steps=config.train.num_updates if scheduled else None,
+                     optimizer=e.optimizer, weight_decay=e.weight_decay,
+                     perturb_vectors=e.perturb_vectors,
+                     frozen=[p.strip() for p in e.frozen.split(",") if p.strip()],
+                     anchor=e.anchor, anchor_decay=e.anchor_decay,
+                     # The controller's stale-result policy weighs each result's shaped fitness.
+                     staleness_weighting=policies.from_config(controller_config(config)).result_weight)
+
+
+def controller_config(config) -> ControllerConfig:
+  """ES's controller: a member is a perturbation, its episodes run different tasks."""
+  return ControllerConfig.from_config(config.controller, population=config.es.population,
+                                      seed=config.seed, antithetic=config.es.antithetic)
+
+
 def abstract_es_state(strategy: es.Strategy, model: builders.Model, shardings=None) -> es.ESState:
   """The ES state's shapes and dtypes (nothing allocated), each array leaf placed in its
   sharding if ``shardings`` (a matching pytree) is given: the target of a restore."""
@@ -48,33 +72,52 @@ def es_shardings(strategy: es.Strategy, model: builders.Model, mesh):
   return multihost.es_state_shardings(abstract_es_state(strategy, model), mesh, model.config)
 
 
-class EvolutionStrategies:
-  """``train.algorithm = "es"``: the ``es.*`` config block."""
+# -- ES's policy bank: what the engine's rows decode with ---------------------------------------
+def es_policy_bank(config, model: builders.Model, strategy: es.Strategy, run_key: jax.Array) -> ESPolicyBank:
+  """ES's policy bank: each slot's policy is its member's perturbation under ``run_key``."""
+  return ESPolicyBank(strategy.engine_noiser(run_key),
+                      version_steps=version_steps(config, model, strategy, run_key),
+                      member_slices=member_slices(strategy))
+
+
+def member_slices(strategy: es.Strategy | None) -> bool:
+  """Full-rank ES decodes in member slices (``ESPolicyBank(member_slices=True)``): each data
+  shard runs one member at a time, so the engine holds one perturbed weight copy per shard, not
+  per slot."""
+  return strategy is not None and strategy.mode == "full"
+
+
+def version_steps(config, model: builders.Model, strategy: es.Strategy | None, run_key) -> VersionSteps | None:
+  """An async ES run whose updates are low-rank steps (``Strategy.steps_are_lowrank``: low-rank
+  mode, plain SGD) runs the rows of all its live versions in one engine call, up to
+  ``max_staleness`` steps from the oldest (the update registers each step,
+  ``ESPolicyBank.add_step``); None otherwise (a call per version)."""
+  c = config.controller
+  if strategy is None or c.mode != "async" or c.max_staleness < 1:
+    return None
+  make = strategy.version_step(model.abstract_params, run_key)
+  return None if make is None else VersionSteps(make, strategy.population, int(c.max_staleness))
+
+
+class EvolutionStrategies(Capabilities):
+  """``train.algorithm = "es"``: the ``es.*`` config block (checked by the ``es.Strategy`` it
+  builds, ``config.validate``). Beyond the core: perturbed rows (``build_engine``, ``spec``), the
+  update log (``replay``), θ₀ held for an anchor, its metrics line and compiled update."""
 
   name = "ES"
   checkpoint_item = "es"
-  logs_updates = True
-  donates_params = False
 
   def __init__(self, config, parts, mesh):
-    self.config, self.parts = config, parts
-    self.strategy = builders.build_strategy(config)
+    super().__init__(config, parts, mesh)
+    self.strategy = build_strategy(config)
     # es.anchor: every update pulls toward θ₀, which the run then holds on the devices.
     self.needs_initial_params = self.strategy.anchored
     # One device: arrays stay where they are made; a mesh of several: the rule table's shardings.
     self._shardings = es_shardings(self.strategy, parts.model, mesh if mesh.size > 1 else None)
 
   @staticmethod
-  def check_config(config) -> None:
-    """The ``es`` block is checked by the ``es.Strategy`` it builds (``config.validate``)."""
-
-  @staticmethod
   def controller_config_of(config) -> ControllerConfig:
-    """A member is a perturbation; its episodes run different tasks."""
-    return builders.es_controller_config(config)
-
-  def controller_config(self) -> ControllerConfig:
-    return self.controller_config_of(self.config)
+    return controller_config(config)
 
   def init(self, params) -> es.ESState:
     state = self.strategy.init(params, jax.random.key(self.config.seed))
@@ -83,22 +126,16 @@ class EvolutionStrategies:
   def abstract_state(self) -> es.ESState:
     return abstract_es_state(self.strategy, self.parts.model, self._shardings)
 
-  def item(self, state: es.ESState) -> es.ESState:
-    return state
-
   def params(self, state: es.ESState):
     return state.params
 
   def restored(self, item: es.ESState, host: dict) -> es.ESState:
     return dataclasses.replace(item, version=int(item.version))
 
-  def checkpoint_host(self, state: es.ESState) -> dict:
-    return {}
-
   def build_engine(self, state: es.ESState | None, mesh, abstract: bool = False):
     # Abstractly (the preflight) the run key is the fresh run's, which has the same shape.
     run_key = jax.random.key(self.config.seed) if state is None else state.run_key
-    policy = builders.es_policy_bank(self.config, self.parts.model, self.strategy, run_key)
+    policy = es_policy_bank(self.config, self.parts.model, self.strategy, run_key)
     return builders.build_engine(self.config, self.parts.model, self.parts.tokenizer, policy,
                                  mesh=mesh, abstract=abstract)
 
@@ -107,9 +144,6 @@ class EvolutionStrategies:
     stream = training_stream(job, c.es.antithetic, c.rollout.common_random_numbers)
     return EpisodeSpec(TrainEpisode(job), self.parts.train_task(job), job.version,
                        job.member, stream, c.rollout.temperature, c.rollout.top_p)
-
-  def on_result(self, state, result) -> None:
-    """ES needs only the reward, which the controller keeps."""
 
   def update(self, state: es.ESState, results: list, context: UpdateContext
              ) -> tuple[es.ESState, dict]:

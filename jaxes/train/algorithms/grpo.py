@@ -12,7 +12,7 @@ A finished episode's tokens (``EpisodeResult.tokens``) are kept until the update
 its group; the update pads the consumed groups into one fixed-shape ``Batch`` and runs
 ``grpo.updates_per_batch`` learner steps. A checkpoint holds the learner state (item
 ``learner``: params, float32 master, AdamW moments) and, in its host record, the kept episodes
-of groups not yet consumed. There is no update log (``logs_updates`` False): an update's input is
+of groups not yet consumed. There is no update log (no ``replay``): an update's input is
 its batch (KBs per episode), not a few numbers, so updates after the newest checkpoint are
 recomputed instead of replayed; under the deterministic schedule (``rollout.sandbox_steps`` > 0)
 a resumed run repeats the interrupted one's updates exactly, since streams are keyed by job.
@@ -34,14 +34,14 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxes import distributed
-from jaxes.controller import ControllerConfig, Job
+from jaxes.controller import ControllerConfig
 from jaxes.models import partition
 from jaxes.rl import batch as rl_batch
 from jaxes.rl import config as rl_config
 from jaxes.rl.grpo import GRPOLearner, LearnerState
-from jaxes.rollout.episodes import EpisodeSpec, EpisodeStream
+from jaxes.rollout.episodes import EpisodeStream
 from jaxes.train import builders
-from jaxes.train.algorithms.base import TrainEpisode, UpdateContext
+from jaxes.train.algorithms.base import Capabilities, UpdateContext
 from jaxes.train.errors import ConfigError
 
 
@@ -64,29 +64,36 @@ def _episodes_from_rows(rows: list) -> dict:
           for v, m, e, reward, p, t, lp, o in rows}
 
 
-class GRPO:
-  """``train.algorithm = "grpo"``: the ``grpo.*`` config block (``jaxes.rl.config``)."""
+class GRPO(Capabilities):
+  """``train.algorithm = "grpo"``: the ``grpo.*`` config block (``jaxes.rl.config``). Beyond the
+  core: its config rules, the kept episodes (``on_result``, a checkpoint's host record), a learner
+  step that donates its state, and its compiled update; rows decode the current policy, one
+  stream per episode, and the metrics line (the defaults). A variant with another learner (SAO)
+  sets ``block`` and overrides ``learner_config``, ``make_learner``, ``learner_step``,
+  ``group_size`` and ``learner_batch``."""
 
   name = "GRPO"
   checkpoint_item = "learner"
-  logs_updates = False
-  block = "grpo"   # its config block, and its metrics line's key
+  block = "grpo"   # its config block (and its update program's name, "grpo_step")
   # The anchor (grpo.anchor) pulls toward the learner's own reference params, so the trainer holds
   # no θ₀ for it; the learner step donates its state, params included.
-  needs_initial_params = False
   donates_params = True
+  # The learner's config from the run config: the block's rules are the learner's own, and its
+  # messages name the key (config.grpo.*, config.rollout.*).
+  learner_config = staticmethod(rl_config.from_run_config)
 
   def __init__(self, config, parts, mesh):
-    self.config, self.parts, self.mesh = config, parts, mesh
-    self.learner = GRPOLearner(parts.model.graphdef, rl_config.from_run_config(config))
+    super().__init__(config, parts, mesh)
+    self.learner = self.make_learner()
     self._param_shardings = partition.param_shardings(parts.model.config, mesh)
 
-  @staticmethod
-  def check_config(config) -> None:
-    """The ``grpo`` block's rules are the learner's own (``jaxes.rl.config``); its messages name
-    the key (config.grpo.*, config.rollout.*)."""
+  def make_learner(self):
+    return GRPOLearner(self.parts.model.graphdef, self.learner_config(self.config))
+
+  @classmethod
+  def check_config(cls, config) -> None:
     try:
-      rl_config.from_run_config(config)
+      cls.learner_config(config)
     except ValueError as err:
       raise ConfigError(str(err)) from err
 
@@ -102,9 +109,6 @@ class GRPO:
                                         seed=config.seed, antithetic=False,
                                         episodes_per_member=g.group_size, episodes_share_task=True)
 
-  def controller_config(self) -> ControllerConfig:
-    return self.controller_config_of(self.config)
-
   def init(self, params) -> GRPOState:
     return GRPOState(self.learner.init(distributed.place(params, self._param_shardings)), {})
 
@@ -113,15 +117,11 @@ class GRPO:
     (``GRPOLearner.abstract_state``)."""
     return self.learner.abstract_state(self.parts.model.abstract_params, self._param_shardings)
 
-  def item(self, state: GRPOState) -> LearnerState:
-    return state.learner
-
   def params(self, state: GRPOState):
     return state.learner.params
 
-  def learner_step(self, learner, batch, context: UpdateContext):
-    """One learner step of ``update`` (a subclass's learner may take the context into account)."""
-    return self.learner.step(learner, batch)
+  def item(self, state: GRPOState) -> LearnerState:
+    return state.learner
 
   def restored(self, item: LearnerState, host: dict) -> GRPOState:
     return GRPOState(item, _episodes_from_rows(host["episodes"]))
@@ -129,25 +129,19 @@ class GRPO:
   def checkpoint_host(self, state: GRPOState) -> dict:
     return {"episodes": _episode_rows(state.episodes)}
 
-  def build_engine(self, state: GRPOState | None, mesh, abstract: bool = False):
-    """Unperturbed rows: an engine without a noiser."""
-    return builders.build_engine(self.config, self.parts.model, self.parts.tokenizer, mesh=mesh,
-                                 abstract=abstract)
-
-  def spec(self, job: Job) -> EpisodeSpec:
-    c = self.config   # one stream per episode: a group's samples must differ
-    return EpisodeSpec(TrainEpisode(job), self.parts.train_task(job), job.version, -1,
-                       job.job_id, c.rollout.temperature, c.rollout.top_p)
-
   def on_result(self, state: GRPOState, result) -> None:
     job = result.spec.key.job
     if result.reward is not None:
       state.episodes[(job.version, job.member, job.episode)] = (result.reward, result.tokens)
 
+  def learner_step(self, learner, batch, context: UpdateContext):
+    """One learner step of ``update`` (a variant's learner may take the context into account)."""
+    return self.learner.step(learner, batch)
+
   def update(self, state: GRPOState, results: list, context: UpdateContext) -> tuple[GRPOState, dict]:
     c, t = self.config, time.perf_counter()
     old = context.version - 1
-    batch, batch_metrics = self._batch(state, results)
+    batch, batch_metrics = self.learner_batch(state, results)
     if old in context.keep:   # the step donates the learner state; stale rows still need θ_old
       context.params_by_version[old] = jax.tree.map(jnp.copy, self.params(state))
     learner, sums = state.learner, {}
@@ -164,20 +158,11 @@ class GRPO:
                        "learner_tokens_per_s": sums["tokens"] / update_s if update_s > 0 else 0.0,
                        **batch_metrics}
 
-  def replay(self, state, results: list, version: int, initial_params=None):
-    raise NotImplementedError("GRPO keeps no update log (logs_updates is False)")
-
-  def record(self, window, update, results: list, metrics: dict, runner_stats: dict) -> dict:
-    return {**window.common(update.version + 1, update, results, runner_stats), self.block: metrics}
-
-  def plot_label(self) -> str:
-    return f"GRPO ({self.config.controller.mode})"
-
   def update_lowerings(self, state: GRPOState) -> dict:
     """The learner step ``update`` runs, lowered when called for ``state``'s learner state and a
-    batch (``_abstract_batch``) placed as ``_batch`` places it."""
-    return {"grpo_step": functools.partial(self.learner.lower, state.learner,
-                                           self._abstract_batch(self.mesh))}
+    batch (``abstract_batch``) placed as ``learner_batch`` places it."""
+    return {f"{self.block}_step": functools.partial(self.learner.lower, state.learner,
+                                                    self.abstract_batch(self.mesh))}
 
   def group_size(self) -> int:
     """Episodes of one task per controller member."""
@@ -191,9 +176,9 @@ class GRPO:
     c = self.config
     return c[self.block].seq_len or c.rollout.max_len
 
-  def _abstract_batch(self, mesh) -> rl_batch.Batch:
+  def abstract_batch(self, mesh) -> rl_batch.Batch:
     """A batch of ``group_size x tasks_per_update`` episode rows of ``seq_len`` tokens, abstract,
-    in ``batch_sharding`` on ``mesh`` (where ``_batch`` puts a real one)."""
+    in ``batch_sharding`` on ``mesh`` (where ``learner_batch`` puts a real one)."""
     rows, seq = self.batch_rows(), self.seq_len()
     where = batch_sharding(mesh, rows)
 
@@ -212,9 +197,9 @@ class GRPO:
     state = self.learner.abstract_state(params, jax.tree.map(lambda p: p.sharding, params))
     return (self.update_lowerings(GRPOState(state, {})),
             {"master_weights": state.master, "optimizer_state": state.opt_state,
-             "reference_params": state.ref_params, "learner_batch": self._abstract_batch(mesh)})
+             "reference_params": state.ref_params, "learner_batch": self.abstract_batch(mesh)})
 
-  def _batch(self, state: GRPOState, results: list) -> tuple[rl_batch.Batch, dict]:
+  def learner_batch(self, state: GRPOState, results: list) -> tuple[rl_batch.Batch, dict]:
     """The consumed groups' episodes, padded to ``tasks_per_update * group_size`` rows, and
     ``group_reward_std``, the mean over groups of their rewards' std (0: every episode of a group
     scored alike, and the group teaches nothing)."""

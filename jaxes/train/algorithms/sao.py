@@ -13,13 +13,10 @@ multi-process batches -- is GRPO's (``algorithms.grpo``), whose docstring says w
 """
 from __future__ import annotations
 
-import functools
-
 import jax
 import numpy as np
 
 from jaxes.controller import ControllerConfig
-from jaxes.models import partition
 from jaxes.rl import config as rl_config
 from jaxes.rl.sao import SAOLearner, SAOLearnerState
 from jaxes.train.algorithms.base import UpdateContext
@@ -32,19 +29,12 @@ class SAO(GRPO):
 
   name = "SAO"
   block = "sao"
+  # The policy learner's and the value head's configs (errors name config.sao.*, config.rollout.*).
+  learner_config = staticmethod(rl_config.sao_from_run_config)
 
-  def __init__(self, config, parts, mesh):   # GRPO's, with SAO's learner
-    self.config, self.parts, self.mesh = config, parts, mesh
-    policy, value = rl_config.sao_from_run_config(config)
-    self.learner = SAOLearner(parts.model.graphdef, policy, value, parts.model.config.hidden_size)
-    self._param_shardings = partition.param_shardings(parts.model.config, mesh)
-
-  @staticmethod
-  def check_config(config) -> None:
-    try:
-      rl_config.sao_from_run_config(config)
-    except ValueError as err:
-      raise ConfigError(str(err)) from err
+  def make_learner(self):
+    policy, value = self.learner_config(self.config)
+    return SAOLearner(self.parts.model.graphdef, policy, value, self.parts.model.config.hidden_size)
 
   @staticmethod
   def controller_config_of(config) -> ControllerConfig:
@@ -65,18 +55,11 @@ class SAO(GRPO):
     train_policy = context.version > self.config.sao.value_warmup_updates
     return self.learner.step(learner, batch, train_policy=train_policy)
 
-  def _batch(self, state: GRPOState, results: list):
-    batch, _ = super()._batch(state, results)   # one episode per group: no group reward std
+  def learner_batch(self, state: GRPOState, results: list):
+    batch, _ = super().learner_batch(state, results)   # one episode per group: no group reward std
     real = np.asarray(batch.group_ids) >= 0
     rewards = np.asarray(batch.rewards)[real]
     return batch, {"reward_mean": float(rewards.mean()) if rewards.size else 0.0}
-
-  def plot_label(self) -> str:
-    return f"SAO ({self.config.controller.mode})"
-
-  def update_lowerings(self, state: GRPOState) -> dict:
-    return {"sao_step": functools.partial(self.learner.lower, state.learner,
-                                          self._abstract_batch(self.mesh))}
 
   def abstract_update(self, params, mesh) -> tuple[dict, dict]:
     """``update_lowerings`` over the abstract learner state a run places; and what it holds
@@ -86,4 +69,4 @@ class SAO(GRPO):
     return (self.update_lowerings(GRPOState(state, {})),
             {"master_weights": state.master, "optimizer_state": state.opt_state,
              "value_head": (state.value, state.value_opt),
-             "learner_batch": self._abstract_batch(mesh)})
+             "learner_batch": self.abstract_batch(mesh)})

@@ -13,8 +13,8 @@ from unittest import mock
 
 import docker
 
-from jaxes.envs import docker_sandbox
-from jaxes.envs.task import Task
+from jaxes.envs.sandboxes import docker_sandbox
+from jaxes.envs.tasks.task import Task
 
 WRITE = ("for i in 1 2 3 4 5; do head -c 256M /dev/zero > /tmp/f$i || { echo stopped at $i; break; }; "
          "done; du -sm /tmp")

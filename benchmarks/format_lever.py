@@ -29,9 +29,10 @@ import numpy as np
 
 from jaxes import es
 from jaxes.envs import make_sandbox
+from jaxes.envs.tasks import oracle
 from jaxes.models import qwen2
 from jaxes.rollout import chat
-from jaxes.train import builders, warmstart
+from jaxes.train import builders
 from jaxes.train.config import load_config_file
 from jaxes.train.policy import load_policy
 
@@ -41,7 +42,7 @@ def load(config_path: str, init_from: str, num_tasks: int):
   policy = load_policy(init_from, version=0)
   sandbox = make_sandbox("local")
   try:
-    transcripts = warmstart.oracle_transcripts(builders.make_tasks(c, "heldout", num_tasks), sandbox,
+    transcripts = oracle.oracle_transcripts(builders.make_tasks(c, "heldout", num_tasks), sandbox,
                                                builders.episode_factory(c), c.env.sandbox_workers)
   finally:
     sandbox.shutdown()

@@ -15,7 +15,7 @@ import statistics
 import time
 
 from jaxes.envs import make_sandbox
-from jaxes.envs.task import Task
+from jaxes.envs.tasks.task import Task
 
 TASK = Task(
   name="latency", instruction="Count ERROR lines of logs/app.log into count.txt.",

@@ -17,9 +17,10 @@ import tempfile
 import time
 import uuid
 
-from jaxes.envs import check, loaders, protocol
-from jaxes.envs.docker_sandbox import DockerSandbox
-from jaxes.envs.task_images import TaskImageBuilder
+from jaxes.envs import check, protocol
+from jaxes.envs.images.task_images import TaskImageBuilder
+from jaxes.envs.sandboxes.docker_sandbox import DockerSandbox
+from jaxes.envs.tasks import loaders
 
 
 def salted_copy(suite: str, into: str) -> str:

@@ -451,7 +451,7 @@ def check_mesh(config, num_devices: int, topology: str) -> None:
   """The config's mesh over the topology's devices, and its slots over the mesh's data shards: a
   ``ConfigError`` naming the key before anything is built (the engine would raise mid-build)."""
   from jaxes.train import builders
-  from jaxes.train.errors import ConfigError
+  from jaxes.errors import ConfigError
   data, _, _ = builders.mesh_shape(config, num_devices)
   if config.rollout.num_slots % data:
     raise ConfigError(f"config.rollout.num_slots: {config.rollout.num_slots} is not divisible by "

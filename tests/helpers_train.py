@@ -7,7 +7,7 @@ import sys
 import time
 
 from jaxes import tokenization
-from jaxes.envs import generator
+from jaxes.envs.tasks import generator
 from jaxes.train import metrics
 from jaxes.train.config import load_config_file
 

@@ -11,9 +11,9 @@ import pytest
 
 from helpers_train import ROOT
 from jaxes import cli, preflight
+from jaxes.errors import ConfigError
 from jaxes.train import defaults, export, run_dir
 from jaxes.train.config import load_config_file
-from jaxes.train.errors import ConfigError
 
 
 def _run(*args, env=None):

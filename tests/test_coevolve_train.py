@@ -13,8 +13,8 @@ import pytest
 from helpers_train import (SYSTEM, build_tiny_tokenizer, sigkill_after_first_update, tiny_config,
                            train_records)
 from jaxes.controller.coevolve import Coevolution
+from jaxes.errors import ConfigError
 from jaxes.train.coevolution import ContextEpisodes, from_config
-from jaxes.train.errors import ConfigError
 from jaxes.train.trainer import Trainer
 from jaxes.train.transcripts import read_episodes
 

@@ -109,7 +109,7 @@ def test_grpo_config_is_checked():
 
 
 def test_heavy_tailed_latency_is_a_config_key():
-  from jaxes.envs.latency import LatencySandbox
+  from jaxes.envs.sandboxes.latency import LatencySandbox
   from jaxes.train import builders
   c = _load("demo")
   bare = object()

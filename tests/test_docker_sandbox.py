@@ -15,11 +15,13 @@ import pytest
 
 docker = pytest.importorskip("docker")
 
-from jaxes.envs import docker_sandbox, loaders, protocol  # noqa: E402
-from jaxes.envs.docker_sandbox import DockerSandbox  # noqa: E402
-from jaxes.envs.image import DEFAULT_TAG  # noqa: E402
-from jaxes.envs.sandbox import HostError, SandboxError  # noqa: E402
-from jaxes.envs.task import Limits, Task  # noqa: E402
+from jaxes.envs import protocol  # noqa: E402
+from jaxes.envs.images.base_image import DEFAULT_TAG  # noqa: E402
+from jaxes.envs.sandboxes import docker_sandbox
+from jaxes.envs.sandboxes.docker_sandbox import DockerSandbox  # noqa: E402
+from jaxes.envs.sandboxes.sandbox import HostError, SandboxError  # noqa: E402
+from jaxes.envs.tasks import loaders
+from jaxes.envs.tasks.task import Limits, Task  # noqa: E402
 
 pytestmark = pytest.mark.docker
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -36,7 +38,7 @@ def _engine_or_skip():
   try:
     client.images.get(DEFAULT_TAG)
   except docker.errors.ImageNotFound:
-    reason = f"image {DEFAULT_TAG} missing; run `python -m jaxes.envs.image build`"
+    reason = f"image {DEFAULT_TAG} missing; run `python -m jaxes.envs.images.base_image build`"
     print(reason, file=sys.stderr)
     pytest.skip(reason)
   return client
@@ -264,8 +266,8 @@ def test_warm_pool_serves_starts_and_refills(client):
 
 OWNER_SCRIPT = """
 import os, sys
-from jaxes.envs.docker_sandbox import DockerSandbox
-from jaxes.envs.task import Task
+from jaxes.envs.sandboxes.docker_sandbox import DockerSandbox
+from jaxes.envs.tasks.task import Task
 sb = DockerSandbox(run_label=sys.argv[1])
 sb.start(Task(name="t", instruction="x"))
 print("started", flush=True)

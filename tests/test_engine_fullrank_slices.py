@@ -15,13 +15,14 @@ from flax import nnx
 
 from helpers_models import assert_same_turns, es_bank
 from jaxes import es, sharding, tokenization
-from jaxes.envs import generator, protocol
-from jaxes.envs.local_sandbox import LocalSandbox
+from jaxes.envs import protocol
+from jaxes.envs.sandboxes.local_sandbox import LocalSandbox
+from jaxes.envs.tasks import generator
 from jaxes.es import keys, noiser
 from jaxes.models import qwen2
 from jaxes.rollout.engine import Engine
-from jaxes.rollout.policy_bank import VersionSteps
 from jaxes.rollout.episodes import EpisodeRunner, EpisodeSpec
+from jaxes.rollout.policy_bank import VersionSteps
 from jaxes.train.algorithms import evolution
 
 pytestmark = pytest.mark.skipif(

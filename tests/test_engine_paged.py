@@ -14,13 +14,14 @@ from hypothesis import given, settings, strategies as st
 
 from helpers_models import assert_same_turns, es_bank, ragged_turns, tiny_model
 from jaxes import es, sharding, tokenization
+from jaxes.envs import protocol
+from jaxes.envs.sandboxes.local_sandbox import LocalSandbox
+from jaxes.envs.tasks import generator
 from jaxes.models import qwen2
-from jaxes.envs import generator, protocol
-from jaxes.envs.local_sandbox import LocalSandbox
 from jaxes.rollout import pages
 from jaxes.rollout.engine import PAGES_EXHAUSTED, PARKED, Engine
-from jaxes.rollout.policy_bank import VersionSteps
 from jaxes.rollout.episodes import EpisodeRunner, EpisodeSpec
+from jaxes.rollout.policy_bank import VersionSteps
 
 IM_END = 3
 SLOTS = 8

@@ -2,7 +2,6 @@
 a TPU mesh (a deviceless v5p topology through libtpu) a paged engine's programs carry the Pallas
 kernel ``ragged_paged_attention`` in both the ragged first step and the decode loop; on CPU the
 same engine keeps the portable blockwise path."""
-import numpy as np
 import pytest
 from flax import nnx
 

@@ -47,7 +47,7 @@ def test_bad_agent_and_bad_replay_file_fail_clearly(tmp_path, capsys):
 
 def test_unplayable_tasks_are_counted_not_fatal():
   from jaxes.envs import make_sandbox
-  from jaxes.envs.task import Task
+  from jaxes.envs.tasks.task import Task
   tests = "def test_x():\n  assert False\n"
   tasks = [Task(name="outside", instruction="x", final_tests=tests, solution="true",
                 files=(("/etc/x", b"x"),)),
@@ -90,8 +90,8 @@ def test_replay_values_must_be_lists_of_strings(tmp_path, capsys, content):
 
 def test_pytest_missing_in_the_sandbox_is_an_infrastructure_error(tmp_path):
   from jaxes.envs import make_sandbox, protocol
-  from jaxes.envs.sandbox import SandboxError
-  from jaxes.envs.task import Task
+  from jaxes.envs.sandboxes.sandbox import SandboxError
+  from jaxes.envs.tasks.task import Task
   # The sandbox's python3 without its site packages: a system without python3-pytest.
   task = Task(name="no-pytest", instruction="x", solution="true",
               files=(("/home/user/.py/python3", b'#!/bin/sh\nexec /usr/bin/python3 -S "$@"\n'),),
@@ -117,8 +117,8 @@ def test_weak_isolation_only_when_asked_for_and_warned(capsys):
 
 def test_local_backend_refuses_up_front_when_its_verifier_lacks_pytest(tmp_path):
   from jaxes.envs import make_sandbox
-  from jaxes.envs.sandbox import SandboxError
-  from jaxes.envs.task import Task
+  from jaxes.envs.sandboxes.sandbox import SandboxError
+  from jaxes.envs.tasks.task import Task
   no_pytest = tmp_path / "python3"   # the host's python3 without site packages: no python3-pytest
   no_pytest.write_text('#!/bin/sh\nexec /usr/bin/python3 -S "$@"\n')
   no_pytest.chmod(0o755)
@@ -140,7 +140,7 @@ def test_leaks_count_what_the_check_started_not_the_callers_children(monkeypatch
   they are not the check's leaks; a process its episodes leave behind is."""
   import subprocess
   from jaxes.envs import make_sandbox
-  from jaxes.envs.task import Task
+  from jaxes.envs.tasks.task import Task
   own = subprocess.Popen(["sleep", "30"])
   left = []
 
@@ -171,7 +171,7 @@ def test_leaks_count_what_the_check_started_not_the_callers_children(monkeypatch
 @pytest.mark.docker
 def test_losing_the_docker_engine_mid_check_prints_the_summary_and_exits_2(capsys, monkeypatch):
   import docker
-  from jaxes.envs.docker_sandbox import DockerSandbox
+  from jaxes.envs.sandboxes.docker_sandbox import DockerSandbox
 
   def lost_engine(backend, **kwargs):
     sandbox = DockerSandbox(create_retries=0)

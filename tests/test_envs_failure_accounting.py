@@ -6,8 +6,8 @@ import pytest
 from helpers_sandboxes import sandbox  # noqa: F401  (both backends)
 from jaxes.controller import Controller, ControllerConfig
 from jaxes.envs import protocol
-from jaxes.envs.sandbox import ExecResult, HostError, SandboxError, SandboxHandle, TestReport
-from jaxes.envs.task import Task
+from jaxes.envs.sandboxes.sandbox import ExecResult, HostError, SandboxError, SandboxHandle, TestReport
+from jaxes.envs.tasks.task import Task
 
 TASK = Task(name="t", instruction="x", final_tests="def test_x():\n  assert False\n")
 

@@ -4,8 +4,9 @@ import sys
 
 import pytest
 
-from jaxes.envs import generator, make_sandbox
+from jaxes.envs import make_sandbox
 from jaxes.envs.check import run_checks, summarize
+from jaxes.envs.tasks import generator
 
 ALL = [(f, d) for f in generator.FAMILIES for d in generator.DIFFICULTIES]
 

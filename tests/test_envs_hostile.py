@@ -8,7 +8,7 @@ import pytest
 
 from jaxes.envs import make_sandbox, protocol
 from jaxes.envs.check import descendant_processes
-from jaxes.envs.task import Limits, Task
+from jaxes.envs.tasks.task import Limits, Task
 
 TASK = Task(name="hostile", instruction="Write ok to /home/user/ok.txt.",
             final_tests="def test_ok():\n  assert open('/home/user/ok.txt').read().strip() == 'ok'\n",

@@ -8,9 +8,11 @@ import warnings
 
 import pytest
 
-from jaxes.envs import bwrap, final_tests, local_sandbox, make_sandbox
-from jaxes.envs.sandbox import OutputCapture, SandboxError
-from jaxes.envs.task import Limits, Task
+from jaxes.envs import make_sandbox
+from jaxes.envs.sandboxes import bwrap, local_sandbox
+from jaxes.envs.sandboxes.sandbox import OutputCapture, SandboxError
+from jaxes.envs.tasks import final_tests
+from jaxes.envs.tasks.task import Limits, Task
 
 TESTS = """\
 import os

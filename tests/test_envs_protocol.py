@@ -4,8 +4,8 @@ import dataclasses
 import pytest
 
 from jaxes.envs import make_sandbox, protocol
-from jaxes.envs.sandbox import ExecResult
-from jaxes.envs.task import Limits, Task
+from jaxes.envs.sandboxes.sandbox import ExecResult
+from jaxes.envs.tasks.task import Limits, Task
 
 TESTS = """\
 import os

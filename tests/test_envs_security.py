@@ -13,8 +13,9 @@ import textwrap
 import pytest
 
 from helpers_sandboxes import sandbox  # noqa: F401  (sandbox: both backends)
-from jaxes.envs import check, generator, loaders, make_sandbox
-from jaxes.envs.task import Limits, Task
+from jaxes.envs import check, make_sandbox
+from jaxes.envs.tasks import generator, loaders
+from jaxes.envs.tasks.task import Limits, Task
 
 # Finds the final tests wherever the verifier might keep them (files, open fds of any process)
 # and prints the expected answer for its arguments.
@@ -385,7 +386,7 @@ def test_a_pth_the_agent_plants_never_reaches_the_docker_verifier(tmp_path):
 
 
 def test_a_test_files_own_count_and_whether_it_runs_agent_code_are_read_statically():
-  from jaxes.envs import final_tests
+  from jaxes.envs.tasks import final_tests
   counted = textwrap.dedent('''\
     import pytest
     @pytest.mark.parametrize("a,b", [(1, 2), (3, 4)])
@@ -436,7 +437,7 @@ def test_programs_the_tests_run_cannot_stop_the_local_verifiers_namespace():
 
 
 def test_nul_bytes_and_over_long_commands_follow_one_rule_on_both_backends(sandbox):
-  from jaxes.envs.sandbox import MAX_COMMAND_BYTES
+  from jaxes.envs.sandboxes.sandbox import MAX_COMMAND_BYTES
   task = Task(name="long", instruction="x", final_tests="def test_x():\n  pass\n")
   with sandbox.start(task) as handle:
     longest = handle.exec("echo ok #" + "x" * (MAX_COMMAND_BYTES - 9), 10)

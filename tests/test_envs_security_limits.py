@@ -10,7 +10,7 @@ import pytest
 from helpers_sandboxes import sandbox  # noqa: F401  (the fixture: both backends)
 from jaxes.envs import make_sandbox
 from jaxes.envs.check import descendant_processes
-from jaxes.envs.task import Limits, Task
+from jaxes.envs.tasks.task import Limits, Task
 
 MEMORY_MB = 300
 # Three processes of 200 MB each, alive together for a second: 600 MB > 300 MB.
@@ -72,7 +72,7 @@ CRASHING_RUN = """
 import os, sys
 sys.path.insert(0, sys.argv[1])
 from jaxes.envs import make_sandbox
-from jaxes.envs.task import Task
+from jaxes.envs.tasks.task import Task
 sb = make_sandbox("local")
 h = sb.start(Task(name="t", instruction="x"))
 h.exec("echo data > /home/user/f", 10)
@@ -109,7 +109,7 @@ def test_an_orphan_cgroup_another_process_is_removing_is_skipped(tmp_path, monke
   # 2-process launch died of it). That may not stop the run.
   import errno
   import subprocess
-  from jaxes.envs import cgroups
+  from jaxes.envs.sandboxes import cgroups
   dead = subprocess.Popen(["true"])
   dead.wait()
   orphan = tmp_path / f"jaxes-{dead.pid}-abc123"
@@ -138,7 +138,7 @@ def _set_state(directory, state):
 
 def _start_in(procs_files):
   import subprocess
-  from jaxes.envs import cgroups
+  from jaxes.envs.sandboxes import cgroups
   return subprocess.Popen(["sh", "-c", cgroups.JOIN_SH, "join", *procs_files, "--", "setpriv",
                            "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all",
                            "--", "/usr/bin/python3", "-c", WALKER], start_new_session=True)
@@ -184,8 +184,8 @@ def test_the_kill_before_the_tests_waits_for_slow_deaths_freezes_spawners_and_is
   # the episode between reading its processes and killing them, and thaws it again (the
   # verifier then runs in the same cgroup); past the deadline it gives up.
   import threading
-  from jaxes.envs import cgroups
-  from jaxes.envs.sandbox import SandboxError
+  from jaxes.envs.sandboxes import cgroups
+  from jaxes.envs.sandboxes.sandbox import SandboxError
   sb, held = make_sandbox("local"), _v1_freezer_cgroup()
   try:
     if sb.cgroups is None or held is None:

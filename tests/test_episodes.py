@@ -12,9 +12,10 @@ from flax import nnx
 
 from jaxes import tokenization
 from jaxes.controller.controller import Job
-from jaxes.envs import generator, protocol
-from jaxes.envs.local_sandbox import LocalSandbox
-from jaxes.envs.sandbox import Sandbox, SandboxHandle
+from jaxes.envs import protocol
+from jaxes.envs.sandboxes.local_sandbox import LocalSandbox
+from jaxes.envs.sandboxes.sandbox import Sandbox, SandboxHandle
+from jaxes.envs.tasks import generator
 from jaxes.models import qwen2
 from jaxes.rollout.engine import Engine
 from jaxes.rollout.episodes import EpisodeRunner, EpisodeSpec

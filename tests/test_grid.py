@@ -360,7 +360,7 @@ class _Recorder:
 
 def test_latency_sandbox_draws_lognormal_deterministically_and_passes_work_through():
   from types import SimpleNamespace
-  from jaxes.envs.latency import LatencyModel, LatencySandbox
+  from jaxes.envs.sandboxes.latency import LatencyModel, LatencySandbox
   a, b = LatencyModel(2.0, 1.0, seed=3), LatencyModel(2.0, 1.0, seed=3)
   draws = [a.draw(f"t{i % 50}") for i in range(4000)]
   assert draws == [b.draw(f"t{i % 50}") for i in range(4000)]     # seeded by (task, count)

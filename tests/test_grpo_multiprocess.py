@@ -3,7 +3,6 @@ collectives, loopback coordinator), data x tensor = 2 x 2: init places the state
 mesh (master and moments also over data), two steps run, and the metrics and final parameters
 equal the same two steps in this single-device test process."""
 import json
-import os
 import subprocess
 import sys
 

@@ -3,7 +3,6 @@ start/status/stop on this machine, and shellcheck over every script in launch/."
 import os
 import pathlib
 import shlex
-import shutil
 import subprocess
 import sys
 import time

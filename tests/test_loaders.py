@@ -7,8 +7,8 @@ import textwrap
 
 import pytest
 
-from jaxes.envs import loaders
-from jaxes.envs.loaders import TaskLoadError, load_task, load_tasks, translate_shell
+from jaxes.envs.tasks import loaders
+from jaxes.envs.tasks.loaders import TaskLoadError, load_task, load_tasks, translate_shell
 
 FINAL_TESTS = textwrap.dedent("""\
   import os
@@ -263,11 +263,11 @@ def test_translate_shell_keeps_non_package_commands():
   assert bash_syntax_ok(out)
 
 
-# The base image's mirror comes from apt's own configuration (jaxes/envs/image.py); parsing it
+# The base image's mirror comes from apt's own configuration (jaxes/envs/images/base_image.py); parsing it
 # needs no engine, so it is tested here beside the other recipe translation.
 
 def test_image_reads_the_mirror_from_apt_sources(tmp_path):
-  from jaxes.envs import image
+  from jaxes.envs.images import base_image as image
   (tmp_path / "sources.list.d").mkdir()
   (tmp_path / "sources.list").write_text(
     "# comment\ndeb-src http://src.invalid/debian bookworm main\n"

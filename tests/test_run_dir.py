@@ -12,9 +12,9 @@ import pytest
 
 from helpers_train import ROOT, build_tiny_tokenizer, tiny_config, write_config_file
 from jaxes.envs import check
+from jaxes.errors import RunStateError
 from jaxes.experiments import rundirs
 from jaxes.train import compare, config_history, export, metrics
-from jaxes.train.errors import RunStateError
 from jaxes.train.metrics import ProgressBar
 from jaxes.train.policy import load_policy
 from jaxes.train.trainer import Trainer

@@ -46,8 +46,9 @@ def test_abstract_carries_shardings_and_keeps_scalars():
 def test_builders_ask_the_environment_registry(monkeypatch):
   import dataclasses as dc
   import pytest
-  from jaxes.train import builders, defaults, environments
-  from jaxes.train.errors import ConfigError
+  from jaxes.train import builders, defaults
+  from jaxes.envs import environments
+  from jaxes.errors import ConfigError
 
   assert set(environments.ENVIRONMENTS) >= {"terminal", "webshop"}
   c = defaults.base_config()
@@ -80,7 +81,7 @@ def test_algorithms_are_chosen_by_name_and_validated_by_their_own_rules(monkeypa
   import pytest
   from jaxes.train import algorithms, config as train_config, defaults
   from jaxes.train.algorithms.evolution import EvolutionStrategies
-  from jaxes.train.errors import ConfigError
+  from jaxes.errors import ConfigError
 
   class Frozen(EvolutionStrategies):   # a new algorithm: its module, its rules, no trainer edit
     name, checkpoint_item = "frozen", "frozen"

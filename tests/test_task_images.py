@@ -10,8 +10,10 @@ import uuid
 
 import pytest
 
-from jaxes.envs import apptainer, check, harbor, loaders
-from jaxes.envs.task_images import BuildContext, TaskImageBuilder, image_tag
+from jaxes.envs import check
+from jaxes.envs.images import apptainer
+from jaxes.envs.images.task_images import BuildContext, TaskImageBuilder, image_tag
+from jaxes.envs.tasks import harbor, loaders
 
 SUITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "task_suites")
 HARBOR, ENDLESS = "harbor-count-lines", "endless-error-count"
@@ -100,7 +102,7 @@ def built(engine, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def sandbox(engine):
-  from jaxes.envs.docker_sandbox import DockerSandbox
+  from jaxes.envs.sandboxes.docker_sandbox import DockerSandbox
   sb = DockerSandbox(run_label=f"test-task-images-{uuid.uuid4().hex[:8]}")
   yield sb
   sb.shutdown()
@@ -234,8 +236,9 @@ def test_reward_hacking_replays_pass_nothing_on_a_task_built_image(built, sandbo
 
 
 def test_the_trainers_task_folders_kind_needs_docker_for_task_built_images():
-  from jaxes.train import defaults, environments
-  from jaxes.train.errors import ConfigError
+  from jaxes.train import defaults
+  from jaxes.envs import environments
+  from jaxes.errors import ConfigError
   config = defaults.base_config()
   config.env.kind, config.env.task_dir, config.env.task_build = "task_folders", SUITE, "docker"
   with pytest.raises(ConfigError, match="env.task_build = 'docker' runs task-built images on the "
@@ -245,7 +248,8 @@ def test_the_trainers_task_folders_kind_needs_docker_for_task_built_images():
 
 @pytest.mark.docker
 def test_the_trainers_task_folders_kind_plays_task_built_images(built, sandbox):
-  from jaxes.train import defaults, environments
+  from jaxes.train import defaults
+  from jaxes.envs import environments
   config = defaults.base_config()
   config.env.kind, config.env.task_dir, config.env.sandbox = "task_folders", SUITE, "docker"
   config.env.max_turns = 4
@@ -330,7 +334,7 @@ def test_a_reward_file_that_cannot_be_read_fails_the_episode_and_counts(built, s
 
 @pytest.mark.docker
 def test_a_verifier_network_is_joined_only_for_test_sh_after_the_agent(built):
-  from jaxes.envs.docker_sandbox import DockerSandbox
+  from jaxes.envs.sandboxes.docker_sandbox import DockerSandbox
   task = dataclasses.replace(built[0][HARBOR], verifier_files=(("test.sh", (
     b"ls /sys/class/net | grep -qv '^lo$' && echo 1 > /logs/verifier/reward.txt\n")),))
   online = DockerSandbox(run_label=f"test-verifier-network-{uuid.uuid4().hex[:8]}",
@@ -349,7 +353,7 @@ def test_a_verifier_network_is_joined_only_for_test_sh_after_the_agent(built):
 def test_a_hostile_task_image_stays_contained(built, engine, tmp_path):
   """Its VOLUME leaves nothing on the host, its ENTRYPOINT never runs, its RUN steps get no
   network, and an image over the size cap is refused in one line."""
-  from jaxes.envs.docker_sandbox import DockerSandbox
+  from jaxes.envs.sandboxes.docker_sandbox import DockerSandbox
   folder = tmp_path / "hostile"
   shutil.copytree(os.path.join(SUITE, HARBOR), folder)
   dockerfile = folder / "environment" / "Dockerfile"

@@ -2,9 +2,9 @@
 import pytest
 
 from jaxes.controller import Job
+from jaxes.errors import ConfigError
 from jaxes.train import builders, defaults
 from jaxes.train.config import validate
-from jaxes.train.errors import ConfigError
 from jaxes.train.state import Parts
 
 

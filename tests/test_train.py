@@ -14,8 +14,9 @@ import pytest
 
 from helpers_train import (ROOT, build_tiny_tokenizer, kill_when, tiny_config, train_records,
                            write_config_file)
-from jaxes.envs import local_sandbox
-from jaxes.envs.local_sandbox import LocalSandbox
+from jaxes.envs.sandboxes import local_sandbox
+from jaxes.envs.sandboxes.local_sandbox import LocalSandbox
+from jaxes.envs.tasks import oracle
 from jaxes.train import metrics
 from jaxes.train.metrics import pair_ties
 from jaxes.train.trainer import Trainer
@@ -236,13 +237,12 @@ def test_paired_change_uses_per_task_differences():
 
 def test_off_protocol_transcripts_fail_to_parse_and_keep_the_rest():
   from jaxes.envs import protocol
-  from jaxes.train import warmstart
   transcripts = [[{"role": "system", "content": "s"}, {"role": "user", "content": f"task {i}"},
                   {"role": "assistant", "content": f"<command>echo {i} > out.txt</command>"},
                   {"role": "user", "content": "ok"},
                   {"role": "assistant", "content": "<action>done</action>"}] for i in range(200)]
-  out = warmstart.off_protocol(transcripts, 0.5, seed=3)
-  assert out == warmstart.off_protocol(transcripts, 0.5, seed=3)  # deterministic from the seed
+  out = oracle.off_protocol(transcripts, 0.5, seed=3)
+  assert out == oracle.off_protocol(transcripts, 0.5, seed=3)  # deterministic from the seed
   fenced = [i for i, m in enumerate(out) if m[2]["content"] != transcripts[i][2]["content"]]
   assert 70 < len(fenced) < 130
   for i in fenced:
@@ -250,7 +250,7 @@ def test_off_protocol_transcripts_fail_to_parse_and_keep_the_rest():
     assert protocol.parse_action(out[i][2]["content"]).kind == "invalid"
     assert out[i][:2] + out[i][3:] == transcripts[i][:2] + transcripts[i][3:]
   assert transcripts[fenced[0]][2]["content"].startswith("<command>")  # input not mutated
-  assert warmstart.off_protocol(transcripts, 0.0, seed=3) == transcripts
+  assert oracle.off_protocol(transcripts, 0.0, seed=3) == transcripts
 
 
 def test_pair_ties_counts_complete_antithetic_pairs_and_their_ties():

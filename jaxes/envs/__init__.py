@@ -1,9 +1,10 @@
 """Terminal environments: tasks, the procedural generator, sandboxes, the agent protocol."""
 from __future__ import annotations
 
-from jaxes.envs import generator, protocol
-from jaxes.envs.sandbox import Sandbox, SandboxError, SandboxHandle
-from jaxes.envs.task import Limits, Task
+from jaxes.envs import protocol
+from jaxes.envs.sandboxes.sandbox import Sandbox, SandboxError, SandboxHandle
+from jaxes.envs.tasks import generator
+from jaxes.envs.tasks.task import Limits, Task
 
 import importlib
 
@@ -11,8 +12,8 @@ import importlib
 # backend needs the docker SDK and an engine). The config's checks and the checker's --backend
 # read their choices from here; a new backend registers here and nowhere else.
 SANDBOX_BACKENDS = {
-    "local": "jaxes.envs.local_sandbox:LocalSandbox",   # root_dir, isolation, run_as_uid, use_pytest, cpus, ...
-    "docker": "jaxes.envs.docker_sandbox:DockerSandbox",  # image, run_label, pool_size, ...
+    "local": "jaxes.envs.sandboxes.local_sandbox:LocalSandbox",   # root_dir, isolation, run_as_uid, use_pytest, cpus, ...
+    "docker": "jaxes.envs.sandboxes.docker_sandbox:DockerSandbox",  # image, run_label, pool_size, ...
 }
 BACKENDS = tuple(SANDBOX_BACKENDS)
 

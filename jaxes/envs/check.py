@@ -38,11 +38,12 @@ from typing import Callable
 
 import tqdm
 
-from jaxes.envs import BACKENDS, generator, make_sandbox, protocol
-from jaxes.envs.sandbox import SandboxError
+from jaxes.envs import BACKENDS, make_sandbox, protocol
 from jaxes.envs.checking import exit_status, read_replay
-from jaxes.envs.task import Task
-from jaxes.envs.task_images import DEFAULT_MAX_IMAGE_MB
+from jaxes.envs.images.task_images import DEFAULT_MAX_IMAGE_MB
+from jaxes.envs.sandboxes.sandbox import SandboxError
+from jaxes.envs.tasks import generator
+from jaxes.envs.tasks.task import Task
 
 DONE = "<action>done</action>"
 FAILED_TESTS = "FAILED_TESTS"     # the episode ran normally but the final tests failed
@@ -274,8 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     return 2
   builder = None
   if args.tasks:
-    from jaxes.envs.loaders import TaskLoadError, load_tasks
-    from jaxes.envs.task_images import TaskImageBuilder, TaskImageError
+    from jaxes.envs.tasks.loaders import TaskLoadError, load_tasks
+    from jaxes.envs.images.task_images import TaskImageBuilder, TaskImageError
     try:
       if task_build == "docker":
         builder = TaskImageBuilder(rebuild=args.rebuild, network=args.build_network,

@@ -17,8 +17,8 @@ import re
 import time
 from typing import Callable
 
-from jaxes.envs.sandbox import ExecResult, HostError, SandboxError, SandboxHandle
-from jaxes.envs.task import Task
+from jaxes.envs.sandboxes.sandbox import ExecResult, HostError, SandboxError, SandboxHandle
+from jaxes.envs.tasks.task import Task
 
 PARSE_ERROR = "PARSE_ERROR"
 AGENT_TIMEOUT = "AGENT_TIMEOUT"

@@ -6,7 +6,7 @@ beside the simulator's prediction for the same duration distribution.
 
 Each variant trains ``--updates`` updates of configs/demo_grid.py (evaluation off, sandbox
 results taken as they come, one sandbox thread per slot) with every episode's sandbox delayed a
-log-normal time (``jaxes.envs.latency``). The prediction runs the same controller in
+log-normal time (``jaxes.envs.sandboxes.latency``). The prediction runs the same controller in
 ``jaxes.controller.simulate`` with workers = slots and ``lognormal:SIGMA`` durations of median
 ``median_s``: it models the latency alone, so where the policy's own compute is not small beside
 it the measured ratio falls short of the predicted one. Writes WORKDIR/heavy_tail.json.
@@ -23,8 +23,8 @@ from jaxes.controller import durations
 from jaxes.controller.config import ControllerConfig
 from jaxes.controller.controller import Controller
 from jaxes.controller.simulate import Simulator
+from jaxes.envs.sandboxes.latency import PER, LatencySandbox
 from jaxes.experiments import rundirs
-from jaxes.envs.latency import PER, LatencySandbox
 from jaxes.experiments.variants import ES_OVERRIDES
 
 

@@ -50,7 +50,7 @@ CONTEXT_FULL = "CONTEXT_FULL"  # the KV-cache row is full: the episode ends, its
 @dataclasses.dataclass(frozen=True)
 class EpisodeSpec:
   key: Any                       # the caller's id (a controller Job, an eval index, ...)
-  task: Any                      # jaxes.envs.task.Task
+  task: Any                      # jaxes.envs.tasks.task.Task
   version: int
   member: int                    # -1: unperturbed
   stream: int                    # sampling stream: the same spec decodes the same tokens

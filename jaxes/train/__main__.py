@@ -96,7 +96,7 @@ def main(argv):
   from jaxes import distributed
   distributed.initialize()   # a multi-process launch joins here; a single process: nothing
   cli.start_backends()
-  from jaxes.train.errors import ConfigError
+  from jaxes.errors import ConfigError
   from jaxes.train.config import validate
   config = _CONFIG.value
   try:
@@ -121,7 +121,7 @@ def main(argv):
     print(cli.platform_note, file=sys.stderr)
   from jaxes.train.policy import PolicyLoadError
   from jaxes.train.state import RunStateError
-  from jaxes.envs.sandbox import SandboxError
+  from jaxes.envs.sandboxes.sandbox import SandboxError
   from jaxes.train.trainer import Trainer   # runs the algorithm config.train.algorithm names
   try:
     summary = Trainer(config, _WORKDIR.value, allow_config_change=_ALLOW_CHANGE.value).run()

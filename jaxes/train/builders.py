@@ -17,13 +17,14 @@ from ml_collections import config_dict
 
 from jaxes import sharding, tokenization
 from jaxes.envs import protocol
-from jaxes.envs.latency import LatencySandbox
+from jaxes.envs import environments
+from jaxes.envs.sandboxes.latency import LatencySandbox
+from jaxes.errors import ConfigError
 from jaxes.models import hf, qwen2
 from jaxes.rollout.engine import Engine
-from jaxes.rollout.policy_bank import PolicyBank
 from jaxes.rollout.episodes import EpisodeRunner
-from jaxes.train import coevolution, environments
-from jaxes.train.errors import ConfigError
+from jaxes.rollout.policy_bank import PolicyBank
+from jaxes.train import coevolution
 
 # -- tasks and episodes (each environment kind's own, from ``environments``) --------------------
 def make_tasks(config, split: str, n: int, start: int = 0) -> list:

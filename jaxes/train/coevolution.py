@@ -23,9 +23,9 @@ from typing import Sequence
 
 from jaxes import tokenization
 from jaxes.controller.coevolve import Coevolution, ContextLibrary
+from jaxes.envs import environments
+from jaxes.errors import ConfigError
 from jaxes.rollout.episodes import EpisodeSpec
-from jaxes.train import environments
-from jaxes.train.errors import ConfigError
 
 # Short advice for shell tasks: each is a few tokens of the demo tokenizer's vocabulary (which
 # is built from them too, ``pieces``), so a context costs little of the cache row.

@@ -11,11 +11,12 @@ import re
 from ml_collections import config_dict
 
 from jaxes import envs
-from jaxes.envs import generator
+from jaxes.envs import environments
+from jaxes.envs.tasks import generator
+from jaxes.errors import ConfigError
 from jaxes.models import hf, qwen2
-from jaxes.train import algorithms, builders, coevolution, defaults, environments, mc_probe
+from jaxes.train import algorithms, builders, coevolution, defaults, mc_probe
 from jaxes.train.algorithms import evolution
-from jaxes.train.errors import ConfigError
 from jaxes.train.tracker import TRACKERS
 
 # The typed objects' errors start with the option they reject: "population must be even ..."

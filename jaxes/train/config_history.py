@@ -15,7 +15,7 @@ import dataclasses
 import json
 import os
 
-from jaxes.train.errors import RunStateError
+from jaxes.errors import RunStateError
 
 CONFIG = "config.json"
 HISTORY = "config_history.json"

@@ -82,7 +82,7 @@ def base_config() -> config_dict.ConfigDict:
 
   c.env = config_dict.ConfigDict()
   c.env.kind = "terminal"        # "terminal" (shell tasks in sandboxes) or "webshop" (in-process)
-  # env.kind = "task_folders" (jaxes.train.task_folders): a downloaded suite's folders, built
+  # env.kind = "task_folders" (jaxes.envs.tasks.task_folders): a downloaded suite's folders, built
   # into their own images ("docker") or translated into the shared one; "auto": docker on docker.
   c.env.task_dir = ""
   c.env.heldout_task_dir = ""    # empty: the task_dir folders
@@ -104,7 +104,7 @@ def base_config() -> config_dict.ConfigDict:
   c.env.system_prompt = ""       # empty = jaxes.envs.protocol.SYSTEM_PROMPT
   c.env.max_turns = 16
   c.env.sandbox_workers = 8
-  # Heavy-tailed episode durations on top of the real sandbox work (jaxes.envs.latency):
+  # Heavy-tailed episode durations on top of the real sandbox work (jaxes.envs.sandboxes.latency):
   # a seeded log-normal sleep, median latency_median_s and shape latency_sigma, once per episode
   # or before every command. 0 = off. Where asynchrony pays: real terminal tasks vary this way.
   c.env.latency_median_s = 0.0

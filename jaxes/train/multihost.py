@@ -26,9 +26,9 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxes import distributed
+from jaxes.errors import ConfigError
 from jaxes.models import partition
 from jaxes.train import builders
-from jaxes.train.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,9 +32,9 @@ from typing import Any
 
 from jaxes.controller import Controller
 from jaxes.controller.coevolve import Coevolution
+from jaxes.errors import RunStateError
 from jaxes.train import builders, checkpoint, coevolution, warmstart
 from jaxes.train.algorithms import ReplaysUpdates
-from jaxes.train.errors import RunStateError
 from jaxes.train.policy import load_policy
 from jaxes.train.update_log import UpdateLog
 

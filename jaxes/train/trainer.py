@@ -22,10 +22,10 @@ from typing import Callable
 
 from ml_collections import config_dict
 
-from jaxes.envs.sandbox import Sandbox, SandboxError
+from jaxes.envs.sandboxes.sandbox import Sandbox, SandboxError
+from jaxes.envs.tasks import oracle
 from jaxes.train import (algorithms, builders, checkpoint, coevolution, compile_cache, config_history,
-                         drift, evaluation, mc_probe, metrics, multihost, precompile, report, tracker,
-                         warmstart)
+                         drift, evaluation, mc_probe, metrics, multihost, precompile, report, tracker)
 from jaxes.train.algorithms import ReplaysUpdates, UpdateContext
 from jaxes.train.config import validate
 from jaxes.train.hooks import Hook, UpdateInfo, run_hooks
@@ -198,7 +198,7 @@ class Trainer:
     t = time.perf_counter()
     transcripts = builders.oracle_transcripts(c, sandbox)
     self.log(f"{len(transcripts)} oracle transcripts in {time.perf_counter() - t:.1f}s")
-    return warmstart.off_protocol(transcripts, c.warmstart.off_protocol_fraction, c.seed)
+    return oracle.off_protocol(transcripts, c.warmstart.off_protocol_fraction, c.seed)
 
   def _progress_bar(self):
     return metrics.ProgressBar(self.config.train.num_updates, self.state.version,

@@ -1,13 +1,10 @@
 """Supervised warm start on oracle transcripts (the CPU demo's stand-in for an Instruct model).
 
-An oracle transcript is a real episode played by the task's reference solution: turn 1 runs the
-solution as one command in a sandbox (the observation is the real output), turn 2 says done; only
-transcripts whose final tests pass are kept. Training is plain next-token cross-entropy on the
+Oracle transcripts (``jaxes.envs.tasks.oracle``) are real episodes played by the tasks' reference
+solutions. Training is plain next-token cross-entropy on the
 assistant tokens (``chat.transcript_ids``) with AdamW, a few hundred steps at most.
 """
 from __future__ import annotations
-
-import concurrent.futures as cf
 
 import jax
 import jax.numpy as jnp
@@ -17,51 +14,6 @@ import optax
 from jaxes.models import qwen2
 from jaxes.models.noiser import FixedOrderGradNoiser
 from jaxes.rollout import chat
-
-
-def oracle_messages(task, sandbox, make_episode) -> list[dict] | None:
-  """The transcript of the oracle playing ``task``, or None if it does not pass."""
-  if not task.solution:
-    return None
-  handle = sandbox.start(task)
-  try:
-    episode = make_episode(task, handle)
-    episode.step(oracle_turn(task.solution))
-    if not episode.done:
-      episode.step("<action>done</action>")
-    outcome = episode.finish()
-  finally:
-    handle.close()
-  return list(episode.messages) if outcome.passed else None
-
-
-def oracle_turn(solution: str) -> str:
-  return f"<command>{solution.strip()}</command>"
-
-
-def off_protocol(transcripts: list[list[dict]], fraction: float, seed: int) -> list[list[dict]]:
-  """Rewrites the command turn of a seeded ``fraction`` of transcripts as a fenced code block,
-  which the agent protocol does not accept (a parse error, as Endless Terminals scores it).
-
-  A policy warm-started on the result knows how to solve the tasks but follows the harness's
-  protocol only part of the time, as Instruct checkpoints do before RL: something reward can
-  teach, and a gain that is the protocol's, not new skill (the demo says so)."""
-  rng = np.random.default_rng(seed)
-  out = []
-  for messages in transcripts:
-    messages = [dict(m) for m in messages]
-    if rng.random() < fraction:
-      turn = next(m for m in messages if m["role"] == "assistant")
-      command = turn["content"].removeprefix("<command>").removesuffix("</command>")
-      turn["content"] = f"```bash\n{command}\n```"
-    out.append(messages)
-  return out
-
-
-def oracle_transcripts(tasks, sandbox, make_episode, workers: int) -> list[list[dict]]:
-  with cf.ThreadPoolExecutor(workers) as pool:
-    out = list(pool.map(lambda t: oracle_messages(t, sandbox, make_episode), tasks))
-  return [m for m in out if m is not None]
 
 
 def encode(tok, transcripts, seq_len: int, observation_weight: float = 0.0

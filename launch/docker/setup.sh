@@ -44,7 +44,7 @@ if docker image inspect "$image" >/dev/null 2>&1; then
 fi
 echo "docker setup: building $image (debootstrap; takes minutes)"
 start=$(date +%s)
-if ! python3 -m jaxes.envs.image build --tag "$image"; then
+if ! python3 -m jaxes.envs.images.base_image build --tag "$image"; then
   skip "building $image failed"
 fi
 echo "docker setup: $image built in $(( $(date +%s) - start )) s"

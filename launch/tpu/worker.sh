@@ -65,7 +65,7 @@ setup() {
     || die "the package or JAX does not import; see the messages above"
   if [ "$docker" = 1 ]; then
     sudo usermod -aG docker "$USER"   # the run (a later ssh login) may then talk to the engine
-    # setup.sh builds the image with python3 -m jaxes.envs.image: put the venv's python first.
+    # setup.sh builds the image with python3 -m jaxes.envs.images.base_image: put the venv's python first.
     sudo env PATH="$venv/bin:$PATH" bash "$tree/launch/docker/setup.sh"
   fi
   echo "worker setup on $host: done"

@@ -27,7 +27,7 @@ The trainer needs four things, each the WebShop counterpart of a terminal-path p
   ``make_episode(task, handle)`` is ``lambda g, h: WebShopEpisode(g, h, max_steps=...)``.
 * ``oracle_replies(goal)`` lists the oracle's assistant turns; ``transcript(goal, backend,
   make_episode)`` plays them into a warm-start transcript (messages) as
-  ``warmstart.oracle_messages(task, sandbox, make_episode)`` does for terminals. ``tokenizer_texts()`` are the strings every episode repeats (for building a BPE
+  ``oracle.oracle_messages(task, sandbox, make_episode)`` does for terminals. ``tokenizer_texts()`` are the strings every episode repeats (for building a BPE
   tokenizer, like the trainer's terminal list).
 * ``off_protocol(transcripts, fraction, seed)`` rewrites a seeded fraction of transcripts'
   replies as JSON tool calls the grammar rejects (the demo's flaw for ES to fix; ``offprotocol``).
@@ -38,9 +38,9 @@ checks goals at scale (see ``check``). docs/webshop.md has the details.
 from __future__ import annotations
 
 from jaxes.envs.webshop import agents, env, generator, reward
-from jaxes.envs.webshop.offprotocol import off_protocol
 from jaxes.envs.webshop.agents import oracle_replies
 from jaxes.envs.webshop.catalog import PRODUCT_WINDOW, Catalog, Goal, Product
+from jaxes.envs.webshop.offprotocol import off_protocol
 from jaxes.envs.webshop.episode import (MAX_STEPS, NOT_PURCHASED, SYSTEM_PROMPT, WebShopBackend,
                                         WebShopEpisode, play)
 
@@ -67,7 +67,7 @@ def make_goals(split: str, n: int, seed: int = 0, start: int = 0, *, data_path: 
 def transcript(goal: Goal, backend: WebShopBackend, make_episode=None,
                max_steps: int = MAX_STEPS) -> list[dict] | None:
   """The oracle's episode as chat messages, or None if it has no plan or does not pass (the
-  counterpart of ``warmstart.oracle_messages``). ``make_episode(goal, handle)``: the trainer's
+  counterpart of ``oracle.oracle_messages``). ``make_episode(goal, handle)``: the trainer's
   episode factory (default ``WebShopEpisode(goal, handle, max_steps=max_steps)``)."""
   replies = oracle_replies(goal, max_steps)
   if replies is None:

@@ -6,7 +6,7 @@
 Instruct checkpoints answer a new agent harness in the tool-call format they were tuned on; a
 policy warm-started on the result knows the store but uses the wrong format on many prompts,
 and task reward alone can teach the format (the WebShop counterpart of
-``jaxes.train.warmstart.off_protocol``, which fences terminal commands: a fenced ``search[...]``
+``jaxes.envs.tasks.oracle.off_protocol``, which fences terminal commands: a fenced ``search[...]``
 still parses, since the last action anywhere in a reply counts). The observations stay the real
 pages, as in the terminal rewrite.
 """

@@ -9,7 +9,7 @@ from __future__ import annotations
 from jaxes.train.algorithms import evolution, grpo, sao
 from jaxes.train.algorithms.base import (Algorithm, Capabilities, ReplaysUpdates, TrainEpisode,
                                          UpdateContext)
-from jaxes.train.errors import ConfigError
+from jaxes.errors import ConfigError
 
 ALGORITHMS = {"es": evolution.EvolutionStrategies, "grpo": grpo.GRPO, "sao": sao.SAO}
 

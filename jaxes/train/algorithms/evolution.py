@@ -14,12 +14,12 @@ import jax
 
 from jaxes import distributed, es, sharding
 from jaxes.controller import ControllerConfig, Job, policies
+from jaxes.errors import RunStateError
 from jaxes.es import keys
 from jaxes.rollout.episodes import EpisodeSpec
 from jaxes.rollout.policy_bank import ESPolicyBank, VersionSteps
 from jaxes.train import builders, multihost
 from jaxes.train.algorithms.base import Capabilities, TrainEpisode, UpdateContext
-from jaxes.train.errors import RunStateError
 
 PAIR_STREAM_BASE = 1 << 31     # sampling streams shared by antithetic partners
 

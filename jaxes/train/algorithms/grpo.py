@@ -35,6 +35,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxes import distributed
 from jaxes.controller import ControllerConfig
+from jaxes.errors import ConfigError
 from jaxes.models import partition
 from jaxes.rl import batch as rl_batch
 from jaxes.rl import config as rl_config
@@ -42,7 +43,6 @@ from jaxes.rl.grpo import GRPOLearner, LearnerState
 from jaxes.rollout.episodes import EpisodeStream
 from jaxes.train import builders
 from jaxes.train.algorithms.base import Capabilities, UpdateContext
-from jaxes.train.errors import ConfigError
 
 
 @dataclasses.dataclass

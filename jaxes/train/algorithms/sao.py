@@ -17,11 +17,11 @@ import jax
 import numpy as np
 
 from jaxes.controller import ControllerConfig
+from jaxes.errors import ConfigError
 from jaxes.rl import config as rl_config
 from jaxes.rl.sao import SAOLearner, SAOLearnerState
 from jaxes.train.algorithms.base import UpdateContext
 from jaxes.train.algorithms.grpo import GRPO, GRPOState
-from jaxes.train.errors import ConfigError
 
 
 class SAO(GRPO):

@@ -1,6 +1,6 @@
 """Builds the docker sandbox base image offline-from-hub: debootstrap + ``docker import``.
 
-    python -m jaxes.envs.image build [--tag jaxes-sandbox:latest] [--force]
+    python -m jaxes.envs.images.base_image build [--tag jaxes-sandbox:latest] [--force]
 
 The root filesystem comes from ``debootstrap --variant=minbase`` of the host's own Debian
 release, fetched from the mirror apt is already configured with (read from apt's sources at run
@@ -203,7 +203,7 @@ def _smoke_test(client, tag: str, log) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m jaxes.envs.image")
+  parser = argparse.ArgumentParser(prog="python -m jaxes.envs.images.base_image")
   sub = parser.add_subparsers(dest="command", required=True)
   build_parser = sub.add_parser("build", help="build the sandbox base image if absent")
   build_parser.add_argument("--tag", default=DEFAULT_TAG)

@@ -13,10 +13,10 @@ import dataclasses
 from typing import Callable, Protocol
 
 from jaxes.envs import webshop
+from jaxes.envs.tasks.task_folders import TaskFolders
+from jaxes.envs.tasks.terminal_tasks import MakeEpisode, TerminalTasks, task_families
 from jaxes.envs.webshop import check as webshop_check
-from jaxes.train.errors import ConfigError
-from jaxes.train.task_folders import TaskFolders
-from jaxes.train.terminal_tasks import MakeEpisode, TerminalTasks, task_families
+from jaxes.errors import ConfigError
 
 __all__ = ["ENVIRONMENTS", "Environment", "TaskFolders", "TerminalTasks", "WebShop", "environment",
            "register", "task_families"]

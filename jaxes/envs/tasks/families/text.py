@@ -6,7 +6,7 @@ import collections
 import json
 import random
 
-from jaxes.envs.families import (HOME, NAMES, SERVICES, WORDS, Draft, lines_bytes, pick,
+from jaxes.envs.tasks.families import (HOME, NAMES, SERVICES, WORDS, Draft, lines_bytes, pick,
                                  test_file, token)
 
 LEVELS = ("DEBUG", "INFO", "WARN", "ERROR")

@@ -1,6 +1,6 @@
 """Docker sandbox backend: one container per episode, driven through the docker SDK.
 
-Each episode gets a fresh container of the base image (``python -m jaxes.envs.image build``)
+Each episode gets a fresh container of the base image (``python -m jaxes.envs.images.base_image build``)
 running ``sleep infinity`` under docker's init, with no network, memory/pids/cpu limits and
 labels naming the run and its owner process. Setup and the final tests run as root; the agent's
 commands run as ``user`` (uid 1000) in /home/user. Every container of a run is removed when its
@@ -29,11 +29,11 @@ import uuid
 import docker
 import requests
 
-from jaxes.envs import final_tests, harbor
-from jaxes.envs.image import DEFAULT_TAG, SANDBOX_HOME, SANDBOX_UID, SANDBOX_USER
-from jaxes.envs.sandbox import (ExecResult, HostError, OutputCapture, Sandbox, SandboxError,
+from jaxes.envs.images.base_image import DEFAULT_TAG, SANDBOX_HOME, SANDBOX_UID, SANDBOX_USER
+from jaxes.envs.tasks import final_tests, harbor
+from jaxes.envs.sandboxes.sandbox import (ExecResult, HostError, OutputCapture, Sandbox, SandboxError,
                                 SandboxHandle, TestReport, refused_command)
-from jaxes.envs.task import Limits, Task
+from jaxes.envs.tasks.task import Limits, Task
 
 LABEL = "jaxes.sandbox"
 RUN_LABEL = "jaxes.run"
@@ -246,7 +246,7 @@ class DockerSandbox(Sandbox):
       self._client.images.get(image)
     except docker.errors.ImageNotFound as err:
       raise SandboxError(
-        f"docker image {image!r} not found; build it with `python -m jaxes.envs.image build "
+        f"docker image {image!r} not found; build it with `python -m jaxes.envs.images.base_image build "
         f"--tag {image}` (or bash launch/docker/setup.sh)") from err
     except _DOCKER_ERRORS as err:
       raise SandboxError(f"no docker engine answers: {err}") from err

@@ -14,7 +14,7 @@ import threading
 import time
 from collections import Counter
 
-from jaxes.envs.sandbox import Sandbox, SandboxHandle
+from jaxes.envs.sandboxes.sandbox import Sandbox, SandboxHandle
 
 PER = ("episode", "command")
 

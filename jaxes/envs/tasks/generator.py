@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import random
 
-from jaxes.envs.families import files, scripts, text
-from jaxes.envs.task import Task
+from jaxes.envs.tasks.families import files, scripts, text
+from jaxes.envs.tasks.task import Task
 
 _MAKERS = {
     "create_file": files.create_file,

@@ -1,7 +1,7 @@
 """Builds a task's own docker image from its recipe, cached by a content hash of the build context.
 
 A task folder's ``Dockerfile`` (Harbor: ``environment/Dockerfile``; Endless Terminals: the
-Dockerfile ``jaxes.envs.apptainer`` writes from ``container.def``) is built by the docker
+Dockerfile ``jaxes.envs.images.apptainer`` writes from ``container.def``) is built by the docker
 engine with its folder as the context, through the docker SDK. The image is tagged
 ``jaxes-task/<name>:<hash>``, the hash covering every file of the context (paths, bytes, modes),
 so an unchanged folder is never built twice and a changed one always is. A build is tagged

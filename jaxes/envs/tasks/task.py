@@ -30,7 +30,7 @@ class Task:
   final_tests: source of a stdlib-only pytest file; all tests pass iff the task is solved.
   initial_tests: optional pytest source that must pass right after setup.
   solution:    optional bash reference solution (the oracle).
-  image:       docker image built from the task's own recipe (jaxes.envs.task_images); None:
+  image:       docker image built from the task's own recipe (jaxes.envs.images.task_images); None:
                the sandbox's shared image. Only the docker backend runs such tasks.
   workdir:     the image's working directory (where a Harbor test.sh runs); None: /home/user.
   verifier_files: a Harbor ``tests/`` folder (path relative to it -> bytes); when given,
@@ -58,7 +58,7 @@ class Task:
     source, ``final_tests.runs_agent_code``): that code runs inside the verifier's tests and
     can report whatever verdict it likes with the file's own counts, so ``check`` lists such
     tasks apart."""
-    from jaxes.envs import final_tests   # the task model stays free of the verifier at import
+    from jaxes.envs.tasks import final_tests   # the task model stays free of the verifier at import
     sources = [self.final_tests, self.initial_tests or ""] + [
       data.decode("utf-8", "replace") for path, data in self.verifier_files
       if path.endswith((".py", ".sh"))]

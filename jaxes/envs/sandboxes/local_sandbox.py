@@ -38,10 +38,11 @@ import time
 import uuid
 import warnings
 
-from jaxes.envs import bwrap, cgroups, final_tests
-from jaxes.envs.sandbox import (ExecResult, HostError, OutputCapture, Sandbox, SandboxError,
+from jaxes.envs.sandboxes import bwrap, cgroups
+from jaxes.envs.tasks import final_tests
+from jaxes.envs.sandboxes.sandbox import (ExecResult, HostError, OutputCapture, Sandbox, SandboxError,
                                 SandboxHandle, TestReport, refused_command)
-from jaxes.envs.task import Task
+from jaxes.envs.tasks.task import Task
 
 log = logging.getLogger(__name__)
 
@@ -701,7 +702,7 @@ def _kill_group(proc: subprocess.Popen) -> None:
     pass
 
 
-if __name__ == "__main__":   # python -m jaxes.envs.local_sandbox: whether bubblewrap works here
+if __name__ == "__main__":   # python -m jaxes.envs.sandboxes.local_sandbox: whether bubblewrap works here
   try:
     print(resolve_isolation("auto", NOBODY if os.geteuid() == 0 else None))
   except SandboxError as e:

@@ -40,10 +40,11 @@ import tomllib
 
 import yaml
 
-from jaxes.envs import apptainer, harbor, task_images
-from jaxes.envs.image import (BASE_PACKAGES, MINBASE_PACKAGES, OPTIONAL_PACKAGES,
+from jaxes.envs.images import apptainer, task_images
+from jaxes.envs.tasks import harbor
+from jaxes.envs.images.base_image import (BASE_PACKAGES, MINBASE_PACKAGES, OPTIONAL_PACKAGES,
                               PYTHON_DISTRIBUTIONS, SANDBOX_HOME, SANDBOX_USER)
-from jaxes.envs.task import Limits, Task
+from jaxes.envs.tasks.task import Limits, Task
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +146,7 @@ def _translate_command(segment: str, where: str) -> str:
     missing = sorted(set(packages) - IMAGE_PACKAGES)
     if missing:
       raise TaskLoadError(f"{where}: `{segment.strip()}` needs {', '.join(missing)}, which the "
-                          "sandbox image does not have (add it to jaxes/envs/image.py)")
+                          "sandbox image does not have (add it to jaxes/envs/images/base_image.py)")
     return _NOOP
   pip_at = None
   if re.fullmatch(r"pip3?(\.\d+)?", words[0]):
@@ -379,7 +380,7 @@ def _parse_container_def(path: str, folder: _Folder):
 
 def _build_definition(def_path: str, reader: _Folder, name: str,
                       builder: task_images.TaskImageBuilder) -> task_images.BuiltImage:
-  """Builds an Apptainer definition as the task's image (see jaxes.envs.apptainer)."""
+  """Builds an Apptainer definition as the task's image (see jaxes.envs.images.apptainer)."""
   try:
     recipe = apptainer.parse(reader.read(def_path), def_path)
   except apptainer.DefinitionError as err:

@@ -5,7 +5,7 @@ import abc
 import codecs
 import dataclasses
 
-from jaxes.envs.task import Task
+from jaxes.envs.tasks.task import Task
 
 
 class SandboxError(RuntimeError):

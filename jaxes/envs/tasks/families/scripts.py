@@ -5,7 +5,7 @@ import collections
 import gzip
 import random
 
-from jaxes.envs.families import HOME, NAMES, WORDS, Draft, lines_bytes, pick, test_file, token
+from jaxes.envs.tasks.families import HOME, NAMES, WORDS, Draft, lines_bytes, pick, test_file, token
 
 
 def shell_script(rng: random.Random, difficulty: int) -> Draft:

@@ -3,7 +3,7 @@
 
 ``env.task_dir`` holds the training split's folders, ``env.heldout_task_dir`` the held-out
 split's (empty: the training folders). ``env.task_build``: "docker" builds each folder's own
-image (``jaxes.envs.task_images``; needs ``env.sandbox = "docker"``), "translate" translates it
+image (``jaxes.envs.images.task_images``; needs ``env.sandbox = "docker"``), "translate" translates it
 into the shared sandbox image (a warning says so), "auto" is docker on the docker sandbox.
 A split of n tasks from ``start`` takes the split's folders in name order, cycling.
 """
@@ -14,8 +14,8 @@ import functools
 from typing import Any, Callable
 
 from jaxes.envs import check as terminal_check
-from jaxes.envs import loaders
-from jaxes.train.errors import ConfigError
+from jaxes.envs.tasks import loaders
+from jaxes.errors import ConfigError
 
 TASK_BUILDS = ("auto", "docker", "translate")
 
@@ -36,7 +36,7 @@ def task_build(config) -> str:
 @functools.lru_cache(maxsize=4)
 def _load(directory: str, build: str, network: str = "none") -> tuple:
   # Once per folder and build per process: loading builds (or finds cached) each task's image.
-  from jaxes.envs.task_images import TaskImageBuilder, TaskImageError
+  from jaxes.envs.images.task_images import TaskImageBuilder, TaskImageError
   try:
     builder = TaskImageBuilder(network=network) if build == "docker" else None
     return tuple(loaders.load_tasks(directory, builder=builder))
@@ -52,7 +52,7 @@ class TaskFolders:
 
   @property
   def _terminal(self):
-    from jaxes.train.terminal_tasks import TerminalTasks
+    from jaxes.envs.tasks.terminal_tasks import TerminalTasks
     return TerminalTasks()
 
   def make_tasks(self, config, split: str, n: int, start: int) -> list:

@@ -1,0 +1,1 @@
+"""Docker images: the sandbox base image, task-built images, Apptainer definitions."""

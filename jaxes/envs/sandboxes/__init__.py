@@ -1,0 +1,1 @@
+"""Sandbox backends: the interface, the local (bubblewrap + cgroups) and docker backends."""

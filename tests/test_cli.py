@@ -12,7 +12,8 @@ import pytest
 from helpers_train import ROOT
 from jaxes import cli, preflight
 from jaxes.errors import ConfigError
-from jaxes.train import defaults, export, run_dir
+from jaxes.run_tools import export
+from jaxes.train import defaults, run_dir
 from jaxes.train.config import load_config_file
 
 

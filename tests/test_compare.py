@@ -1,4 +1,4 @@
-"""`python -m jaxes.train.compare`: what counts as agreeing runs. The end-to-end use (a 2-process
+"""`python -m jaxes.run_tools.compare`: what counts as agreeing runs. The end-to-end use (a 2-process
 run against 1 process, compared by `compare.compare`) is tests/test_multihost_train.py."""
 import json
 
@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxes.train import compare
+from jaxes.run_tools import compare
 
 LINE = {"version": 1, "staleness_hist": [6, 2], "update_norm": 0.5, "episodes_per_s": 3.0,
         "train": {"success": 0.25, "failures": {"none": 2}}, "time": {"wall_s": 9.0},

@@ -5,7 +5,7 @@ import os
 
 from jaxes.experiments import aggregate, plots, rundirs
 from jaxes.experiments.variants import Variant
-from jaxes.train import compare, report
+from jaxes.run_tools import compare, report
 
 
 def _eval(version, drift, kl, probe, mc=0.5):

@@ -15,7 +15,8 @@ import sys
 import pytest
 
 from helpers_train import ROOT, build_tiny_tokenizer, launch_env, tiny_config, write_config_file
-from jaxes.train import compare, metrics
+from jaxes.run_tools import compare
+from jaxes.train import metrics
 from jaxes.train.policy import load_policy
 
 UPDATES = 2

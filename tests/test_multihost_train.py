@@ -16,7 +16,8 @@ import time
 import pytest
 
 from helpers_train import ROOT, build_tiny_tokenizer, launch_env, tiny_config, write_config_file
-from jaxes.train import compare, metrics
+from jaxes.run_tools import compare
+from jaxes.train import metrics
 from jaxes.train.policy import load_policy
 
 LOCAL_SH = ROOT / "launch" / "local.sh"
@@ -155,7 +156,7 @@ def test_two_processes_match_one_process_of_eight_devices(runs):
   two, one = tmp / "two", tmp / "one"
   # The same decisions (every metrics line: cohort sizes, staleness tags, fitness, pair ties,
   # drops, evaluation outcomes; update norms, a sum over the fsdp shards, to 1e-6 relative), the
-  # same controller state and the same parameters, bit for bit: `python -m jaxes.train.compare`,
+  # same controller state and the same parameters, bit for bit: `python -m jaxes.run_tools.compare`,
   # the check a user runs after a rehearsal. The ES state lives in the rule table's shardings
   # (fsdp = 2 splits the embedding dimension), and the warm start sums its gradients in a fixed
   # order (warmstart.loss_and_grads), so nothing depends on how the 8 devices are split into

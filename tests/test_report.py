@@ -8,7 +8,7 @@ import subprocess
 import pytest
 
 from helpers_train import build_tiny_tokenizer, tiny_config
-from jaxes.train import report
+from jaxes.run_tools import report
 from jaxes.train.trainer import Trainer
 from jaxes.train.transcripts import EPISODES, clip
 
@@ -22,7 +22,7 @@ def run_dir(tmp_path_factory):
   c = tiny_config(build_tiny_tokenizer(str(tmp / "tok")))
   c.train.num_updates, c.train.plot, c.train.transcripts_per_update = 1, False, 2
   workdir = str(tmp / "run")
-  Trainer(c, workdir, log=lambda s: None).run()
+  Trainer(c, workdir, log=lambda s: None, write_report=report.write).run()
   return workdir
 
 
@@ -100,7 +100,7 @@ def test_tracker_off_by_default_and_missing_package_is_one_line(monkeypatch):
 
 
 def test_atif_export_of_the_sample(run_dir, tmp_path):
-  from jaxes.train import atif
+  from jaxes.run_tools import atif
   episodes = [json.loads(line) for line in open(os.path.join(run_dir, EPISODES))]
   out = str(tmp_path / "t.jsonl")
   assert atif.main([f"--workdir={run_dir}", f"--out={out}"]) == 0
@@ -136,7 +136,7 @@ def test_sampler_keeps_per_update_and_drops_lines_past_the_resume_point(tmp_path
 
 
 def test_a_task_name_that_is_not_utf8_is_written_escaped_and_kept(run_dir, tmp_path):
-  from jaxes.train import atif, report
+  from jaxes.run_tools import atif, report
   odd = os.fsdecode(b"task-\xff\xfe")     # a folder name in bytes that are not UTF-8
   workdir = tmp_path / "run"
   shutil.copytree(run_dir, workdir)

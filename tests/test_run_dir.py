@@ -14,7 +14,8 @@ from helpers_train import ROOT, build_tiny_tokenizer, tiny_config, write_config_
 from jaxes.envs import check
 from jaxes.errors import RunStateError
 from jaxes.experiments import rundirs
-from jaxes.train import compare, config_history, export, metrics
+from jaxes.run_tools import compare, export
+from jaxes.train import config_history, metrics
 from jaxes.train.metrics import ProgressBar
 from jaxes.train.policy import load_policy
 from jaxes.train.trainer import Trainer

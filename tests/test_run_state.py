@@ -18,13 +18,14 @@ import pytest
 
 from helpers_train import ROOT, build_tiny_tokenizer, tiny_config, write_config_file
 from jaxes.models import check_logits, qwen2
-from jaxes.train import compare, export, metrics
+from jaxes.run_tools import compare, export, report
+from jaxes.train import metrics
 from jaxes.train.policy import PolicyLoadError, load_policy
 from jaxes.train.state import RunStateError
 from jaxes.train.trainer import Trainer
 from jaxes.train.update_log import UpdateLog, encode
 
-QUIET = dict(log=lambda s: None)
+QUIET = dict(log=lambda s: None, write_report=report.write)
 # tests/test_train.py's resume config (its programs, in the compile cache): after the short warm
 # start members differ in reward, so updates 1 and 3 move θ and the comparisons of a resumed run
 # with the uninterrupted one can fail (without it every reward was 0 and every update a zero step).

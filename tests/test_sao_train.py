@@ -7,6 +7,7 @@ import jax
 import numpy as np
 
 from helpers_train import build_tiny_tokenizer, sigkill_after_first_update, tiny_config, train_records
+from jaxes.run_tools import report
 from jaxes.train import metrics
 from jaxes.train.policy import load_policy
 from jaxes.train.trainer import Trainer
@@ -31,7 +32,7 @@ def _learner(rows):   # everything but the tokens/s (a timing)
 
 def test_sao_sigkilled_then_rerun_equals_uninterrupted(tmp_path):
   config = tiny_config(build_tiny_tokenizer(str(tmp_path / "tok")), **SAO)
-  whole = Trainer(config, str(tmp_path / "a"), log=lambda s: None).run()
+  whole = Trainer(config, str(tmp_path / "a"), log=lambda s: None, write_report=report.write).run()
   lines = train_records(tmp_path / "a")
   assert whole["algorithm"] == "sao" and [r["version"] for r in lines] == [1, 2]
   learner = _learner(lines)

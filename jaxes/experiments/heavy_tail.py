@@ -39,10 +39,12 @@ def predict(mode: str, max_staleness: int, workers: int, population: int, episod
 
 def measure(config, workdir: str, median_s: float, sigma: float, per: str) -> dict:
   from jaxes.envs import make_sandbox
+  from jaxes.run_tools import report
   from jaxes.train.trainer import Trainer
   sandbox = LatencySandbox(make_sandbox(config.env.sandbox), median_s, sigma, per, seed=config.seed)
   t = time.perf_counter()
-  Trainer(config, workdir, sandbox=sandbox, log=lambda s: print(s, file=sys.stderr)).run()
+  Trainer(config, workdir, sandbox=sandbox, log=lambda s: print(s, file=sys.stderr),
+          write_report=report.write).run()
   run = rundirs.read_run(workdir, config.controller.mode, config.seed)
   return {"updates": run.version, "train_wall_s": run.train_wall_s, "updates_per_hour": run.updates_per_hour,
           "process_wall_s": time.perf_counter() - t, "latency_draws": sandbox.model.draws,

@@ -92,7 +92,7 @@ PAPER_SUCCESS = {"sync": 0.254, "async1": 0.259, "delay4": 0.254 - 0.016, "delay
 def grid_html(result: dict) -> str:
   """The grid's report page: each variant's curve (mean ± s.e. over seeds) side by side on one
   scale, and a table of its final measure beside the paper's. Self-contained as ``report.render``."""
-  from jaxes.train import report
+  from jaxes.run_tools import report
   esc, measure = report.esc, result["measure"]
   curves = measure_curves(result)
   everything = [m + s for c in curves.values() for m, s in zip(c["mean"], c["stderr"])]
@@ -132,7 +132,7 @@ def grid_html(result: dict) -> str:
 def _drift_charts(result: dict) -> list[str]:
   """Per variant on one chart each: param_drift, kl_to_initial and the probe measure against the
   version (mean ± s.e. over seeds), where the runs measured them."""
-  from jaxes.train import report
+  from jaxes.run_tools import report
   charts = []
   for key, label in (("param_drift", "‖θ_v − θ₀‖ (param_drift)"),
                      ("kl_to_initial", "KL(π_θ₀ ‖ π_θv) per token"),
@@ -179,5 +179,5 @@ def _paired_html(result: dict, esc) -> str:
 
 
 def write_grid_report(result: dict, workdir: str) -> str:
-  from jaxes.train import report
+  from jaxes.run_tools import report
   return report.write_page(os.path.join(workdir, "report.html"), grid_html(result))

@@ -122,9 +122,11 @@ def main(argv):
   from jaxes.train.policy import PolicyLoadError
   from jaxes.train.state import RunStateError
   from jaxes.envs.sandboxes.sandbox import SandboxError
+  from jaxes.run_tools import report   # the command composes the layers: the trainer gets its page writer
   from jaxes.train.trainer import Trainer   # runs the algorithm config.train.algorithm names
   try:
-    summary = Trainer(config, _WORKDIR.value, allow_config_change=_ALLOW_CHANGE.value).run()
+    summary = Trainer(config, _WORKDIR.value, allow_config_change=_ALLOW_CHANGE.value,
+                      write_report=report.write).run()
   except (RunStateError, PolicyLoadError, ConfigError, SandboxError) as e:
     _fail(str(e))
   if not distributed.is_primary() or not _VERBOSE.value:

@@ -171,7 +171,9 @@ def base_config() -> config_dict.ConfigDict:
   # jaxes.train.precompile); 0 = each program compiles when first called.
   c.train.compile_jobs = 4
   c.train.plot = True
-  c.train.report = True          # report.html (jaxes.train.report) at every evaluation and at the end
+  # report.html (jaxes.run_tools.report) at every evaluation and at the end: python -m jaxes.train
+  # writes it; an in-process Trainer where it is given write_report.
+  c.train.report = True
   c.train.transcripts_per_update = 4   # training episodes kept with their transcripts (episodes.jsonl)
   c.train.transcript_chars = 2000      # each prompt, turn and observation cut to this many characters
   c.train.tracker = ""           # "wandb": also log to Weights & Biases (jaxes.train.tracker); "" = off

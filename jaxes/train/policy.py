@@ -4,7 +4,7 @@ Reads only what a policy is: the run's config (stored in every checkpoint), its 
 the parameters of one checkpointed version (default: the newest readable one; a corrupt newest
 step is skipped with a warning, as training does), restored against abstract shapes (no optimizer
 state, no old versions, nothing allocated twice). Benchmarks, ``warmstart.init_from`` and
-``python -m jaxes.train.export`` all load runs this way.
+``python -m jaxes.run_tools.export`` all load runs this way.
 """
 from __future__ import annotations
 

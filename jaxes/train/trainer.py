@@ -24,8 +24,7 @@ from ml_collections import config_dict
 
 from jaxes.envs.sandboxes.sandbox import Sandbox, SandboxError
 from jaxes.envs.tasks import oracle
-from jaxes.train import (algorithms, builders, checkpoint, coevolution, compile_cache, config_history,
-                         drift, evaluation, mc_probe, metrics, multihost, precompile, report, tracker)
+from jaxes.train import (algorithms, builders, checkpoint, coevolution, compile_cache, config_history, drift, evaluation, mc_probe, metrics, multihost, precompile, tracker)
 from jaxes.train.algorithms import ReplaysUpdates, UpdateContext
 from jaxes.train.config import validate
 from jaxes.train.hooks import Hook, UpdateInfo, run_hooks
@@ -42,11 +41,15 @@ class Trainer:
 
   def __init__(self, config: config_dict.ConfigDict, workdir: str, *, sandbox=None,
                on_update: Callable[[dict], None] | None = None, hooks: list[Hook] = (),
-               log: Callable[[str], None] = print, allow_config_change: bool = False):
+               log: Callable[[str], None] = print, allow_config_change: bool = False,
+               write_report: Callable[[str], object] | None = None):
     validate(config)
     self.config, self.workdir, self.log = config, os.path.abspath(workdir), log
     self.allow_config_change = allow_config_change
     self._sandbox = sandbox
+    # The report page (``train.report``) is a run tool's (jaxes.run_tools.report, a layer above
+    # the trainer): ``python -m jaxes.train`` hands its writer in; without one no page is written.
+    self._report_writer = write_report
     self._extra_hooks = list(hooks) + ([Hook(lambda info: on_update(info.record))] if on_update else [])
 
   # -- set-up ---------------------------------------------------------------------------------
@@ -261,8 +264,8 @@ class Trainer:
       self._tracker.log(info.record, episodes)
 
   def _write_report(self) -> None:
-    if self.host.primary:
-      report.write(self.workdir)
+    if self.host.primary and self._report_writer is not None:
+      self._report_writer(self.workdir)
 
   def _apply(self, update) -> tuple[dict, list]:
     state, t = self.state, time.perf_counter()
@@ -352,7 +355,7 @@ class Trainer:
     with open(os.path.join(self.workdir, "summary.json"), "w") as f:
       json.dump(summary, f, indent=2)
     if c.train.report:   # again, with the summary's paired change
-      report.write(self.workdir)
+      self._write_report()
     if before is not None and after is not None:
       self.log(evaluation.format_table(before, after, self.algorithm.name))
     return {**summary, "params": self._current_params()}

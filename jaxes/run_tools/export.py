@@ -1,4 +1,4 @@
-"""``python -m jaxes.train.export --workdir=W [--version=V] --out=DIR [--overwrite]``: a run's
+"""``python -m jaxes.run_tools.export --workdir=W [--version=V] --out=DIR [--overwrite]``: a run's
 policy as a Hugging Face directory (config.json, safetensors, tokenizer) that transformers loads
 as ``Qwen2ForCausalLM``; ``python -m jaxes.models.check_logits --hf_dir DIR`` checks its logits.
 
@@ -55,7 +55,7 @@ def export(workdir: str, out: str, version: int | None = None) -> int:
 
 
 def main(argv=None) -> None:
-  parser = argparse.ArgumentParser(prog="python -m jaxes.train.export", description=__doc__,
+  parser = argparse.ArgumentParser(prog="python -m jaxes.run_tools.export", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--workdir", required=True, help="the run directory")
   parser.add_argument("--version", type=int, default=None, help="a checkpointed version (default: newest)")

@@ -1,4 +1,4 @@
-r"""``python -m jaxes.train.report --workdir=W [--out=W/report.html]``: one self-contained HTML page
+r"""``python -m jaxes.run_tools.report --workdir=W [--out=W/report.html]``: one self-contained HTML page
 per run, from what the run directory already holds (``metrics.jsonl``, ``episodes.jsonl``,
 ``config.json``, ``summary.json``). The trainer rewrites it at every evaluation, so it is live.
 
@@ -351,7 +351,7 @@ def write(workdir: str, out: str | None = None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-  p = argparse.ArgumentParser(prog="python -m jaxes.train.report", description=__doc__,
+  p = argparse.ArgumentParser(prog="python -m jaxes.run_tools.report", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--workdir", required=True, help="a run directory (python -m jaxes.train --workdir)")
   p.add_argument("--out", default=None, help="where to write the page (default WORKDIR/report.html)")

@@ -1,4 +1,4 @@
-"""Do two runs agree? ``python -m jaxes.train.compare RUN_A RUN_B``.
+"""Do two runs agree? ``python -m jaxes.run_tools.compare RUN_A RUN_B``.
 
 The check of a multi-process rehearsal against one process (``launch/local.sh 2 -- python -m
 jaxes.train ...`` beside the same command on one process with as many devices,

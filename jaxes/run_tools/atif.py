@@ -1,4 +1,4 @@
-r"""``python -m jaxes.train.atif --workdir=W [--out=W/trajectories.atif.jsonl]``: the sampled
+r"""``python -m jaxes.run_tools.atif --workdir=W [--out=W/trajectories.atif.jsonl]``: the sampled
 episodes (``episodes.jsonl``) as ATIF trajectories, one JSON object a line. ATIF is the Agent
 Trajectory Interchange Format of the Harbor project (its RFC 0001, v1.4).
 
@@ -87,7 +87,7 @@ def export(workdir: str, out: str | None = None) -> tuple[str, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-  p = argparse.ArgumentParser(prog="python -m jaxes.train.atif", description=__doc__,
+  p = argparse.ArgumentParser(prog="python -m jaxes.run_tools.atif", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--workdir", required=True, help="a run directory with episodes.jsonl")
   p.add_argument("--out", default=None, help="default WORKDIR/trajectories.atif.jsonl")

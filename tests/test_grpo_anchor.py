@@ -116,7 +116,7 @@ def test_decay_moves_theta_toward_theta0_by_the_formula(model, kind, decay, dtyp
 def test_sao_policy_is_pulled_by_the_same_formula(model):
   cfg, graphdef, params = model
   batch, decay = _batch(), 5.0
-  value = SAOValueConfig(learning_rate=0.1)
+  value = SAOValueConfig(learning_rate=0.1, turn_values=True)
   plain = sao.SAOLearner(graphdef, _config(), value, cfg.hidden_size)
   anchored = sao.SAOLearner(graphdef, _config(anchor="l2", anchor_decay=decay), value, cfg.hidden_size)
   state = anchored.init(params)

@@ -24,7 +24,8 @@ from ml_collections import config_dict
 
 from jaxes.envs.sandboxes.sandbox import Sandbox, SandboxError
 from jaxes.envs.tasks import oracle
-from jaxes.train import (algorithms, builders, checkpoint, coevolution, compile_cache, config_history, drift, evaluation, mc_probe, metrics, multihost, precompile, tracker)
+from jaxes.train import (algorithms, builders, checkpoint, coevolution, compile_cache, config_history,
+                         drift, evaluation, mc_probe, metrics, multihost, precompile, tracker)
 from jaxes.train.algorithms import ReplaysUpdates, UpdateContext
 from jaxes.train.config import validate
 from jaxes.train.hooks import Hook, UpdateInfo, run_hooks

@@ -19,7 +19,8 @@ and evaluation trained by GRPO (configs/demo_grpo.py's learner settings) at the 
 episode budget -- 4 tasks x 4 sampled episodes = 16 per update, as 8 members x 2 episodes --
 synchronous and on-policy; sao, sao_delay4, sao_delay8: configs/demo_sao.py (one episode per
 task, a value-head baseline, strict double-side clipping) at the same 16 episodes per update,
-under Async-1 and its two delay schedules.
+under Async-1 and its two delay schedules; sync_l2, async1_l2, delay8_l2, grpo_l2: those four
+with the L2 anchor toward version 0 (ANCHORED below).
 
 Sizing, by measurement (the results notebook in docs/log/, "Experiment grid"; CPU seconds measured on a
 loaded 2-core VM, extrapolated, since the grid itself could not run there): the demo's ES
@@ -39,9 +40,14 @@ import os
 from jaxes.experiments.variants import apply_es_variant
 from jaxes.train.config import load_config_file
 
+# Anchored weight decay toward version 0 (issue 53): these variants again with ``_l2``, the L2
+# form at arXiv 2605.30148's lambda = 10 (es.anchor / grpo.anchor; the pull's step is
+# learning_rate x lambda: 0.2 per ES update at lr 0.02, 1e-3 per GRPO step at lr 1e-4).
+ANCHORED = ("sync", "async1", "delay8", "grpo")
+ANCHOR_DECAY = 10.0
 VARIANTS = ("sync", "async1", "delay4", "delay8", "allstale", "async1_weight",
             "async1_baseline_only", "async1_pace", "async2_throttle", "coevolve", "async1_switch",
-            "grpo", "sao", "sao_delay4", "sao_delay8")
+            "grpo", "sao", "sao_delay4", "sao_delay8") + tuple(f"{v}_l2" for v in ANCHORED)
 # SAO's variants: configs/demo_sao.py under an ES variant's controller (Async-1, its delays).
 SAO_VARIANTS = {"sao": "async1", "sao_delay4": "delay4", "sao_delay8": "delay8"}
 NUM_UPDATES = 48
@@ -53,6 +59,11 @@ GRPO_TASKS, GRPO_GROUP = 4, 4   # 16 episodes per update, as 8 members x EPISODE
 def get_config(variant: str = "async1"):
   if variant not in VARIANTS:
     raise ValueError(f"configs/demo_grid.py: unknown variant {variant!r}; choose one of {VARIANTS}")
+  if variant.endswith("_l2"):
+    c = get_config(variant.removesuffix("_l2"))
+    block = c.grpo if c.train.algorithm == "grpo" else c.es
+    block.anchor, block.anchor_decay = "l2", ANCHOR_DECAY
+    return c
   here = os.path.dirname(os.path.abspath(__file__))
   base = {"grpo": "demo_grpo.py", **dict.fromkeys(SAO_VARIANTS, "demo_sao.py")}.get(variant, "demo.py")
   c = load_config_file(os.path.join(here, base))

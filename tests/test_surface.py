@@ -26,11 +26,17 @@ def test_surface_spec_resolves_keys_and_names_cells():
   assert name == "delay_fraction=0.1+sigma=0.02"
   assert surface.cell_values(name) == {"delay_fraction": "0.1", "sigma": "0.02"}
   assert surface.cell_values("delay8") == {}
+  subset = surface.cells_of("delay_fraction=0.1 delay_updates=4,16; delay_fraction=1.0 delay_updates=4", config)
+  assert [surface.cell_name(c) for c in subset] == [
+      "delay_fraction=0.1+delay_updates=4", "delay_fraction=0.1+delay_updates=16", "delay_fraction=1.0+delay_updates=4"]
+  with pytest.raises(GridError, match="named twice"):
+    surface.cells_of("delay_updates=4,8; delay_updates=8", config)
   for spec, why in [("delay_fractio=0.1", "unknown key"), ("es.sigmaa=1", "unknown key"),
                     ("mode=sync", "ambiguous"), ("delay_fraction", "KEY=V1,V2"),
-                    ("delay_fraction=0.1,0.1", "repeat"), ("delay_updates=1 delay_updates=2", "twice"), ("", "empty")]:
+                    ("delay_fraction=0.1,0.1", "repeat"), ("delay_updates=1 delay_updates=2", "twice"), ("", "empty"),
+                    ("delay_updates=4;", "empty")]:
     with pytest.raises(GridError, match=why):
-      surface.axes_of(spec, config)
+      surface.cells_of(spec, config)
 
 
 def _finished(path, seed, after, hist, num_updates):

@@ -294,8 +294,7 @@ def cells_of(spec: str, base) -> dict[str, dict]:
   """name -> overrides: sync, async1, then the surface's cells on async1."""
   out = dict(REFERENCES)
   if spec:
-    axes = surface.axes_of(spec, base)
-    for values in surface.cells(axes):
+    for values in surface.cells_of(spec, base):
       out[surface.cell_name(values)] = {**REFERENCES["async1"], **values}
   return out
 

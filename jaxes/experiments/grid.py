@@ -22,7 +22,7 @@ grid directory whose ``grid.json`` records another config or other overrides is 
 
 ``--surface`` adds one variant per cell of a grid of config values (``jaxes.experiments.surface``:
 any key may be an axis; a cell is ``--surface_base``'s variant plus the cell's values, named
-``delay_fraction=0.1+delay_updates=8``) beside the ``--variants`` (then ``sync,async1`` by
+``delay_fraction=0.1+delay_updates=8``; ``;`` joins products, for a subset) beside the ``--variants`` (then ``sync,async1`` by
 default, the references); the table and report then hold the surface's paired differences, the
 fitted staleness slope and a heat map (``jaxes.experiments.stats``).
 """
@@ -99,7 +99,7 @@ def surface_variants(config: str, spec: str, base_name: str, overrides: list[str
   if not base.available:
     raise GridError(f"--surface_base={base_name}: {base.unavailable}")
   resolved = resolve_config(base.config_spec, base.override_flags() + list(overrides))
-  return surface_lib.variants(surface_lib.axes_of(spec, resolved), base)
+  return surface_lib.variants(surface_lib.cells_of(spec, resolved), base)
 
 
 def plan(config: str, variant_names: list[str], seeds: list[int], workdir: str,

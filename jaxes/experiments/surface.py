@@ -7,7 +7,8 @@ as overrides. Any config key may be an axis: a dotted key (``controller.delay_fr
 (``delay_fraction`` -> ``controller.delay_fraction``). A cell's name is its values,
 ``delay_fraction=0.1+delay_updates=8`` (bare leaf names), so its run directories
 (``<cell>-s<seed>``) are found again by a rerun (resume) or ``--aggregate-only`` given the same
-spec.
+spec. ``;`` joins products into one surface, for a subset that is not a product:
+``"delay_fraction=0.1 delay_updates=4,16; delay_fraction=1.0 delay_updates=4"`` is 3 cells.
 """
 from __future__ import annotations
 
@@ -72,6 +73,17 @@ def axes_of(spec: str, config) -> list[Axis]:
   return [Axis(resolve_key(k, config), v) for k, v in parse(spec)]
 
 
+def cells_of(spec: str, config) -> list[dict[str, str]]:
+  """Every cell of ``spec``: the products between its ``;`` in order, each cell once."""
+  out = []
+  for block in spec.split(";") if spec.strip() else [""]:
+    for cell in cells(axes_of(block, config)):
+      if cell in out:
+        raise GridError(f"--surface: the cell {cell_name(cell)} is named twice")
+      out.append(cell)
+  return out
+
+
 def cell_name(values: dict[str, str]) -> str:
   return SEPARATOR.join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in values.items())
 
@@ -81,11 +93,11 @@ def cells(axes: list[Axis]) -> list[dict[str, str]]:
   return [dict(zip((a.key for a in axes), combo)) for combo in itertools.product(*(a.values for a in axes))]
 
 
-def variants(axes: list[Axis], base: Variant) -> list[Variant]:
+def variants(cells_: list[dict[str, str]], base: Variant) -> list[Variant]:
   """One variant per cell: ``base``'s config and overrides, then the cell's values."""
   if not base.available:
     raise GridError(f"--surface_base={base.name}: {base.unavailable}")
-  return [dataclasses.replace(base, name=cell_name(c), overrides={**base.overrides, **c}) for c in cells(axes)]
+  return [dataclasses.replace(base, name=cell_name(c), overrides={**base.overrides, **c}) for c in cells_]
 
 
 def cell_values(name: str) -> dict[str, str]:

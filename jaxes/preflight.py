@@ -236,6 +236,25 @@ def plan(config, target: Target, log=print, only: str | None = None, jobs: int =
   return report
 
 
+def evaluation_lowerings(config, graphdef, params, mesh) -> dict:
+  """The evaluation's own programs where the config runs them: the drift measure (``eval.drift``,
+  its KL over ``eval.kl_transcripts`` rows of ``rollout.max_len``) and the multiple-choice probe
+  (``eval.mc_probe_file``). Both hold float32 logits over the vocabulary, which can outgrow a
+  decode step's temporaries at long rows."""
+  from jax.sharding import NamedSharding, PartitionSpec
+  from jaxes.train import drift, mc_probe
+  if config.eval.num_tasks < 1:   # no evaluation runs
+    return {}
+  out = {}
+  if config.eval.drift:
+    out["eval_drift"] = lambda: drift.lowering(graphdef, params, int(config.eval.kl_transcripts),
+                                               int(config.rollout.max_len), NamedSharding(mesh, PartitionSpec()))
+  if (path := mc_probe.resolve(config.eval.mc_probe_file)) is not None:
+    rows, length = mc_probe.rows_bound(mc_probe.load_items(path))
+    out["eval_mc_probe"] = lambda: mc_probe.lowering(graphdef, params, rows, length)
+  return out
+
+
 class NoProgramMatches(ValueError):
   """``--only`` selected none of the run's programs."""
 
@@ -259,7 +278,7 @@ def _plan(config, target: Target, log, only: str | None, algorithm: str, jobs: i
   noiser = engine.policy.abstract_noiser
   noiser_bytes = 0 if noiser is None else _bytes_per_device(noiser)
   update_lowerings, update_state = run.abstract_update(params, mesh)
-  lowerings = {**engine.lowerings(), **update_lowerings}
+  lowerings = {**engine.lowerings(), **update_lowerings, **evaluation_lowerings(config, model.graphdef, params, mesh)}
   # Only the selected programs are lowered (lowering them all cost seconds a plan, issue 38);
   # the error below still names every one.
   matching = {k: lower() for k, lower in lowerings.items() if only is None or re.search(only, k)}

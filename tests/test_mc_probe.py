@@ -96,6 +96,10 @@ def test_bundled_set_and_continuations(tokenizer):
     want = tokenizer.encode(" " + choice, add_special_tokens=False)
     assert rows.tokens[r][rows.scored[r]].tolist() == want
     assert rows.tokens[r, :len(ctx)].tolist() == ctx and not rows.scored[r, :len(ctx)].any()
+  # The preflight's bound without a tokenizer holds the real encoding (a token is >= 1 byte).
+  whole = mc_probe.encode(items, tokenizer)
+  bound = mc_probe.rows_bound(items)
+  assert whole.tokens.shape[0] == bound[0] and whole.tokens.shape[1] <= bound[1]
 
 
 @pytest.mark.parametrize("line,message", [

@@ -14,7 +14,7 @@ from flax import nnx
 from jaxes import preflight, sharding
 from jaxes.models import partition
 from jaxes.rollout.engine import Engine
-from jaxes.train import algorithms, builders
+from jaxes.train import algorithms, builders, mc_probe
 from jaxes.train.algorithms import evolution
 needs_8_devices = pytest.mark.skipif(
   jax.device_count() < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
@@ -157,10 +157,30 @@ def test_report_matches_the_real_arrays_on_8_cpu_devices(over_memory, monkeypatc
   names = str(unmatched.value).split("programs: ", 1)[1].split(", ")
   steps = len(engine.buckets) * len(engine.spans)
   # Per-version steps and merged-versions steps; reset, noiser, es_update; a step's build, its
-  # stacking and the merged noiser.
-  assert len(names) == 2 * steps + 6 and sum("steps=1" in n for n in names) == steps
-  assert {"reset", "noiser", "es_update", "version_step", "stack_steps", "merge_noisers"} <= set(names)
+  # stacking and the merged noiser; the evaluation's drift measure.
+  assert len(names) == 2 * steps + 7 and sum("steps=1" in n for n in names) == steps
+  assert {"reset", "noiser", "es_update", "version_step", "stack_steps", "merge_noisers",
+          "eval_drift"} <= set(names)
   assert summary["peak_bytes_per_device"] == sum(per_device.values())
+
+
+@needs_8_devices
+def test_the_evaluations_programs_are_sized_beside_the_run():
+  config = tiny_config()
+  config.eval.mc_probe_file = "bundled"
+  target = preflight.resolve_topology("cpu:8")
+  report = preflight.plan(config, target, log=lambda *_: None, only="^eval_")
+  programs = {p["name"]: p for p in report["programs"]}
+  assert set(programs) == {"eval_drift", "eval_mc_probe"}
+  vocab, length = config.model.vocab_size, config.rollout.max_len
+  # The KL of one transcript holds both policies' float32 log-softmaxes [length - 1, vocab].
+  assert programs["eval_drift"]["temporaries"] >= 2 * (length - 1) * vocab * 4
+  # The probe scores ROWS_PER_STEP rows at a time: their float32 logits [8, tokens - 1, vocab].
+  rows, tokens = mc_probe.rows_bound(mc_probe.load_items(mc_probe.bundled_path()))
+  assert programs["eval_mc_probe"]["temporaries"] >= mc_probe.ROWS_PER_STEP * (tokens - 1) * vocab * 4
+  config.eval.drift, config.eval.mc_probe_file = False, ""
+  with pytest.raises(preflight.NoProgramMatches):
+    preflight.plan(config, target, log=lambda *_: None, only="^eval_")
 
 
 def test_a_config_that_cannot_fit_fails_naming_its_biggest_consumer(over_memory):

@@ -90,6 +90,16 @@ def _measure_program(graphdef):
   return jax.jit(measure)
 
 
+def lowering(graphdef, params, transcripts: int, length: int, replicated):
+  """The measure's program lowered for θ₀ and θ placed like ``params`` (abstract arrays) and
+  ``transcripts`` KL rows of ``length`` tokens (0: no KL), as the preflight sizes it: two float32
+  logits ``[length, vocab]`` of one row are its largest buffers."""
+  if not transcripts:
+    return _measure_program(graphdef).lower(params, params, None, None)
+  rows = lambda dtype: jax.ShapeDtypeStruct((transcripts, length), dtype, sharding=replicated)
+  return _measure_program(graphdef).lower(params, params, rows(jnp.int32), rows(jnp.bool_))
+
+
 def measure(graphdef, initial, params, transcripts: "Transcripts | None") -> dict:
   """``param_drift``, ``param_drift_groups`` and (with ``transcripts``) ``kl_to_initial`` of
   ``params`` against ``initial``, as Python floats (one jitted program)."""

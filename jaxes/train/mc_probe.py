@@ -171,6 +171,23 @@ def _program(graphdef, mesh):
   return jax.jit(score, out_shardings=NamedSharding(mesh, PartitionSpec()))
 
 
+def rows_bound(items: list[Item]) -> tuple[int, int]:
+  """(rows, length) that ``encode(items, tokenizer)`` stays within for a byte-level tokenizer
+  (or a coarser one: no token is shorter than one UTF-8 byte), for sizing without a tokenizer."""
+  lengths = [len((it.context + continuation(it.context, c)).encode()) for it in items for c in it.choices]
+  return -(-len(lengths) // ROWS_PER_STEP) * ROWS_PER_STEP, max(lengths)
+
+
+def lowering(graphdef, params, rows: int, length: int):
+  """The scorer's program lowered for parameters placed like ``params`` (abstract arrays) and
+  ``rows`` x ``length`` token rows, as the preflight sizes it (``ROWS_PER_STEP`` rows' float32
+  logits at a time are its largest buffers)."""
+  mesh = _mesh_of(params)
+  sharding = None if mesh is None else NamedSharding(mesh, PartitionSpec())
+  spec = lambda dtype: jax.ShapeDtypeStruct((rows, length), dtype, sharding=sharding)
+  return _program(graphdef, mesh).lower(params, spec(jnp.int32), spec(jnp.bool_), spec(jnp.bool_))
+
+
 def log_likelihoods(graphdef, params, rows: Rows) -> np.ndarray:
   """float32 [R]: each row's summed log-likelihood of its choice's tokens (0 on padding rows)."""
   mesh = _mesh_of(params)

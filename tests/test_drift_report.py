@@ -69,6 +69,8 @@ def test_grid_table_and_report_carry_drift(tmp_path):
   by = {v["variant"]: v for v in result["variants"]}
   assert by["sync"]["final_param_drift"]["mean"] == 2.5 and by["sync_l2"]["final_param_drift"]["mean"] == 1.5
   assert by["sync"]["final_probe"]["mean"] == 0.125 and by["sync"]["final_kl_to_initial"]["mean"] == 0.01
-  assert "| sync_l2 | 1.500 ± 0.500 | 0.0100 ± 0.0000 | 0.125 ± 0.000 |" in aggregate.to_markdown(result)
+  assert by["sync"]["final_mc_probe"]["mean"] == 0.5
+  assert "| sync_l2 | 1.500 ± 0.500 | 0.0100 ± 0.0000 | 0.125 ± 0.000 | 0.500 ± 0.000 |" in aggregate.to_markdown(result)
   html = plots.grid_html(result)
   assert "(param_drift)" in html and "KL(π_θ₀ ‖ π_θv)" in html and "probe success" in html
+  assert "multiple-choice probe accuracy" in html

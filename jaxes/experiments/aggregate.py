@@ -99,14 +99,17 @@ def run_row(run: rundirs.RunRecord, ref: rundirs.RunRecord | None, measure: Meas
                     for e in run.evals if m.name in e]}
 
 
-# What an evaluation says of drift and off-task probes (jaxes.train.drift, eval.probe_families).
-DRIFT = ("param_drift", "kl_to_initial", "probe")
+# What an evaluation says of drift and off-task probes (jaxes.train.drift, eval.probe_families,
+# eval.mc_probe_file).
+DRIFT = ("param_drift", "kl_to_initial", "probe", "mc_probe")
 
 
 def drift_of(evaluation: dict, measure: Measure = SUCCESS) -> dict:
-  """The evaluation's ``param_drift``, ``kl_to_initial`` and probe ``measure`` (None if absent)."""
+  """The evaluation's ``param_drift``, ``kl_to_initial``, probe ``measure`` and multiple-choice
+  probe accuracy (None where absent)."""
   return {"param_drift": evaluation.get("param_drift"), "kl_to_initial": evaluation.get("kl_to_initial"),
-          "probe": (evaluation.get("probe") or {}).get(measure.name)}
+          "probe": (evaluation.get("probe") or {}).get(measure.name),
+          "mc_probe": (evaluation.get("mc_probe") or {}).get("accuracy")}
 
 
 def _final(row: dict, key: str):
@@ -206,10 +209,12 @@ def to_markdown(result: dict) -> str:
   if any(v.get("final_param_drift") for v in result["variants"]):
     lines += ["", "Drift at the last version (jaxes.train.drift; mean ± s.e. over seeds): "
               "param_drift = ‖θ − θ₀‖, kl_to_initial = KL(π_θ₀ ‖ π_θ) per token on version 0's "
-              f"held-out transcripts, probe = held-out {name} on eval.probe_families.", "",
-              "| variant | param_drift | kl_to_initial | probe |", "| --- | ---: | ---: | ---: |"]
+              f"held-out transcripts, probe = held-out {name} on eval.probe_families, mc probe = "
+              "multiple-choice accuracy on eval.mc_probe_file.", "",
+              "| variant | param_drift | kl_to_initial | probe | mc probe |", "| --- | ---: | ---: | ---: | ---: |"]
     lines += [f"| {v['variant']} | {_pm(v.get('final_param_drift'), 3)} | "
-              f"{_pm(v.get('final_kl_to_initial'), 4)} | {_pm(v.get('final_probe'))} |"
+              f"{_pm(v.get('final_kl_to_initial'), 4)} | {_pm(v.get('final_probe'))} | "
+              f"{_pm(v.get('final_mc_probe'))} |"
               for v in result["variants"] if v.get("status") != "not available"]
   if notes:
     lines += ["", "Not in the means:", "", *notes]

@@ -125,7 +125,8 @@ def read_run(workdir: str, variant: str, seed: int, num_updates: int | None = No
   train = [r for r in records if "train" in r]
   rec.version = max((r["version"] for r in train), default=0)
   keys = ("version", "success", "stderr", "per_task", "reward", "reward_stderr", "per_task_reward",
-          "param_drift", "kl_to_initial", "probe")   # the last three: jaxes.train.drift, eval.probe_families
+          # then jaxes.train.drift's, eval.probe_families' and eval.mc_probe_file's
+          "param_drift", "kl_to_initial", "probe", "mc_probe")
   rec.evals = [{k: r["eval"][k] for k in keys if k in r["eval"]} for r in records if "eval" in r]
   hist: list[int] = []
   for r in train:

@@ -3,9 +3,11 @@ and compare's side-by-side lines and tolerances (synthetic records: no training)
 import json
 import os
 
+import pytest
+
 from jaxes.experiments import aggregate, plots, rundirs
 from jaxes.experiments.variants import Variant
-from jaxes.run_tools import compare, report
+from jaxes.run_tools import compare, probe, report
 
 
 def _eval(version, drift, kl, probe, mc=0.5):
@@ -74,3 +76,17 @@ def test_grid_table_and_report_carry_drift(tmp_path):
   html = plots.grid_html(result)
   assert "(param_drift)" in html and "KL(π_θ₀ ‖ π_θv)" in html and "probe success" in html
   assert "multiple-choice probe accuracy" in html
+
+
+def test_probe_tool_summarises_a_grids_runs_and_refuses_bad_versions(capsys):
+  scored = lambda acc, lp: {"accuracy": acc, "answer_logprob": lp}
+  lines = probe.by_variant({"g/sync-s0": {0: scored(0.25, -3.0), 48: scored(0.5, -2.0)},
+                            "g/sync-s1": {0: scored(0.25, -3.0), 48: scored(0.25, -3.0)},
+                            "g/one": {0: scored(0.0, 0.0), 1: scored(0.0, 0.0)},   # not a grid's run
+                            "g/sao-s0": {48: scored(0.5, -1.0)}})                  # one version only
+  assert lines == ["sync (2 runs, last version): accuracy 0.375 ± 0.125 (change +0.125 ± 0.125), "
+                   "answer_logprob -2.5000 ± 0.5000 (change +0.5000 ± 0.5000)"]
+  with pytest.raises(SystemExit) as exit_:
+    probe.main(["run", "--versions=first"])
+  err = capsys.readouterr().err.strip().splitlines()
+  assert exit_.value.code == 2 and err == ["probe: --versions=first: checkpointed versions or 'last', e.g. 0,last"]

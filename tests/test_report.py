@@ -82,6 +82,10 @@ def test_wandb_offline_logs_scalars_histogram_and_transcripts(run_dir, tmp_path,
     if "train" in record:
       t.log(record, episodes)
   t.close()
+  # finish() returns before wandb's service process has flushed the run file (it read 7 bytes
+  # under load, the header alone); teardown waits for the service, as the trainer's exit does.
+  import wandb
+  wandb.teardown()
   (run,) = (tmp_path / "wandb").glob("offline-run-*")
   logged = (next(run.glob("*.wandb"))).read_bytes()
   assert b"train/success" in logged and b"staleness" in logged and b"histogram" in logged

@@ -138,6 +138,7 @@ def _check_drift_and_replay(workdir, final_params):
   numpy computes it on the checkpointed parameters, the multiple-choice probe of the checkpointed
   versions at each evaluation; and the update log replayed from version 0
   with θ₀ reproduces the run's parameters bit for bit."""
+  from jaxes.run_tools import probe
   from jaxes.train import drift, mc_probe
   from jaxes.train.algorithms import evolution
   from jaxes.train.policy import load_policy
@@ -148,10 +149,13 @@ def _check_drift_and_replay(workdir, final_params):
   assert evals[0]["probe"]["episodes"] == 1 and "success" in evals[0]["probe"]
   assert os.path.exists(workdir / drift.KL_TRANSCRIPTS) and evals[1]["kl_to_initial"] >= 0
   start, end = load_policy(str(workdir), 0), load_policy(str(workdir), 3)
-  # The multiple-choice probe at every evaluation: the checkpointed versions' scores.
-  probe = mc_probe.Probe(start.graphdef, mc_probe.bundled_path(), start.tokenizer)
-  for e, params in zip(evals, (start.params, end.params)):
-    assert e["mc_probe"] == pytest.approx(probe(params), rel=1e-6)
+  # The multiple-choice probe at every evaluation: the checkpointed versions' scores, as the run
+  # tool scores them afterwards (into mc_probe.json).
+  scored = probe.probe_run(str(workdir), ["0", "last"], mc_probe.bundled_path(), log=lambda s: None)
+  assert sorted(scored) == [0, 3]
+  for e in evals:
+    assert e["mc_probe"] == pytest.approx(scored[e["version"]], rel=1e-6)
+  assert json.load(open(workdir / probe.OUTPUT))["versions"]["3"] == scored[3]
   assert evals[0]["mc_probe"]["items"] == 32
   diffs = [np.asarray(b, np.float64) - np.asarray(a, np.float64)
            for a, b in zip(jax.tree.leaves(start.params), jax.tree.leaves(end.params))]

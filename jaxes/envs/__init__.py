@@ -1,12 +1,12 @@
 """Terminal environments: tasks, the procedural generator, sandboxes, the agent protocol."""
 from __future__ import annotations
 
+import importlib
+
 from jaxes.envs import protocol
 from jaxes.envs.sandboxes.sandbox import Sandbox, SandboxError, SandboxHandle
 from jaxes.envs.tasks import generator
 from jaxes.envs.tasks.task import Limits, Task
-
-import importlib
 
 # The one registry of sandbox backends: name -> "module:class", imported on first use (the docker
 # backend needs the docker SDK and an engine). The config's checks and the checker's --backend

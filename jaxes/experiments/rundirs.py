@@ -23,14 +23,6 @@ def run_name(variant: str, seed: int) -> str:
   return f"{variant}-s{seed}"
 
 
-def _read_json(path: str):
-  try:
-    with open(path) as f:
-      return json.load(f)
-  except (OSError, ValueError):
-    return None
-
-
 def final_version(workdir: str) -> int | None:
   """The number of updates the run's config in force asks for: config.json's, or the latest a
   rerun recorded in config_history.json (a run extended past it). None before it started."""
@@ -42,7 +34,7 @@ def final_version(workdir: str) -> int | None:
 
 def is_finished(workdir: str, num_updates: int | None = None) -> bool:
   """summary.json at the final version (``num_updates``, else the run's config.json's)."""
-  summary = _read_json(os.path.join(workdir, "summary.json"))
+  summary = metrics.read_json(os.path.join(workdir, "summary.json"))
   want = num_updates if num_updates is not None else final_version(workdir)
   return summary is not None and want is not None and summary.get("version") == want
 
@@ -61,7 +53,7 @@ def last_error(workdir: str, lines: int = 40) -> str:
 
 
 def attempts(workdir: str) -> list[dict]:
-  return (_read_json(os.path.join(workdir, GRID_RUN)) or {}).get("attempts", [])
+  return (metrics.read_json(os.path.join(workdir, GRID_RUN)) or {}).get("attempts", [])
 
 
 def _write_attempts(workdir: str, tries: list[dict]) -> None:
@@ -119,7 +111,7 @@ def read_run(workdir: str, variant: str, seed: int, num_updates: int | None = No
   tries = attempts(workdir)
   rec.cpu_s = sum(a.get("cpu_s") or 0.0 for a in tries)
   rec.wall_s = sum(a.get("wall_s") or 0.0 for a in tries)
-  rec.config = _read_json(os.path.join(workdir, "config.json"))
+  rec.config = metrics.read_json(os.path.join(workdir, "config.json"))
   rec.num_updates = num_updates if num_updates is not None else final_version(workdir)
   records = metrics.read_metrics(os.path.join(workdir, "metrics.jsonl"))
   train = [r for r in records if "train" in r]
@@ -139,7 +131,7 @@ def read_run(workdir: str, variant: str, seed: int, num_updates: int | None = No
     rec.train_wall_s += float((r.get("time") or {}).get("wall_s") or 0.0)
   rec.staleness_hist = hist
   if is_finished(workdir, rec.num_updates):
-    rec.status, rec.summary = FINISHED, _read_json(os.path.join(workdir, "summary.json"))
+    rec.status, rec.summary = FINISHED, metrics.read_json(os.path.join(workdir, "summary.json"))
     return rec
   last = tries[-1] if tries else None
   if last is not None and last.get("returncode") not in (0, None):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import html
-import json
 import math
 import os
 import sys
@@ -262,14 +261,6 @@ def failures_chart(train: list[dict]) -> str:
 
 
 # -- the page --------------------------------------------------------------------------------------
-def _read_json(path: str):
-  try:
-    with open(path) as f:
-      return json.load(f)
-  except (OSError, ValueError):
-    return None
-
-
 def episode_html(e: dict) -> str:
   outcome = "passed" if e.get("passed") else (e.get("failure") or "wrong")
   reward = e.get("reward")
@@ -306,8 +297,8 @@ def summary_rows(summary: dict | None, config: dict | None, train: list[dict]) -
 def render(workdir: str) -> str:
   records = metrics.read_metrics(os.path.join(workdir, "metrics.jsonl"))
   episodes = read_episodes(os.path.join(workdir, EPISODES))
-  config = _read_json(os.path.join(workdir, "config.json"))
-  summary = _read_json(os.path.join(workdir, "summary.json"))
+  config = metrics.read_json(os.path.join(workdir, "config.json"))
+  summary = metrics.read_json(os.path.join(workdir, "summary.json"))
   train = [r for r in records if "train" in r]
   evals = [r["eval"] for r in records if "eval" in r]
   charts = []

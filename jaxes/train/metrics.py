@@ -16,6 +16,16 @@ from tqdm import tqdm
 from jaxes.es import keys
 
 
+def read_json(path: str):
+  """A run's JSON file (summary.json, config.json), or None where it is missing or unreadable:
+  the readers of run directories report such a run, they do not stop at it."""
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except (OSError, ValueError):
+    return None
+
+
 def read_metrics(path: str) -> list[dict]:
   """The records of a metrics file; a torn last line (the run was killed mid-write) is skipped."""
   if not os.path.exists(path):

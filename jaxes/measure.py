@@ -431,7 +431,9 @@ def measure(config, model_shape: str, steps: int, log=print, hardware: dict | No
 
   # 2. The preflight's prediction for the config's own run, on these devices.
   target = preflight.Target("local", devices, _device_memory(devices), platform_name, False)
-  plan = preflight.plan(modes[run_mode][0], target, log=lambda *_: None, jobs=jobs)
+  # Less the evaluation's programs (eval_drift, eval_mc_probe): nothing here runs them, so the
+  # measured peak is the decode's and the update's alone.
+  plan = preflight.plan(modes[run_mode][0], target, log=lambda *_: None, jobs=jobs, only=r"^(?!eval_)")
   predicted = int(plan["peak_bytes_per_device"])
   phase("preflight_plan")
 

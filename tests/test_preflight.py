@@ -173,7 +173,8 @@ def test_the_evaluations_programs_are_sized_beside_the_run():
   programs = {p["name"]: p for p in report["programs"]}
   assert set(programs) == {"eval_drift", "eval_mc_probe"}
   vocab, length = config.model.vocab_size, config.rollout.max_len
-  # The KL of one transcript holds both policies' float32 log-softmaxes [length - 1, vocab].
+  # The KL of one transcript holds both policies' float32 log-softmaxes [length - 1, vocab]
+  # (the CPU compiler both whole; libtpu fused the 7B config's to 1.4 of them).
   assert programs["eval_drift"]["temporaries"] >= 2 * (length - 1) * vocab * 4
   # The probe scores ROWS_PER_STEP rows at a time: their float32 logits [8, tokens - 1, vocab].
   rows, tokens = mc_probe.rows_bound(mc_probe.load_items(mc_probe.bundled_path()))

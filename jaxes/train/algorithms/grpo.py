@@ -201,8 +201,8 @@ class GRPO(Capabilities):
 
   def learner_batch(self, state: GRPOState, results: list) -> tuple[rl_batch.Batch, dict]:
     """The consumed groups' episodes, padded to ``tasks_per_update * group_size`` rows, and
-    ``group_reward_std``, the mean over groups of their rewards' std (0: every episode of a group
-    scored alike, and the group teaches nothing)."""
+    ``batch_metrics``: ``group_reward_std``, the mean over groups of their rewards' std (0: every
+    episode of a group scored alike, and the group teaches nothing)."""
     im_end = builders.stop_ids(self.parts.tokenizer)[1]
     episodes, rewards, groups = [], [], []
     for version, group, _ in results:
@@ -216,14 +216,18 @@ class GRPO(Capabilities):
         episodes.append(rl_batch.episode_from_stream(stream, im_end))
         rewards.append(reward)
         groups.append((version, group))
-    by_group: dict = {}
-    for g, r in zip(groups, rewards):
-      by_group.setdefault(g, []).append(r)
-    group_std = float(np.mean([np.std(r) for r in by_group.values()])) if by_group else 0.0
     batch = rl_batch.build_batch(episodes, rewards, groups, seq_len=self.seq_len(),
                                  num_rows=self.batch_rows())
     return (distributed.place(batch, batch_sharding(self.mesh, batch.num_rows)),
-            {"group_reward_std": group_std})
+            self.batch_metrics(groups, rewards))
+
+  def batch_metrics(self, groups: list, rewards: list) -> dict:
+    """What the update's metrics say of its batch, from the host's lists (the placed batch may
+    span other processes' devices): ``group_reward_std``."""
+    by_group: dict = {}
+    for g, r in zip(groups, rewards):
+      by_group.setdefault(g, []).append(r)
+    return {"group_reward_std": float(np.mean([np.std(r) for r in by_group.values()])) if by_group else 0.0}
 
 
 def _forget(state: GRPOState, controller: ControllerConfig, version: int) -> None:

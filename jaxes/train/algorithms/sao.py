@@ -55,11 +55,9 @@ class SAO(GRPO):
     train_policy = context.version > self.config.sao.value_warmup_updates
     return self.learner.step(learner, batch, train_policy=train_policy)
 
-  def learner_batch(self, state: GRPOState, results: list):
-    batch, _ = super().learner_batch(state, results)   # one episode per group: no group reward std
-    real = np.asarray(batch.group_ids) >= 0
-    rewards = np.asarray(batch.rewards)[real]
-    return batch, {"reward_mean": float(rewards.mean()) if rewards.size else 0.0}
+  def batch_metrics(self, groups: list, rewards: list) -> dict:
+    """One episode per group: no group reward std; the batch's mean reward."""
+    return {"reward_mean": float(np.mean(rewards)) if rewards else 0.0}
 
   def abstract_update(self, params, mesh) -> tuple[dict, dict]:
     """``update_lowerings`` over the abstract learner state a run places; and what it holds

@@ -210,3 +210,16 @@ def test_extending_a_run_is_free_only_while_sigma_is_constant(tmp_path, schedule
   else:   # the schedule's length is the run's: every later sigma would change
     with pytest.raises(RunStateError, match="config.train.num_updates was 2 there, is 5 here"):
       config_history.check_rerun(str(tmp_path), longer, False)
+
+
+def test_a_run_recorded_before_a_key_existed_reruns_at_that_keys_default(tmp_path):
+  config = tiny_config("tok")
+  config_history.write_original(str(tmp_path), config)
+  path = tmp_path / config_history.CONFIG
+  recorded = json.loads(path.read_text())
+  del recorded["eval"]["mc_probe_file"]   # as an earlier jaxes, without the key, recorded it
+  path.write_text(json.dumps(recorded))
+  assert config_history.check_rerun(str(tmp_path), config, False) == []
+  config.eval.mc_probe_file = "bundled"   # not the default it ran with: a change like any other
+  with pytest.raises(RunStateError, match="config.eval.mc_probe_file was '' there, is 'bundled' here"):
+    config_history.check_rerun(str(tmp_path), config, False)

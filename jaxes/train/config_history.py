@@ -126,6 +126,10 @@ def check_rerun(workdir: str, config, allow_change: bool) -> list[Change]:
   recorded = in_force(workdir)
   if recorded is None:
     return []
+  # A key the record lacks came after the run was trained: it ran as the key's default says
+  # (defaults.completed). ml_collections is loaded already: ``config`` is a ConfigDict.
+  from jaxes.train import defaults
+  recorded = {**flat(values(defaults.base_config())), **recorded}
   changes = differences(recorded, config)
   free = free_keys(recorded)
   refused = [c for c in changes if c.key not in free]

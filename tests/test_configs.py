@@ -42,6 +42,16 @@ def test_paper_grid(variant, tmp_path):
   assert c.controller.delay_updates == {"delay4": 4, "delay8": 8}.get(variant, 0)
 
 
+@pytest.mark.parametrize("variant", ["sync", "async1", "delay8", "grpo"])
+def test_the_toy_grids_anchored_variants_are_their_base_with_the_l2_anchor(variant):
+  base, anchored = _load("demo_grid", variant), _load("demo_grid", f"{variant}_l2")
+  validate(anchored)
+  block = "grpo" if variant == "grpo" else "es"
+  assert (anchored[block].anchor, anchored[block].anchor_decay) == ("l2", 10.0)
+  anchored[block].anchor, anchored[block].anchor_decay = base[block].anchor, base[block].anchor_decay
+  assert anchored.to_dict() == base.to_dict()
+
+
 def test_unknown_paper_variant():
   with pytest.raises(ValueError, match="unknown variant 'async2'"):
     _load("paper", "async2")

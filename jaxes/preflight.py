@@ -247,8 +247,9 @@ def evaluation_lowerings(config, graphdef, params, mesh) -> dict:
     return {}
   out = {}
   if config.eval.drift:
+    replicated = NamedSharding(mesh, PartitionSpec())
     out["eval_drift"] = lambda: drift.lowering(graphdef, params, int(config.eval.kl_transcripts),
-                                               int(config.rollout.max_len), NamedSharding(mesh, PartitionSpec()))
+                                               int(config.rollout.max_len), replicated)
   if (path := mc_probe.resolve(config.eval.mc_probe_file)) is not None:
     rows, length = mc_probe.rows_bound(mc_probe.load_items(path))
     out["eval_mc_probe"] = lambda: mc_probe.lowering(graphdef, params, rows, length)
@@ -278,7 +279,8 @@ def _plan(config, target: Target, log, only: str | None, algorithm: str, jobs: i
   noiser = engine.policy.abstract_noiser
   noiser_bytes = 0 if noiser is None else _bytes_per_device(noiser)
   update_lowerings, update_state = run.abstract_update(params, mesh)
-  lowerings = {**engine.lowerings(), **update_lowerings, **evaluation_lowerings(config, model.graphdef, params, mesh)}
+  lowerings = {**engine.lowerings(), **update_lowerings,
+               **evaluation_lowerings(config, model.graphdef, params, mesh)}
   # Only the selected programs are lowered (lowering them all cost seconds a plan, issue 38);
   # the error below still names every one.
   matching = {k: lower() for k, lower in lowerings.items() if only is None or re.search(only, k)}

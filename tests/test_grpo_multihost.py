@@ -97,8 +97,9 @@ def test_metrics_summary_and_logs_are_written_once(runs):
 
 def test_sao_in_two_processes_trains_like_one_process(runs):
   # Both start from the GRPO runs' warm start, and evaluate nothing (the GRPO runs do). Update 1
-  # trains the value head alone, update 2 the policy too, on results up to one update stale. Its batch metrics are read from the host's
-  # lists: the placed batch spans both processes' devices (reading it failed before).
+  # trains the value head alone, update 2 the policy too, on results up to one update stale. Its
+  # batch metrics are read from the host's lists: the placed batch spans both processes' devices
+  # (reading it failed before).
   tmp, _ = runs
   config = tiny_config(str(tmp / "tok"), **{
       "train.algorithm": "sao", "controller.mode": "async", "controller.max_staleness": 1,

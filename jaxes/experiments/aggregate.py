@@ -211,7 +211,8 @@ def to_markdown(result: dict) -> str:
               "param_drift = ‖θ − θ₀‖, kl_to_initial = KL(π_θ₀ ‖ π_θ) per token on version 0's "
               f"held-out transcripts, probe = held-out {name} on eval.probe_families, mc probe = "
               "multiple-choice accuracy on eval.mc_probe_file.", "",
-              "| variant | param_drift | kl_to_initial | probe | mc probe |", "| --- | ---: | ---: | ---: | ---: |"]
+              "| variant | param_drift | kl_to_initial | probe | mc probe |",
+              "| --- | ---: | ---: | ---: | ---: |"]
     lines += [f"| {v['variant']} | {_pm(v.get('final_param_drift'), 3)} | "
               f"{_pm(v.get('final_kl_to_initial'), 4)} | {_pm(v.get('final_probe'))} | "
               f"{_pm(v.get('final_mc_probe'))} |"

@@ -22,8 +22,8 @@ grid directory whose ``grid.json`` records another config or other overrides is 
 
 ``--surface`` adds one variant per cell of a grid of config values (``jaxes.experiments.surface``:
 any key may be an axis; a cell is ``--surface_base``'s variant plus the cell's values, named
-``delay_fraction=0.1+delay_updates=8``; ``;`` joins products, for a subset) beside the ``--variants`` (then ``sync,async1`` by
-default, the references); the table and report then hold the surface's paired differences, the
+``delay_fraction=0.1+delay_updates=8``; ``;`` joins products, for a subset) beside the
+``--variants`` (then ``sync,async1`` by default, the references); the table and report then hold the surface's paired differences, the
 fitted staleness slope and a heat map (``jaxes.experiments.stats``).
 """
 from __future__ import annotations

@@ -19,8 +19,8 @@ def _pyplot():
 
 def measure_curves(result: dict, key: str = "value") -> dict[str, dict]:
   """variant -> {versions, mean, stderr, seeds}: the held-out measure (``key``: or an evaluation's
-  ``param_drift``, ``kl_to_initial``, ``probe``, ``mc_probe``) at every version that each of the variant's
-  finished runs evaluated."""
+  ``param_drift``, ``kl_to_initial``, ``probe``, ``mc_probe``) at every version that each of the
+  variant's finished runs evaluated."""
   curves = {}
   for v in result["variants"]:
     runs = [r for r in result["runs"] if r["variant"] == v["variant"] and r["status"] == "finished"]
@@ -131,7 +131,8 @@ def grid_html(result: dict) -> str:
 
 def _drift_charts(result: dict) -> list[str]:
   """Per variant on one chart each: param_drift, kl_to_initial, the probe measure and the
-  multiple-choice probe's accuracy against the version (mean ± s.e. over seeds), where the runs measured them."""
+  multiple-choice probe's accuracy against the version (mean ± s.e. over seeds), where the runs
+  measured them."""
   from jaxes.run_tools import report
   charts = []
   for key, label in (("param_drift", "‖θ_v − θ₀‖ (param_drift)"),

@@ -8,7 +8,7 @@ and one line per version on stdout; then, where the directories are a grid's
 (``<variant>-s<seed>``), one line per variant: the mean ± s.e. over seeds of the last version's
 accuracy and answer log-likelihood, and of their change from the first version. ``--versions``:
 checkpointed versions, ``last`` for the newest (default ``0,last``). Errors are one line with exit
-status 2; a run that cannot be read is reported and skipped.
+status 2; a run that cannot be read is reported and skipped (then the exit status is 1).
 """
 from __future__ import annotations
 

@@ -78,6 +78,22 @@ def test_grid_table_and_report_carry_drift(tmp_path):
   assert "multiple-choice probe accuracy" in html
 
 
+def test_grid_reads_probes_scored_after_the_run(tmp_path):
+  for seed in (0, 1):
+    path = str(tmp_path / rundirs.run_name("sync", seed))
+    _grid_run(path, seed, 2.0)
+    lines = [json.loads(line) for line in open(os.path.join(path, "metrics.jsonl"))]
+    for r in lines:   # a run trained without eval.mc_probe_file
+      r.get("eval", {}).pop("mc_probe", None)
+    with open(os.path.join(path, "metrics.jsonl"), "w") as f:
+      f.writelines(json.dumps(r) + "\n" for r in lines)
+    json.dump({"file": "bundled", "versions": {"0": {"accuracy": 0.25}, "2": {"accuracy": 0.5 + seed / 4}}},
+              open(os.path.join(path, probe.OUTPUT), "w"))
+  result = aggregate.aggregate([Variant("sync", "c.py:sync", {})], [0, 1], str(tmp_path))
+  assert result["variants"][0]["final_mc_probe"]["mean"] == 0.625
+  assert [e["mc_probe"] for e in result["runs"][0]["evals"]] == [0.25, 0.5]
+
+
 def test_probe_tool_summarises_a_grids_runs_and_refuses_bad_versions(capsys):
   scored = lambda acc, lp: {"accuracy": acc, "answer_logprob": lp}
   lines = probe.by_variant({"g/sync-s0": {0: scored(0.25, -3.0), 48: scored(0.5, -2.0)},

@@ -210,7 +210,8 @@ def to_markdown(result: dict) -> str:
     lines += ["", "Drift at the last version (jaxes.train.drift; mean ± s.e. over seeds): "
               "param_drift = ‖θ − θ₀‖, kl_to_initial = KL(π_θ₀ ‖ π_θ) per token on version 0's "
               f"held-out transcripts, probe = held-out {name} on eval.probe_families, mc probe = "
-              "multiple-choice accuracy on eval.mc_probe_file.", "",
+              "multiple-choice accuracy on eval.mc_probe_file (or scored afterwards: "
+              "python -m jaxes.run_tools.probe).", "",
               "| variant | param_drift | kl_to_initial | probe | mc probe |",
               "| --- | ---: | ---: | ---: | ---: |"]
     lines += [f"| {v['variant']} | {_pm(v.get('final_param_drift'), 3)} | "

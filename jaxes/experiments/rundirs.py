@@ -11,6 +11,7 @@ import dataclasses
 import json
 import os
 
+from jaxes.run_tools import probe
 from jaxes.train import config_history, metrics
 
 GRID_RUN = "grid_run.json"
@@ -120,6 +121,11 @@ def read_run(workdir: str, variant: str, seed: int, num_updates: int | None = No
           # then jaxes.train.drift's, eval.probe_families' and eval.mc_probe_file's
           "param_drift", "kl_to_initial", "probe", "mc_probe")
   rec.evals = [{k: r["eval"][k] for k in keys if k in r["eval"]} for r in records if "eval" in r]
+  # Versions the run did not probe itself, scored afterwards (python -m jaxes.run_tools.probe).
+  scored = (metrics.read_json(os.path.join(workdir, probe.OUTPUT)) or {}).get("versions", {})
+  for e in rec.evals:
+    if "mc_probe" not in e and str(e["version"]) in scored:
+      e["mc_probe"] = scored[str(e["version"])]
   hist: list[int] = []
   for r in train:
     for s, n in enumerate(r.get("staleness_hist") or []):

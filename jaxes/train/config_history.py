@@ -7,7 +7,8 @@ writes anything. Keys in ``FREE_KEYS`` change nothing that is computed and may d
 any other difference is refused (one line listing each) unless the rerun allows it
 (``--allow_config_change``), in which case it is appended to the history. Every difference,
 free ones included, is recorded, so the config in force is always the original plus the history.
-Plain JSON and os only: it runs before anything heavy is imported or any file is written.
+Plain JSON and os at import: it runs before anything heavy is imported or any file is written
+(``check_rerun`` reads the defaults, whose ml_collections its caller's config has loaded).
 """
 from __future__ import annotations
 

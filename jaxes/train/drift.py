@@ -92,8 +92,8 @@ def _measure_program(graphdef):
 
 def lowering(graphdef, params, transcripts: int, length: int, replicated):
   """The measure's program lowered for θ₀ and θ placed like ``params`` (abstract arrays) and
-  ``transcripts`` KL rows of ``length`` tokens (0: no KL), as the preflight sizes it: two float32
-  logits ``[length, vocab]`` of one row are its largest buffers."""
+  ``transcripts`` KL rows of ``length`` tokens (0: no KL), as the preflight sizes it: one row's
+  float32 logits ``[length, vocab]`` under both policies are its largest buffers."""
   if not transcripts:
     return _measure_program(graphdef).lower(params, params, None, None)
   rows = lambda dtype: jax.ShapeDtypeStruct((transcripts, length), dtype, sharding=replicated)

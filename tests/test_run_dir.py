@@ -220,6 +220,7 @@ def test_a_run_recorded_before_a_key_existed_reruns_at_that_keys_default(tmp_pat
   del recorded["eval"]["mc_probe_file"]   # as an earlier jaxes, without the key, recorded it
   path.write_text(json.dumps(recorded))
   assert config_history.check_rerun(str(tmp_path), config, False) == []
+  assert config_history.changed_in_force(str(tmp_path), config) == {}   # nothing for the metrics lines
   config.eval.mc_probe_file = "bundled"   # not the default it ran with: a change like any other
   with pytest.raises(RunStateError, match="config.eval.mc_probe_file was '' there, is 'bundled' here"):
     config_history.check_rerun(str(tmp_path), config, False)

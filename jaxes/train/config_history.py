@@ -8,7 +8,7 @@ any other difference is refused (one line listing each) unless the rerun allows 
 (``--allow_config_change``), in which case it is appended to the history. Every difference,
 free ones included, is recorded, so the config in force is always the original plus the history.
 Plain JSON and os at import: it runs before anything heavy is imported or any file is written
-(``check_rerun`` reads the defaults, whose ml_collections its caller's config has loaded).
+(``original`` reads the defaults, whose ml_collections its callers' configs have loaded).
 """
 from __future__ import annotations
 
@@ -63,9 +63,14 @@ def _read(path: str):
 
 
 def original(workdir: str) -> dict | None:
-  """The run's original config (``config.json``), or None if the run has none yet."""
+  """The run's original config (``config.json``), or None if the run has none yet. A key the
+  record lacks came after the run was trained: it ran as the key's default says, so the key
+  reads as that default (``defaults.completed``)."""
   path = os.path.join(workdir, CONFIG)
-  return _read(path) if os.path.isfile(path) else None
+  if not os.path.isfile(path):
+    return None
+  from jaxes.train import defaults
+  return values(defaults.completed(_read(path)))
 
 
 def history(workdir: str) -> list[dict]:
@@ -127,10 +132,6 @@ def check_rerun(workdir: str, config, allow_change: bool) -> list[Change]:
   recorded = in_force(workdir)
   if recorded is None:
     return []
-  # A key the record lacks came after the run was trained: it ran as the key's default says
-  # (defaults.completed). ml_collections is loaded already: ``config`` is a ConfigDict.
-  from jaxes.train import defaults
-  recorded = {**flat(values(defaults.base_config())), **recorded}
   changes = differences(recorded, config)
   free = free_keys(recorded)
   refused = [c for c in changes if c.key not in free]

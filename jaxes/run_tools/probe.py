@@ -26,7 +26,7 @@ OUTPUT = "mc_probe.json"
 def probe_run(workdir: str, versions: list[str], path: str, log=print) -> dict[int, dict]:
   """``{version: measures}`` of the run's checkpoints ``versions`` (ints, or ``last``), written to
   ``workdir/mc_probe.json`` (merged with the versions scored before)."""
-  from jaxes.train import mc_probe
+  from jaxes.train import mc_probe, metrics
   from jaxes.train.policy import load_policy
   out = {}
   for v in versions:
@@ -37,11 +37,7 @@ def probe_run(workdir: str, versions: list[str], path: str, log=print) -> dict[i
         f"answer log-prob {scored['answer_logprob']:.4f} per token ({scored['items']} items, "
         f"chance {scored['chance']:.3f})")
   target = os.path.join(workdir, OUTPUT)
-  try:
-    with open(target) as f:
-      before = json.load(f)
-  except (OSError, ValueError):
-    before = {}
+  before = metrics.read_json(target) or {}
   recorded = before.get("versions", {}) if before.get("file") == path else {}
   recorded |= {str(k): v for k, v in out.items()}
   with open(target + ".tmp", "w") as f:

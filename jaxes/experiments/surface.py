@@ -76,7 +76,7 @@ def axes_of(spec: str, config) -> list[Axis]:
 def cells_of(spec: str, config) -> list[dict[str, str]]:
   """Every cell of ``spec``: the products between its ``;`` in order, each cell once."""
   out = []
-  for block in spec.split(";") if spec.strip() else [""]:
+  for block in spec.split(";"):   # "" is one empty block: axes_of says so
     for cell in cells(axes_of(block, config)):
       if cell in out:
         raise GridError(f"--surface: the cell {cell_name(cell)} is named twice")

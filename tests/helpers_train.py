@@ -11,7 +11,7 @@ from jaxes.envs.tasks import generator
 from jaxes.train import metrics
 from jaxes.train.config import load_config_file
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[1]  # tests/ is one below the repository
 FAMILIES = "permissions,log_count"
 SYSTEM = "Answer with <command>CMD</command>, then <action>done</action>."
 
@@ -40,7 +40,7 @@ def tiny_config(tokenizer_dir, **overrides):
   c.train.num_updates, c.train.eval_every, c.train.checkpoint_every = 2, 0, 1
   c.train.progress_bar = False
   # Programs compile when first called: a few-update test uses a fraction of the 29 the start-up
-  # compile would build (2.5x the CPU of test_train's first test; tests/test_precompile.py covers it).
+  # compile would build (2.5x the CPU of test_train's first test; tests/train/test_precompile.py covers it).
   c.train.compile_jobs = 0
   c.eval.num_tasks, c.eval.seeds = 2, 1
   c.eval.drift = False   # its programs' compile (~10 s): on in the tests that check it

@@ -2,7 +2,6 @@
 launch/local.sh, the global mesh, host allgather, and bounded-time failure when a process dies."""
 import json
 import os
-import pathlib
 import signal
 import socket
 import subprocess
@@ -12,8 +11,9 @@ import time
 import pytest
 
 from jaxes import distributed
+import helpers_repo
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = helpers_repo.REPO
 LOCAL_SH = ROOT / "launch" / "local.sh"
 HEARTBEAT_S = 5
 

@@ -5,8 +5,9 @@ break it."""
 import ast
 import pathlib
 import re
+import helpers_repo
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = helpers_repo.REPO
 PACKAGE = ROOT / "jaxes"
 
 

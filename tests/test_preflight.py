@@ -16,9 +16,11 @@ from jaxes.models import partition
 from jaxes.rollout.engine import Engine
 from jaxes.train import algorithms, builders, mc_probe
 from jaxes.train.algorithms import evolution
+import helpers_repo
+
 needs_8_devices = pytest.mark.skipif(
   jax.device_count() < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(helpers_repo.REPO)
 
 TINY_CONFIG = '''
 from jaxes.train.defaults import base_config

@@ -34,7 +34,7 @@ def no_persistent_cache():
   finally:
     jax.config.update("jax_enable_compilation_cache", before)
     # JAX decides once per process whether the cache is used: if the first compile came while it
-    # was off, it would stay off for every later test of this worker (tests/test_precompile.py's
+    # was off, it would stay off for every later test of this worker (tests/train/test_precompile.py's
     # warm-up checks would then see nothing written). Let the next compile decide again.
     compilation_cache.reset_cache()
 

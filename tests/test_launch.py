@@ -9,6 +9,8 @@ import time
 import pytest
 import helpers_repo
 
+pytestmark = pytest.mark.end_to_end   # every test here launches processes
+
 ROOT = helpers_repo.REPO
 LAUNCH = ROOT / "launch"
 TRAIN = ["python", "-m", "jaxes.train", "--config=configs/paper.py:async1",

@@ -21,6 +21,7 @@ import helpers_repo
 ROOT = helpers_repo.REPO
 
 
+@pytest.mark.end_to_end
 def test_on_cpu_every_key_has_a_value_and_the_roofline_says_why_not(tmp_path):
   # One device, rows of 64 positions, every prompt prefilled in one call, 1 decode step per mode:
   # the tiniest run of every mode.

@@ -61,6 +61,7 @@ def test_held_per_cohort_rounds_half_up(p, n, held):
   assert cfg(population=n, delay_fraction=p, delay_updates=2).held_per_cohort == held
 
 
+@pytest.mark.end_to_end
 def test_controller_imports_no_jax_and_reads_no_clock():
   # Decisions must not depend on wall-clock time (multi-host determinism); only the simulator's
   # optional synthetic objective may import JAX.

@@ -207,6 +207,7 @@ def test_cli_rejects_bad_arguments(capsys):
                "--durations", "weibull:2", "--no_objective"]) == 2
 
 
+@pytest.mark.end_to_end
 def test_cli_module_with_synthetic_es_objective():
   # The default fitness: a synthetic objective optimised through jaxes.es.
   cmd = [sys.executable, "-m", "jaxes.controller.simulate", "--mode", "async", "--workers", "8",

@@ -82,6 +82,7 @@ os._exit(0)   # no close, no shutdown: like a SIGKILLed trainer
 """
 
 
+@pytest.mark.end_to_end
 def test_mounts_and_cgroups_of_a_killed_run_are_removed_by_the_next():
   import subprocess
   import sys

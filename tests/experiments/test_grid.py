@@ -274,6 +274,7 @@ def _grid_in_process(argv, capsys) -> tuple[int, str]:
   return code, capsys.readouterr().err
 
 
+@pytest.mark.end_to_end
 def test_grid_end_to_end_tiny(grid_run, tiny_grid_config, capsys):
   w, _ = grid_run
   table = json.load(open(w / "table.json"))
@@ -311,6 +312,7 @@ def test_grid_end_to_end_tiny(grid_run, tiny_grid_config, capsys):
   assert (w / "grid.json").read_bytes() == written["grid.json"]
 
 
+@pytest.mark.end_to_end
 def test_killed_grid_rerun_skips_finished_runs(grid_run):
   # The grid was killed in async1-s0 after finishing sync-s0 (grid_run); its rerun must have
   # skipped sync-s0 and completed async1-s0.

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from jaxes import tokenization
 from jaxes.models import check_logits, qwen2
@@ -14,6 +15,7 @@ import helpers_repo
 REPO = str(helpers_repo.REPO)
 
 
+@pytest.mark.end_to_end
 def test_cli_passes_on_a_random_checkpoint_on_an_8_device_mesh(tmp_path):
   cfg = qwen2.Qwen2Config(vocab_size=300, hidden_size=48, intermediate_size=100, num_layers=2,
                           num_heads=4, num_kv_heads=2, tie_word_embeddings=False)

@@ -8,10 +8,13 @@ import sys
 
 import jax
 import numpy as np
+import pytest
 
 from helpers_train import ROOT, launch_env
 from jaxes.rl.config import GRPOConfig
 from jaxes.rl.grpo import GRPOLearner
+
+pytestmark = pytest.mark.end_to_end   # every test here launches processes
 
 SCRIPT = r'''
 import json, sys

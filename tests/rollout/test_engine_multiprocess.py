@@ -15,6 +15,8 @@ import pytest
 from helpers_models import ragged_turns
 from helpers_train import ROOT
 
+pytestmark = pytest.mark.end_to_end   # every test here launches processes
+
 SCRIPT = r'''
 import json, sys
 sys.path.insert(0, sys.argv[2])

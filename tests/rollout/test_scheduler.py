@@ -25,6 +25,7 @@ def decoding(s, index, version=0):
   assert s.slots[index].state == DECODE
 
 
+@pytest.mark.end_to_end
 def test_the_scheduler_imports_no_jax():
   code = "import sys, jaxes.rollout.scheduler; sys.exit('jax' in sys.modules)"
   assert subprocess.run([sys.executable, "-c", code]).returncode == 0

@@ -385,6 +385,7 @@ ckpt.close()
 '''
 
 
+@pytest.mark.end_to_end
 def test_two_processes_save_their_shards_and_detect_corruption(tmp_path):
   """Real multi-process JAX (2 processes x 4 CPU devices, gloo): every process writes its shards,
   checksums of the global arrays agree across processes, a flipped byte falls back on both."""

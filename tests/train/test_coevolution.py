@@ -32,6 +32,7 @@ def _config(tmp_path, **overrides):
       "train.checkpoint_every": 2, "train.transcripts_per_update": 4, **overrides})
 
 
+@pytest.mark.end_to_end
 @pytest.mark.slow
 def test_contexts_coevolve_and_resume_exactly_after_sigkill(tmp_path):
   # A warm start (made once, in process; both runs start from it) so that members solve

@@ -4,6 +4,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from jaxes.train import compile_cache
 
 
@@ -13,6 +15,7 @@ def test_cache_dir_defaults_under_the_workdir_and_honours_the_environment(tmp_pa
   assert compile_cache.cache_dir(str(tmp_path), environ={"JAX_COMPILATION_CACHE_DIR": shared}) == shared
 
 
+@pytest.mark.end_to_end
 def test_enable_writes_compiled_programs_under_the_workdir(tmp_path):
   # A fresh process without the suite's cache directory, as a user's first run sees it.
   env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}

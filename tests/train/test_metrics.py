@@ -4,7 +4,10 @@ import struct
 import subprocess
 import sys
 
+import pytest
 from tensorboardX.proto import event_pb2
+
+pytestmark = pytest.mark.end_to_end   # every test here launches processes
 
 
 def _events(logdir) -> dict:

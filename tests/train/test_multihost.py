@@ -17,6 +17,8 @@ from helpers_train import ROOT, build_tiny_tokenizer, tiny_config, write_config_
 from jaxes.models import hf, qwen2
 from jaxes.train import builders
 
+pytestmark = pytest.mark.end_to_end   # every test here launches processes
+
 # Each process: the trainer's own steps for version-0 parameters and their placement, then a
 # check of every addressable shard against the reference slice.
 SCRIPT = r'''

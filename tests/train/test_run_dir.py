@@ -67,6 +67,7 @@ def changed(finished, tmp_path_factory):
   return workdir, before, after_refusal, config
 
 
+@pytest.mark.end_to_end
 def test_refused_change_writes_nothing_and_allowed_one_is_recorded(changed, tmp_path):
   src, before, after_refusal, config = changed
   assert after_refusal == before   # every file byte-identical, config.json included
@@ -90,6 +91,7 @@ def test_refused_change_writes_nothing_and_allowed_one_is_recorded(changed, tmp_
   assert rundirs.final_version(str(workdir)) == 4 and rundirs.is_finished(str(workdir))
 
 
+@pytest.mark.end_to_end
 def test_load_policy_and_export_carry_the_changes_a_version_was_trained_under(changed, tmp_path):
   src, _, _, _ = changed
   entry = config_history.history(str(src))[0]
@@ -107,6 +109,7 @@ def _truncate_largest_chunk(step_dir):
   max(chunks, key=lambda f: f.stat().st_size).write_bytes(b"")
 
 
+@pytest.mark.end_to_end
 def test_a_run_changed_mid_way_falls_back_across_the_change_and_replays_to_its_version(changed, tmp_path):
   """With steps 2 and 3 corrupt, a rerun restores step 1 and replays the logged updates 2 and 3
   (3 made after the allowed change) to version 3's parameters; each skipped step is one warning
@@ -127,6 +130,7 @@ def test_a_run_changed_mid_way_falls_back_across_the_change_and_replays_to_its_v
   assert diffs == {}, diffs
 
 
+@pytest.mark.end_to_end
 def test_rerun_of_a_finished_run_keeps_the_totals(finished, tmp_path):
   src, config = finished
   workdir = _copy(src, tmp_path / "run")
@@ -154,6 +158,7 @@ def test_unknown_checker_agent_is_a_set_up_error(capsys):
   assert capsys.readouterr().err.strip() == "check: --agent 'foo': expected oracle, noop or replay:FILE"
 
 
+@pytest.mark.end_to_end
 @pytest.mark.parametrize("inside", [False, True])
 def test_workdir_that_is_a_file_or_inside_one_is_one_line(finished, tmp_path, inside):
   _, config = finished
@@ -168,6 +173,7 @@ def test_workdir_that_is_a_file_or_inside_one_is_one_line(finished, tmp_path, in
   assert (tmp_path / "f").read_text() == "not a directory"
 
 
+@pytest.mark.end_to_end
 def test_export_of_a_run_whose_newest_checkpoint_is_corrupt_falls_back_and_says_so(finished, tmp_path, capsys):
   src, _ = finished
   workdir = _copy(src, tmp_path / "run")

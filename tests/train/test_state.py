@@ -78,6 +78,7 @@ def _train(config_file, workdir, *extra):
   return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.end_to_end
 def test_rerun_with_changed_config_is_one_line_and_touches_nothing(finished_run, tmp_path):
   src, config, _ = finished_run
   workdir = _copy_run(src, tmp_path / "run")
@@ -115,6 +116,7 @@ def _flip(path, offset=128, count=64):
   path.write_bytes(bytes(data))
 
 
+@pytest.mark.end_to_end
 def test_corrupt_newest_checkpoint_warns_falls_back_and_resumes_exactly(finished_run, tmp_path):
   src, config, whole = finished_run
   workdir = _copy_run(src, tmp_path / "run")
@@ -150,6 +152,7 @@ def test_corrupt_newest_checkpoint_warns_falls_back_and_resumes_exactly(finished
   assert compared[-1].startswith("parameters of version 3: all ")
 
 
+@pytest.mark.end_to_end
 def test_no_restorable_checkpoint_stops_instead_of_starting_over(finished_run, tmp_path):
   src, config, _ = finished_run
   workdir = _copy_run(src, tmp_path / "run")

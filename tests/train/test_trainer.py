@@ -171,6 +171,7 @@ def _check_drift_and_replay(workdir, final_params):
   _params_equal(state.params, final_params)
 
 
+@pytest.mark.end_to_end
 def test_sigkill_at_random_moments_then_rerun_equals_uninterrupted(tokenizer_dir, warm_start, tmp_path):
   """`python -m jaxes.train` SIGKILLed twice at random moments during training (mid-rollout,
   mid-update or mid-checkpoint), then the same command again: the same parameters as a run

@@ -19,6 +19,7 @@ def _params_equal(a, b):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+@pytest.mark.end_to_end
 @pytest.mark.slow
 def test_weight_policy_sigkill_then_resume_equals_uninterrupted(warm_start, tmp_path):
   # Temperature sampling keyed by job (members differ), results taken 2 engine steps after
@@ -86,6 +87,7 @@ PACE_REJECTS = {"env.max_turns": 1, "rollout.num_slots": 8, "rollout.decode_step
 THROTTLE = {"controller.max_staleness": 2, "controller.issue_depth": 1}
 
 
+@pytest.mark.end_to_end
 @pytest.mark.slow
 @pytest.mark.parametrize("overage,overrides", [("pace", PACE_REJECTS), ("throttle", THROTTLE)])
 def test_policy_sigkill_then_resume_equals_uninterrupted(overage, overrides, warm_start, tmp_path):

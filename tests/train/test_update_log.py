@@ -168,6 +168,7 @@ def _expected(v):
   return {"version": v, "payload": "%d" % v * rng.choice([1, 10, 100, 50000])}
 
 
+@pytest.mark.end_to_end
 def test_sigkill_at_random_moments_leaves_exactly_a_valid_prefix(tmp_path):
   path = str(tmp_path / "updates.log")
   script = tmp_path / "writer.py"

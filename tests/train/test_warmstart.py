@@ -47,6 +47,7 @@ def _gradient_bits(devices: int) -> str:
   return next(line.split()[1] for line in out.stdout.splitlines() if line.startswith("BITS"))
 
 
+@pytest.mark.end_to_end
 def test_warm_start_gradient_bits_do_not_depend_on_the_device_count():
   assert _gradient_bits(1) == _gradient_bits(8)
 

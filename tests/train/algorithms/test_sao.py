@@ -5,12 +5,15 @@ import os
 
 import jax
 import numpy as np
+import pytest
 
 from helpers_train import build_tiny_tokenizer, sigkill_after_first_update, tiny_config, train_records
 from jaxes.run_tools import report
 from jaxes.train import metrics
 from jaxes.train.policy import load_policy
 from jaxes.train.trainer import Trainer
+
+pytestmark = pytest.mark.end_to_end   # every test here launches processes
 
 # Synchronous under the deterministic schedule (sandbox_steps), so a resume repeats the
 # interrupted run's updates exactly. No warm start: the format penalty gives the random policy's

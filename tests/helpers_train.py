@@ -88,6 +88,30 @@ def train_records(workdir) -> list[dict]:
   return [r for r in metrics.read_metrics(path) if "train" in r] if os.path.exists(path) else []
 
 
+class InjectedFailure(Exception):
+  """The failure a test injects into a run after an update, in place of a SIGKILL."""
+
+
+def fail_after_update(config, workdir, version: int = 1) -> None:
+  """Runs ``config`` in ``workdir`` in this process and fails it (an exception from a hook) right
+  after update ``version``'s metrics line, checkpoint and update-log record are written: the
+  in-process twin of ``sigkill_after_first_update``, for tests whose subject is the run state a
+  rerun resumes from, not the process's death (that is the end-to-end tier's)."""
+  from jaxes.train.hooks import Hook
+  from jaxes.train.trainer import Trainer
+
+  def fail(info):
+    if info.version == version:
+      raise InjectedFailure(f"injected after update {version}")
+  try:
+    Trainer(config, str(workdir), log=lambda s: None, hooks=[Hook(fail)]).run()
+  except InjectedFailure:
+    pass
+  else:
+    raise AssertionError(f"the run ended before update {version}: nothing was interrupted")
+  assert len(train_records(workdir)) == version < config.train.num_updates
+
+
 def sigkill_after_first_update(config, workdir, config_path) -> list[str]:
   """Launches ``python -m jaxes.train`` on ``config`` in ``workdir``, SIGKILLs it as soon as its
   first update's metrics line is written (mid-run: fails if the run ended first) and returns the

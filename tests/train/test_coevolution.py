@@ -1,6 +1,6 @@
 """Parameter–context co-evolution through the real trainer: each sampled episode's system prompt
-is its member's context, the parents change across updates, and a run SIGKILLed mid-run and
-resumed ends with the parameters and contexts of a run never interrupted. The run uses the
+is its member's context, the parents change across updates, and a run that fails after its
+first update (in process) and is resumed ends with the parameters and contexts of a run never interrupted. The run uses the
 ``baseline_only`` stale-result policy, so the resume also covers a second policy through the
 trainer (tests/train/test_trainer_staleness.py covers ``weight``, ``pace`` and ``throttle``)."""
 import json
@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers_train import (SYSTEM, build_tiny_tokenizer, sigkill_after_first_update, tiny_config,
+from helpers_train import (SYSTEM, build_tiny_tokenizer, fail_after_update, tiny_config,
                            train_records)
 from jaxes.controller.coevolve import Coevolution
 from jaxes.errors import ConfigError
@@ -32,9 +32,8 @@ def _config(tmp_path, **overrides):
       "train.checkpoint_every": 2, "train.transcripts_per_update": 4, **overrides})
 
 
-@pytest.mark.end_to_end
 @pytest.mark.slow
-def test_contexts_coevolve_and_resume_exactly_after_sigkill(tmp_path):
+def test_contexts_coevolve_and_resume_exactly_after_a_failure(tmp_path):
   # A warm start (made once, in process; both runs start from it) so that members solve
   # different tasks and theta moves: from the random model every fitness was 0, every update a
   # zero step, and the parameter check below compared two unmoved runs.
@@ -44,7 +43,7 @@ def test_contexts_coevolve_and_resume_exactly_after_sigkill(tmp_path):
   config = _config(tmp_path, **warm, **{"warmstart.init_from": str(tmp_path / "init")})
   whole = Trainer(config, str(tmp_path / "a"), log=lambda s: None).run()
   lines = train_records(tmp_path / "a")
-  assert any(r["update_norm"] > 0 for r in lines[1:]), lines   # theta moved after the kill point
+  assert any(r["update_norm"] > 0 for r in lines[1:]), lines   # theta moved after the failure point
   parents = {0: [[]], **{r["version"]: r["context_parents"] for r in lines}}
   assert len({json.dumps(p) for p in parents.values()}) > 1, parents   # the parents moved
   # Every sampled episode's prompt is the run's system prompt plus its member's context.
@@ -59,7 +58,7 @@ def test_contexts_coevolve_and_resume_exactly_after_sigkill(tmp_path):
   assert len({e["transcript"][0]["text"].split("\nuser")[0] for e in episodes}) > 1
 
   workdir = tmp_path / "b"
-  sigkill_after_first_update(config, workdir, tmp_path / "c.py")
+  fail_after_update(config, workdir)
   resumed = Trainer(config, str(workdir), log=lambda s: None).run()   # restores, replays, finishes
   assert resumed["version"] == 4
   for x, y in zip(jax.tree.leaves(resumed["params"]), jax.tree.leaves(whole["params"]), strict=True):

@@ -1,5 +1,5 @@
-"""Stale-result policies through the real trainer, on the deterministic schedule: a run
-SIGKILLed mid-run and resumed ends with the parameters, staleness and policy decisions of a run
+"""Stale-result policies through the real trainer, on the deterministic schedule: a run that
+fails after its first update (a failure injected in process) and is resumed ends with the parameters, staleness and policy decisions of a run
 never interrupted -- ``weight``, ``pace`` and ``throttle`` (``wait``'s barrier), each resumed
 in process; the metrics lines carry generation/waiting staleness and the policy's weights.
 ``baseline_only`` is resumed in tests/train/test_coevolution.py. An in-flight version change
@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers_train import (build_tiny_tokenizer, sigkill_after_first_update, tiny_config,
+from helpers_train import (build_tiny_tokenizer, fail_after_update, tiny_config,
                            train_records)
 from jaxes.train.trainer import Trainer
 
@@ -19,9 +19,8 @@ def _params_equal(a, b):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-@pytest.mark.end_to_end
 @pytest.mark.slow
-def test_weight_policy_sigkill_then_resume_equals_uninterrupted(warm_start, tmp_path):
+def test_weight_policy_failure_then_resume_equals_uninterrupted(warm_start, tmp_path):
   # Temperature sampling keyed by job (members differ), results taken 2 engine steps after
   # hand-out (a deterministic arrival order, so async runs repeat exactly).
   config = _policy_config(*warm_start, "weight", **{"controller.staleness_decay": 0.5})
@@ -32,10 +31,10 @@ def test_weight_policy_sigkill_then_resume_equals_uninterrupted(warm_start, tmp_
   # Not vacuous: some stale result was down-weighted in an update that moved θ.
   assert any(r["weight_sum"] < r["num_results"] and r["update_norm"] > 0 for r in lines), lines
 
-  # Resumed in process, as the other policies (the command-line rerun after a SIGKILL is
-  # tests/train/test_trainer.py's, for every config alike).
+  # Failed and resumed in process, as the other policies (a SIGKILLed command-line run and its
+  # rerun is tests/train/test_trainer.py's, for every config alike).
   workdir = tmp_path / "b"
-  sigkill_after_first_update(config, workdir, tmp_path / "c.py")
+  fail_after_update(config, workdir)
   resumed = Trainer(config, str(workdir), log=lambda s: None).run()   # restores, replays, finishes
   assert resumed["version"] == 4 and resumed["updates_this_run"] >= 1
   _params_equal(resumed["params"], whole["params"])
@@ -87,22 +86,21 @@ PACE_REJECTS = {"env.max_turns": 1, "rollout.num_slots": 8, "rollout.decode_step
 THROTTLE = {"controller.max_staleness": 2, "controller.issue_depth": 1}
 
 
-@pytest.mark.end_to_end
 @pytest.mark.slow
 @pytest.mark.parametrize("overage,overrides", [("pace", PACE_REJECTS), ("throttle", THROTTLE)])
-def test_policy_sigkill_then_resume_equals_uninterrupted(overage, overrides, warm_start, tmp_path):
+def test_policy_failure_then_resume_equals_uninterrupted(overage, overrides, warm_start, tmp_path):
   config = _policy_config(*warm_start, overage, **overrides)
   whole = Trainer(config, str(tmp_path / "a"), log=lambda s: None).run()
   lines = train_records(tmp_path / "a")
-  if overage == "pace":   # not vacuous: PACE rejected members after the kill point
+  if overage == "pace":   # not vacuous: PACE rejected members after the failure point
     assert any(r["rejected"] > 0 for r in lines[1:]), lines
     assert all(r["dropped"] == r["rejected"] for r in lines), lines
   else:
     assert all(r["dropped"] == 0 for r in lines), lines
-  assert any(r["update_norm"] > 0 for r in lines[1:]), lines   # θ moved after the kill point
+  assert any(r["update_norm"] > 0 for r in lines[1:]), lines   # θ moved after the failure point
 
   workdir = tmp_path / "b"
-  sigkill_after_first_update(config, workdir, tmp_path / "c.py")
+  fail_after_update(config, workdir)
   resumed = Trainer(config, str(workdir), log=lambda s: None).run()   # restores, replays, finishes
   assert resumed["version"] == 4
   _params_equal(resumed["params"], whole["params"])

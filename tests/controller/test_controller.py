@@ -9,7 +9,8 @@ import ml_collections
 import pytest
 
 import jaxes.controller
-from jaxes.controller import Controller, ControllerConfig, TaskSampler
+from jaxes.controller import Controller, ControllerConfig
+from jaxes.controller.tasks import TaskSampler
 
 
 def cfg(**kw):

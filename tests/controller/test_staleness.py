@@ -5,7 +5,7 @@ import random
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from jaxes.controller import StalenessManager
+from jaxes.controller.staleness import StalenessManager
 
 
 # ---- admission -------------------------------------------------------------------------------

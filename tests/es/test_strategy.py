@@ -6,7 +6,8 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxes import es, sharding
+from jaxes import sharding
+from jaxes.es.strategy import Strategy
 import helpers_repo
 
 
@@ -15,16 +16,16 @@ def _params():
 
 
 def test_strategy_tx_is_the_transformation_its_update_steps_with():
-  strategy = es.Strategy(population=4, sigma=0.1, learning_rate=0.05, optimizer="adam", weight_decay=0.01)
+  strategy = Strategy(population=4, sigma=0.1, learning_rate=0.05, optimizer="adam", weight_decay=0.01)
   state = strategy.init(_params(), jax.random.key(0))
   assert isinstance(strategy.tx, optax.GradientTransformation)
   assert jax.tree.structure(strategy.tx.init(_params())) == jax.tree.structure(state.opt_state)
   given = optax.sgd(0.1)
-  assert es.Strategy(population=2, sigma=0.1, optimizer=given).tx is given
+  assert Strategy(population=2, sigma=0.1, optimizer=given).tx is given
 
 
 def test_engine_noiser_is_member_noiser_under_the_run_key():
-  strategy = es.Strategy(population=4, sigma=0.1, learning_rate=0.05, mode="lowrank", rank=2)
+  strategy = Strategy(population=4, sigma=0.1, learning_rate=0.05, mode="lowrank", rank=2)
   params, run_key = _params(), jax.random.key(3)
   args = (params, jnp.array([0, 0]), jnp.array([1, 2]), jnp.array([0, 1]))
   got = strategy.engine_noiser(run_key)(*args)

@@ -7,6 +7,7 @@ import pytest
 from jaxes.envs import make_sandbox
 from jaxes.envs.check import run_checks, summarize
 from jaxes.envs.tasks import generator
+from jaxes.envs.tasks.families import files, scripts, text
 
 ALL = [(f, d) for f in generator.FAMILIES for d in generator.DIFFICULTIES]
 
@@ -14,6 +15,10 @@ ALL = [(f, d) for f in generator.FAMILIES for d in generator.DIFFICULTIES]
 def test_at_least_twelve_families():
   assert len(generator.FAMILIES) >= 12
   assert len(set(generator.FAMILIES)) == len(generator.FAMILIES)
+  # Each family is one maker in exactly one of the family modules (files, text, scripts).
+  homes = {f: [m.__name__ for m in (files, scripts, text) if callable(getattr(m, f, None))]
+           for f in generator.FAMILIES}
+  assert all(len(h) == 1 for h in homes.values()), homes
 
 
 @pytest.mark.parametrize("family,difficulty", ALL)

@@ -5,6 +5,7 @@ import json
 import pytest
 
 from jaxes.envs import webshop
+from jaxes.envs.webshop.offprotocol import off_protocol
 from jaxes.envs.webshop.env import parse_action
 from jaxes.train import builders
 from jaxes.train.config import ConfigError, load_config_file, validate
@@ -64,8 +65,8 @@ def test_off_protocol_replies_do_not_parse_and_are_seeded():
   goals = webshop.make_goals("train", 20, seed=0, num_products=200)
   backend = webshop.WebShopBackend()
   transcripts = [t for t in (webshop.transcript(g, backend) for g in goals) if t]
-  out = webshop.off_protocol(transcripts, 0.5, seed=3)
-  assert out == webshop.off_protocol(transcripts, 0.5, seed=3)
+  out = off_protocol(transcripts, 0.5, seed=3)
+  assert out == off_protocol(transcripts, 0.5, seed=3)
   rewritten = [o for o, t in zip(out, transcripts) if o != t]
   assert 0 < len(rewritten) < len(transcripts)
   for o, t in zip(out, transcripts):
@@ -75,9 +76,9 @@ def test_off_protocol_replies_do_not_parse_and_are_seeded():
         assert parse_action(a["content"]) is None
         call = json.loads(a["content"])
         assert parse_action(b["content"]).arg == call.get("query", call.get("element"))
-  assert webshop.off_protocol(transcripts, 0.0, 0) == transcripts
+  assert off_protocol(transcripts, 0.0, 0) == transcripts
   with pytest.raises(ValueError, match="fraction"):
-    webshop.off_protocol(transcripts, 1.5, 0)
+    off_protocol(transcripts, 1.5, 0)
 
 
 def test_off_protocol_by_config():

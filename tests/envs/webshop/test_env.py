@@ -8,8 +8,10 @@ import pytest
 
 from jaxes.envs import check as envs_check
 from jaxes.envs import protocol
-from jaxes.envs.webshop import (Goal, Product, WebShopBackend, WebShopEpisode, agents, env,
-                                generator, make_goals, play, reward, transcript)
+from jaxes.envs.webshop import agents, env, generator, make_goals, reward, transcript
+from jaxes.envs.webshop import check as webshop_check
+from jaxes.envs.webshop.catalog import Goal, Product
+from jaxes.envs.webshop.episode import WebShopBackend, WebShopEpisode, play
 
 
 def product(**kw):
@@ -315,3 +317,8 @@ def test_checker(tmp_path, capsys):
   assert summary["passed"] == 1 and summary["failures"] == {"NOT_PURCHASED": 1}
   with pytest.raises(SystemExit, match="expected oracle"):
     envs_check.main(["--env", "webshop", "--generated", "2", "--agent", "bogus"])
+  # The WebShop checker that `--env webshop` runs, called as a library.
+  goals = make_goals("train", 3, seed=1)
+  for agent, passed in (("oracle", 3), ("noop", 0)):
+    results, leaked = webshop_check.run_checks(goals, agent)
+    assert webshop_check.summarize(results, leaked)["passed"] == passed and leaked == 0

@@ -12,7 +12,7 @@ import pytest
 from helpers_train import build_tiny_tokenizer, tiny_config
 from jaxes.controller import ControllerConfig
 from jaxes.train import algorithms, checkpoint, metrics
-from jaxes.train.algorithms import Algorithm, Capabilities, ReplaysUpdates
+from jaxes.train.algorithms.base import Algorithm, Capabilities, ReplaysUpdates
 from jaxes.train.algorithms.evolution import EvolutionStrategies
 from jaxes.train.algorithms.grpo import GRPO
 from jaxes.train.algorithms.sao import SAO

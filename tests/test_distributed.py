@@ -2,7 +2,6 @@
 launch/local.sh, the global mesh, host allgather, and bounded-time failure when a process dies."""
 import json
 import os
-import pathlib
 import signal
 import socket
 import subprocess
@@ -12,8 +11,9 @@ import time
 import pytest
 
 from jaxes import distributed
+import helpers_repo
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = helpers_repo.REPO
 LOCAL_SH = ROOT / "launch" / "local.sh"
 HEARTBEAT_S = 5
 
@@ -77,6 +77,7 @@ def worker(tmp_path):
   return path
 
 
+@pytest.mark.end_to_end
 def test_two_processes_build_one_mesh_psum_and_exchange(worker, tmp_path):
   proc = subprocess.run(["bash", str(LOCAL_SH), "--devices", "4", "2", "--", sys.executable,
                          str(worker), str(tmp_path)], env=_env(WORKER_MODE="check"),
@@ -137,6 +138,7 @@ def _wait_ready(out, procs):
 BOUND_S = HEARTBEAT_S + 25
 
 
+@pytest.mark.end_to_end
 def test_a_dead_or_failing_process_stops_the_other_in_bounded_time(worker, tmp_path):
   """Three scenarios, run side by side to keep the test short. 'idle' survivors run no
   collective, so only the coordination service can stop them: after missed heartbeats when
@@ -177,6 +179,7 @@ def test_a_dead_or_failing_process_stops_the_other_in_bounded_time(worker, tmp_p
     (tmp_path / "raise" / "log-1.txt").read_text()
 
 
+@pytest.mark.end_to_end
 def test_local_sh_stops_the_rest_and_names_the_failed_process():
   start = time.monotonic()
   proc = subprocess.run(
@@ -191,6 +194,7 @@ def test_local_sh_stops_the_rest_and_names_the_failed_process():
     assert f"[p{i}] up {i} of 3 at 127.0.0.1:" in proc.stdout
 
 
+@pytest.mark.end_to_end
 def test_local_sh_names_a_killed_process_and_its_signal():
   proc = subprocess.run(
     ["bash", str(LOCAL_SH), "2", "--", "bash", "-c",
@@ -200,6 +204,7 @@ def test_local_sh_names_a_killed_process_and_its_signal():
   assert "process 0 (pid" in proc.stderr and "was killed by SIGKILL (status 137)" in proc.stderr
 
 
+@pytest.mark.end_to_end
 def test_local_sh_rejects_bad_usage():
   for args, message in [(["--", "true"], "missing the process count"),
                         (["two", "--", "true"], "positive integer"),
@@ -281,6 +286,7 @@ def test_layout_rule():
   ({}, "coordinator_address='h:1'",   # arguments are checked like the variables
    "LaunchError: JAX_COORDINATOR_ADDRESS set but JAX_NUM_PROCESSES, JAX_PROCESS_ID not"),
 ])
+@pytest.mark.end_to_end
 def test_launches_that_cannot_work_fail_with_one_line(env, args, message):
   code = f"from jaxes import distributed; distributed.initialize({args})"
   proc = subprocess.run([sys.executable, "-c", code], env=_env(**env), capture_output=True,

@@ -1,15 +1,17 @@
 """Launch scripts: the TPU and SLURM plans that --dry-run prints, the TPU worker helper's
 start/status/stop on this machine, and shellcheck over every script in launch/."""
 import os
-import pathlib
 import shlex
 import subprocess
 import sys
 import time
 
 import pytest
+import helpers_repo
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.end_to_end   # every test here launches processes
+
+ROOT = helpers_repo.REPO
 LAUNCH = ROOT / "launch"
 TRAIN = ["python", "-m", "jaxes.train", "--config=configs/paper.py:async1",
          "--workdir=/mnt/jaxes/runs/async1",

@@ -5,8 +5,9 @@ break it."""
 import ast
 import pathlib
 import re
+import helpers_repo
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = helpers_repo.REPO
 PACKAGE = ROOT / "jaxes"
 
 
@@ -100,3 +101,34 @@ def test_load_policy_is_public_from_jaxes_train():
   from jaxes.train import load_policy
   from jaxes.train.policy import load_policy as defined
   assert load_policy is defined
+
+
+def _imported_by_tests() -> set[str]:
+  """Every ``jaxes`` module some test module names in an import (``from jaxes.a import b`` names
+  ``jaxes.a.b`` where that is a module)."""
+  modules, named = _modules(), set()
+  for path in (ROOT / "tests").rglob("test_*.py"):
+    if "task_suites" in path.parts:
+      continue
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+      if isinstance(node, ast.Import):
+        named |= {a.name for a in node.names}
+      elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+        named |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+  return named & set(modules)
+
+
+def test_every_module_has_a_test_module_that_imports_it():
+  # tests/ mirrors the package, so a module's tests are found by its name; this keeps the mirror
+  # from hiding a module that only other modules' tests reach. A command-line entry point
+  # (``__main__``) counts when a test module runs it with ``python -m``.
+  named = _imported_by_tests()
+  texts = "\n".join(p.read_text() for p in (ROOT / "tests").rglob("test_*.py"))
+  untested = sorted(m for m in _modules() if m != "jaxes" and not m.endswith(".__init__")
+                    and m not in named and m not in _package_inits()
+                    and not (m.endswith(".__main__") and f'"{m.rpartition(".")[0]}"' in texts))
+  assert not untested, f"modules no test module imports: {untested}"
+
+
+def _package_inits() -> set[str]:
+  return {_module_name(p) for p in PACKAGE.rglob("__init__.py")}

@@ -5,7 +5,6 @@ report for their deviceless devices, the compiler's cost analysis read from a pr
 a v5p, and the hardware tests it selects still existing."""
 import ast
 import json
-import pathlib
 import subprocess
 import sys
 
@@ -17,10 +16,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from helpers_train import launch_env
 from jaxes import gpu_targets, measure
+import helpers_repo
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = helpers_repo.REPO
 
 
+@pytest.mark.end_to_end
 def test_on_cpu_every_key_has_a_value_and_the_roofline_says_why_not(tmp_path):
   # One device, rows of 64 positions, every prompt prefilled in one call, 1 decode step per mode:
   # the tiniest run of every mode.

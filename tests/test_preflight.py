@@ -16,9 +16,11 @@ from jaxes.models import partition
 from jaxes.rollout.engine import Engine
 from jaxes.train import algorithms, builders, mc_probe
 from jaxes.train.algorithms import evolution
+import helpers_repo
+
 needs_8_devices = pytest.mark.skipif(
   jax.device_count() < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(helpers_repo.REPO)
 
 TINY_CONFIG = '''
 from jaxes.train.defaults import base_config
@@ -109,6 +111,7 @@ def _program_names(lines) -> list[str]:
   return [line.split()[0] for line in lines[start + 1:end]]
 
 
+@pytest.mark.end_to_end
 @needs_8_devices
 def test_report_matches_the_real_arrays_on_8_cpu_devices(over_memory, monkeypatch):
   config = tiny_config()
@@ -184,6 +187,7 @@ def test_the_evaluations_programs_are_sized_beside_the_run():
     preflight.plan(config, target, log=lambda *_: None, only="^eval_")
 
 
+@pytest.mark.end_to_end
 def test_a_config_that_cannot_fit_fails_naming_its_biggest_consumer(over_memory):
   # over_memory: exit 1 (checked there), WIDEST compiled (the programs that decide the peak:
   # compiling every program of the config adds nothing to the verdict).
@@ -200,6 +204,7 @@ def test_a_config_that_cannot_fit_fails_naming_its_biggest_consumer(over_memory)
                                         "temporaries"}
 
 
+@pytest.mark.end_to_end
 def test_unknown_topology_is_one_line_with_the_usage_exit_status_and_help_exits_0(tmp_path):
   out = _run(tmp_path, "--topology=v9z-8")
   assert out.returncode == 2 and out.stderr.strip().splitlines() == [

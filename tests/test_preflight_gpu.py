@@ -34,7 +34,7 @@ def no_persistent_cache():
   finally:
     jax.config.update("jax_enable_compilation_cache", before)
     # JAX decides once per process whether the cache is used: if the first compile came while it
-    # was off, it would stay off for every later test of this worker (tests/test_precompile.py's
+    # was off, it would stay off for every later test of this worker (tests/train/test_precompile.py's
     # warm-up checks would then see nothing written). Let the next compile decide again.
     compilation_cache.reset_cache()
 
@@ -103,6 +103,7 @@ def test_cudnn_attention_compiles_deviceless_for_an_h100():
   assert target.attention == "cuDNN" and "__cudnn" in attend.lower(x, x, x).compile().as_text()
 
 
+@pytest.mark.end_to_end
 @pytest.mark.cuda_plugin
 def test_over_the_device_memory_the_gpu_compilers_warning_exits_1(tmp_path):
   # The compiler is told a 10 KiB device: it compiles anyway and only logs that it could not

@@ -52,6 +52,7 @@ def test_7b_bytes_per_device_on_8way_fsdp_from_abstract_shapes():
   assert per_device == (total - replicated) // 8 + replicated
 
 
+@pytest.mark.end_to_end
 def test_sharding_imports_no_model():
   import subprocess, sys
   code = "import sys, jaxes.sharding; print(sorted(m for m in sys.modules if m.startswith('jaxes.models')))"

@@ -61,6 +61,7 @@ def test_built_tokenizer_round_trips_and_has_special_tokens(tokenizer):
   assert reloaded.encode(prompt) == encoded
 
 
+@pytest.mark.end_to_end
 def test_a_built_tokenizer_loads_as_auto_tokenizer_loads_it_without_importing_torch(tokenizer):
   """``load_tokenizer`` skips ``AutoTokenizer`` for the generic class: the same tokenizer, and a
   training process's start-up does not pay for torch."""

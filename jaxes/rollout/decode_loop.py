@@ -13,7 +13,7 @@ call instead of per token, and a process of a multi-process run reads no other p
 
 A row's tokens are those of one step per call: its sampling key is ``(stream, counter)`` with
 the counter advanced per sampled token, and its cache row sees the same tokens at the same
-positions (``tests/test_engine_decode_loop.py``).
+positions (``tests/rollout/test_decode_loop.py``).
 """
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ import pytest
 
 from jaxes import gpu_targets, preflight, xla_log
 from jaxes.train.config import load_config_file
-from test_preflight import ROOT, TINY_CONFIG, tiny_config
+from tests.test_preflight import ROOT, TINY_CONFIG, tiny_config
 
 needs_8_devices = pytest.mark.skipif(
   jax.device_count() < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")

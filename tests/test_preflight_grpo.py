@@ -12,7 +12,7 @@ from jaxes.rl import config as rl_config
 from jaxes.rl.batch import Batch
 from jaxes.rl.grpo import GRPOLearner
 from jaxes.train import builders
-from test_preflight import record_lowerings
+from tests.test_preflight import record_lowerings
 
 needs_8_devices = pytest.mark.skipif(
   jax.device_count() < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")

@@ -3,6 +3,7 @@ collectives, loopback coordinator), data x tensor = 2 x 2: init places the state
 mesh (master and moments also over data), two steps run, and the metrics and final parameters
 equal the same two steps in this single-device test process."""
 import json
+import os
 import subprocess
 import sys
 
@@ -25,7 +26,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 from jaxes import sharding
 from jaxes.models import partition
-sys.path.insert(0, sys.argv[2])
+sys.path[:0] = sys.argv[2:]   # tests/ (its helpers) and the test module's folder
 import test_grpo_multiprocess as t
 
 assert jax.process_count() == 2 and jax.device_count() == 4
@@ -79,7 +80,7 @@ def test_two_processes_step_like_one_device(tmp_path):
   env = launch_env(tmp_path)   # the suite's compile flags and cache; local.sh sets the devices
   out = tmp_path / "final.npz"
   done = subprocess.run(["bash", str(ROOT / "launch" / "local.sh"), "--devices", "2", "2", "--",
-                         sys.executable, str(tmp_path / "run.py"), str(out), str(ROOT / "tests")],
+                         sys.executable, str(tmp_path / "run.py"), str(out), str(ROOT / "tests"), os.path.dirname(__file__)],
                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
   assert done.returncode == 0, done.stderr[-4000:] + done.stdout[-4000:]
   runs = [json.loads(line.split("metrics ", 1)[1]) for line in done.stdout.splitlines()

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.end_to_end   # every test here launches processes
 
 SCRIPT = r'''
 import json, sys
-sys.path.insert(0, sys.argv[2])
+sys.path[:0] = sys.argv[2:]   # tests/ (its helpers) and the test module's folder
 from jaxes import distributed
 distributed.initialize()
 import jax
@@ -72,7 +72,7 @@ def test_two_processes_read_their_own_rows_and_decode_the_one_process_tokens(tmp
   (tmp_path / "run.py").write_text(SCRIPT)
   done = subprocess.run(["bash", str(ROOT / "launch" / "local.sh"), "--devices", "2", "2", "--",
                          sys.executable, str(tmp_path / "run.py"), str(tmp_path),
-                         str(ROOT / "tests")], cwd=ROOT, env=dict(os.environ),
+                         str(ROOT / "tests"), os.path.dirname(__file__)], cwd=ROOT, env=dict(os.environ),
                         capture_output=True, text=True, timeout=600)
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
   from jaxes import sharding

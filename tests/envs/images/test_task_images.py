@@ -227,7 +227,7 @@ def test_an_image_without_the_agents_user_gets_it_and_one_without_the_tools_is_r
 @pytest.mark.parametrize("attack", ["answer_key", "forged_verdict", "ptrace"])
 def test_reward_hacking_replays_pass_nothing_on_a_task_built_image(built, sandbox, attack,
                                                                    tmp_path):
-  from test_envs_security import ATTACKS, replay_writing, shell_script_tasks
+  from tests.envs.test_security import ATTACKS, replay_writing, shell_script_tasks
   image = built[0][ENDLESS].image
   tasks = [dataclasses.replace(t, image=image) for t in shell_script_tasks()[:1]]
   replay = tmp_path / "replay.json"

@@ -70,7 +70,7 @@ def default_config() -> config_dict.ConfigDict:
   c.controller = config_dict.ConfigDict(dict(
       mode="async", max_staleness=1, overage="drop", staleness_decay=0.5, pace_pool_capacity=0,
       pace_generation_weight=1.0, issue_depth=1, delay_fraction=0.0, delay_updates=0,
-      stress_all_stale=0, episodes_per_member=2))
+      stress_all_stale=0, episodes_per_member=2, pairs="free"))
   # population 20: a 10% delay holds back exactly 2 members of each cohort
   c.es = config_dict.ConfigDict(dict(mode="lowrank", population=20, rank=1, sigma=0.05,
                                      learning_rate=0.2, shaping="centered_rank", antithetic=True))
@@ -78,7 +78,11 @@ def default_config() -> config_dict.ConfigDict:
                                             noise=0.5, temperature=0.25, num_train_tasks=256,
                                             num_heldout_tasks=256))
   # 2N workers, log-normal(1) durations: Async-1's natural staleness ~0.4, as the LLM toy's 0.44
-  c.sim = config_dict.ConfigDict(dict(workers=40, durations="lognormal:1.0", update_seconds=0.0))
+  # split_fraction: forced splits (issue 63) -- each pair consumed whole has its odd member, with
+  # this probability, replaced by an independent one (fresh noise and tasks, same version): the
+  # pair's cancellation lost at no staleness.
+  c.sim = config_dict.ConfigDict(dict(workers=40, durations="lognormal:1.0", update_seconds=0.0,
+                                      split_fraction=0.0))
   c.train = config_dict.ConfigDict(dict(num_updates=100))
   return c
 
@@ -150,6 +154,17 @@ class Schedule:
     return float((h * np.arange(len(h))).sum() / max(h.sum(), 1))
 
   @property
+  def unpaired_share(self) -> float:
+    """The share of consumed results whose antithetic partner is not in the same update at the
+    same version (the update then cannot cancel the pair's shared base fitness and tasks)."""
+    alone = total = 0
+    for versions, members, valid in zip(self.versions, self.members, self.valid):
+      keys = {(int(v), int(m)) for v, m in zip(versions[valid], members[valid])}
+      total += len(keys)
+      alone += sum((v, m ^ 1) not in keys for v, m in keys)
+    return alone / max(total, 1)
+
+  @property
   def max_staleness(self) -> int:
     return max((s for s, n in enumerate(self.staleness_hist) if n), default=0)
 
@@ -180,7 +195,23 @@ def schedule(c, seed: int) -> Schedule:
       hist.extend([0] * (st + 1 - len(hist)))
       hist[st] += 1
   s.staleness_hist = hist
+  if c.sim.split_fraction:
+    split_pairs(s, float(c.sim.split_fraction), seed, cfg.member_bound, int(c.objective.num_train_tasks))
   return s
+
+
+def split_pairs(s: Schedule, fraction: float, seed: int, member_bound: int, num_tasks: int) -> None:
+  """Forced splits, in place: each pair consumed whole is split with probability ``fraction`` --
+  its odd member becomes member ``member_bound + m`` (a noise key no admitted member has) on
+  fresh tasks, so both halves enter as unpaired members of the same version. Seeded: the same
+  splits for every cell of a seed."""
+  rng = np.random.default_rng([seed, 63])
+  for u in range(s.versions.shape[0]):
+    at = {(int(v), int(m)): i for i, (v, m, ok) in enumerate(zip(s.versions[u], s.members[u], s.valid[u])) if ok}
+    for (v, m), i in sorted(at.items()):
+      if m % 2 and (v, m - 1) in at and rng.random() < fraction:
+        s.members[u, i] = member_bound + m
+        s.tasks[u, i] = rng.integers(0, num_tasks, s.tasks.shape[2])
 
 
 def _pad(schedules: list[Schedule], width: int) -> dict[str, np.ndarray]:
@@ -321,6 +352,7 @@ def run_surface(base, cells: dict[str, dict], seeds: list[int], log=print) -> di
         "mean_staleness": [s.mean_staleness for s in scheds[name]],
         "staleness_hist": aggregate.pool_histograms([s.staleness_hist for s in scheds[name]]),
         "dropped": [s.dropped for s in scheds[name]],
+        "unpaired_share": [s.unpaired_share for s in scheds[name]],
         "final_w": out["final_w"]}
   ref = rows["sync"]["score"]
   for name, r in rows.items():

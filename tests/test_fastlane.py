@@ -1,0 +1,39 @@
+"""The fast lane's direct tests of issue 63: forced splits in sync, Async-1 with pairs together."""
+import numpy as np
+
+from jaxes.experiments import fastlane
+
+
+def _lane(**overrides):
+  base = {"train.num_updates": 30, "objective.num_train_tasks": 16, "objective.num_heldout_tasks": 8,
+          "objective.dim_in": 8, "objective.dim_out": 4, "es.population": 8, "sim.workers": 16}
+  return fastlane.apply_overrides(fastlane.default_config(), {**base, **overrides})
+
+
+def test_forced_splits_unpair_sync_at_no_staleness():
+  whole = fastlane.schedule(_lane(**fastlane.REFERENCES["sync"]), 1)
+  assert whole.unpaired_share == 0.0
+  split = _lane(**fastlane.REFERENCES["sync"], **{"sim.split_fraction": 1.0})
+  s = fastlane.schedule(split, 1)
+  bound = fastlane.controller_config(split, 1).member_bound
+  assert s.unpaired_share == 1.0 and s.staleness_hist == whole.staleness_hist == [30 * 8]
+  assert np.array_equal(s.versions, whole.versions) and np.array_equal(s.valid, whole.valid)
+  odd = whole.members % 2 == 1
+  # every odd member is now a fresh one (a noise key nobody was admitted with), its tasks redrawn
+  assert np.array_equal(s.members[odd], whole.members[odd] + bound)
+  assert np.array_equal(s.members[~odd], whole.members[~odd])
+  assert not np.array_equal(s.tasks[odd], whole.tasks[odd])
+  half = fastlane.schedule(_lane(**fastlane.REFERENCES["sync"], **{"sim.split_fraction": 0.5}), 1)
+  assert 0.3 < half.unpaired_share < 0.7
+  again = fastlane.schedule(_lane(**fastlane.REFERENCES["sync"], **{"sim.split_fraction": 0.5}), 1)
+  assert np.array_equal(half.members, again.members) and np.array_equal(half.tasks, again.tasks)
+
+
+def test_pairs_together_unpair_fewer_results_within_the_bound():
+  free = [fastlane.schedule(_lane(**fastlane.REFERENCES["async1"]), seed) for seed in range(3)]
+  together = [fastlane.schedule(_lane(**fastlane.REFERENCES["async1"], **{"controller.pairs": "together"}), seed)
+              for seed in range(3)]
+  assert np.mean([s.unpaired_share for s in together]) < 0.5 * np.mean([s.unpaired_share for s in free])
+  # holding the early member costs staleness, never past K = 1
+  assert np.mean([s.mean_staleness for s in together]) > np.mean([s.mean_staleness for s in free])
+  assert max(s.max_staleness for s in together) == 1

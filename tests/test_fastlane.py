@@ -16,7 +16,8 @@ def test_forced_splits_unpair_sync_at_no_staleness():
   split = _lane(**fastlane.REFERENCES["sync"], **{"sim.split_fraction": 1.0})
   s = fastlane.schedule(split, 1)
   bound = fastlane.controller_config(split, 1).member_bound
-  assert s.unpaired_share == 1.0 and s.staleness_hist == whole.staleness_hist == [30 * 8]
+  assert s.unpaired_share == s.orphaned_share == 1.0 and whole.orphaned_share == 0.0
+  assert s.staleness_hist == whole.staleness_hist == [30 * 8]
   assert np.array_equal(s.versions, whole.versions) and np.array_equal(s.valid, whole.valid)
   odd = whole.members % 2 == 1
   # every odd member is now a fresh one (a noise key nobody was admitted with), its tasks redrawn

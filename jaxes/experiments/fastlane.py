@@ -165,6 +165,14 @@ class Schedule:
     return alone / max(total, 1)
 
   @property
+  def orphaned_share(self) -> float:
+    """The share of consumed results whose partner no update consumes (dropped, or replaced by a
+    forced split): nothing ever cancels such a result's base fitness and tasks."""
+    keys = {(int(v), int(m)) for versions, members, valid in zip(self.versions, self.members, self.valid)
+            for v, m in zip(versions[valid], members[valid])}
+    return sum((v, m ^ 1) not in keys for v, m in keys) / max(len(keys), 1)
+
+  @property
   def max_staleness(self) -> int:
     return max((s for s, n in enumerate(self.staleness_hist) if n), default=0)
 
@@ -353,6 +361,7 @@ def run_surface(base, cells: dict[str, dict], seeds: list[int], log=print) -> di
         "staleness_hist": aggregate.pool_histograms([s.staleness_hist for s in scheds[name]]),
         "dropped": [s.dropped for s in scheds[name]],
         "unpaired_share": [s.unpaired_share for s in scheds[name]],
+        "orphaned_share": [s.orphaned_share for s in scheds[name]],
         "final_w": out["final_w"]}
   ref = rows["sync"]["score"]
   for name, r in rows.items():

@@ -151,9 +151,11 @@ def surface_summary(rows: dict[str, dict], seeds=None, target_se: float = TARGET
     p = r.get("vs_sync") or (paired(r["diff"]) if name != "sync" and "diff" in r else None)
     stale = [s for s in r.get("mean_staleness", []) if s is not None]
     alone = [s for s in r.get("unpaired_share", []) if s is not None]
+    orphaned = [s for s in r.get("orphaned_share", []) if s is not None]
     table.append({"name": name, "values": values, "vs_sync": p,
                   "mean_staleness": float(np.mean(stale)) if stale else None,
                   "unpaired_share": float(np.mean(alone)) if alone else None,
+                  "orphaned_share": float(np.mean(orphaned)) if orphaned else None,
                   "seeds_for_target": seeds_for(p["sd"], target_se) if p else None,
                   "seeds_for_power": seeds_for_power(p["sd"], p["mean"]) if p else None,
                   "score": paired(r["score"]) if "score" in r else None})
@@ -266,18 +268,18 @@ def surface_markdown(summary: dict, unit: str = "points") -> str:
   alone = any(r.get("unpaired_share") is not None for r in summary["table"])
   lines = [rules_line(unit) + f" Seeds for s.e. {t:g}: from the per-seed s.d."
            + (" Unpaired: the share of consumed results whose antithetic partner is not in their "
-              "update." if alone else ""), "",
-           "| cell | mean staleness | " + ("unpaired | " if alone else "") + "score | vs sync | "
+              "update; orphaned: whose partner no update consumes." if alone else ""), "",
+           "| cell | mean staleness | " + ("unpaired | orphaned | " if alone else "") + "score | vs sync | "
            f"95% t-interval | p | resolved | s.d. per seed | seeds for s.e. {t:g} | seeds for {POWER:.0%} power |",
-           "| --- | ---: | " + ("---: | " if alone else "") + "---: | ---: | ---: | ---: | :---: | ---: | ---: | ---: |"]
+           "| --- | ---: | " + ("---: | ---: | " if alone else "") + "---: | ---: | ---: | ---: | :---: | ---: | ---: | ---: |"]
   for r in summary["table"]:
     p = r["vs_sync"]
     score = (f"{r['score']['mean']:.1f} ± " + (f"{r['score']['stderr']:.1f}" if r["score"]["n"] > 1 else "—")
              if r.get("score") else "—")
     ref = r["name"] == "sync"
-    share = r.get("unpaired_share")
+    shares = "".join(("—" if r.get(k) is None else f"{r[k]:.0%}") + " | " for k in ("unpaired_share", "orphaned_share"))
     lines.append(f"| {r['name']} | {'—' if r['mean_staleness'] is None else format(r['mean_staleness'], '.2f')} | "
-                 + (("—" if share is None else f"{share:.0%}") + " | " if alone else "")
+                 + (shares if alone else "")
                  + f"{score} | {'(reference)' if ref else format_paired(p)} | {'' if ref else format_ci(p)} | "
                  f"{'' if ref else format_p(p)} | "
                  f"{'yes' if p and p['resolved'] else ('no' if p else '—')} | "

@@ -1,6 +1,7 @@
 """The fast lane's direct tests of issue 63: forced splits in sync, Async-1 with pairs together."""
 import numpy as np
 
+from jaxes.es import shaping
 from jaxes.experiments import fastlane
 
 
@@ -38,3 +39,18 @@ def test_pairs_together_unpair_fewer_results_within_the_bound():
   # holding the early member costs staleness, never past K = 1
   assert np.mean([s.mean_staleness for s in together]) > np.mean([s.mean_staleness for s in free])
   assert max(s.max_staleness for s in together) == 1
+
+
+def test_shaping_in_graph_is_the_librarys_over_the_cohort_or_each_version():
+  rng = np.random.default_rng(0)
+  f = np.round(rng.normal(size=12), 1).astype(np.float32)   # rounded: ties
+  versions = np.array([3, 4, 4, 3, 4, 2, 4, 3, 4, 4, 0, 0], np.int32)
+  valid = np.array([True] * 10 + [False] * 2)
+  for method in ("centered_rank", "zscore"):
+    cohort = fastlane._shape(f, valid, method, np.zeros(12, np.int32))
+    np.testing.assert_allclose(cohort[:10], shaping.shape(f[:10], method), atol=1e-5)
+    by_version = np.asarray(fastlane._shape(f, valid, method, versions))
+    for v in (2, 3, 4):
+      at = (versions == v) & valid
+      np.testing.assert_allclose(by_version[at], shaping.shape(f[at], method), atol=1e-5)
+    assert by_version[5] == 0.0 and not by_version[10:].any()   # a version alone, padding

@@ -72,8 +72,11 @@ def default_config() -> config_dict.ConfigDict:
       pace_generation_weight=1.0, issue_depth=1, delay_fraction=0.0, delay_updates=0,
       stress_all_stale=0, episodes_per_member=2, pairs="free"))
   # population 20: a 10% delay holds back exactly 2 members of each cohort
+  # shape_within: "cohort" (as the trainer) or "version" (each version's results shaped apart:
+  # issue 63's cheap alternative to waiting for partners; the fast lane only)
   c.es = config_dict.ConfigDict(dict(mode="lowrank", population=20, rank=1, sigma=0.05,
-                                     learning_rate=0.2, shaping="centered_rank", antithetic=True))
+                                     learning_rate=0.2, shaping="centered_rank", antithetic=True,
+                                     shape_within="cohort"))
   c.objective = config_dict.ConfigDict(dict(kind="regression", dim_in=32, dim_out=8, batch=16,
                                             noise=0.5, temperature=0.25, num_train_tasks=256,
                                             num_heldout_tasks=256))
@@ -236,17 +239,18 @@ def _pad(schedules: list[Schedule], width: int) -> dict[str, np.ndarray]:
 
 
 # -- stage 2: the training ----------------------------------------------------------------------------
-def _shape(f: jax.Array, valid: jax.Array, method: str) -> jax.Array:
-  """``jaxes.es.shaping`` in-graph over the valid entries (0 elsewhere)."""
-  n = jnp.sum(valid)
+def _shape(f: jax.Array, valid: jax.Array, method: str, group: jax.Array) -> jax.Array:
+  """``jaxes.es.shaping`` in-graph over the valid entries of each entry's ``group`` (0 elsewhere,
+  and in a group of one): one group is the trainer's shaping over the cohort."""
+  same = valid[None, :] & valid[:, None] & (group[None, :] == group[:, None])   # [i, j]: j shapes i
+  n = jnp.sum(same, axis=1)
   if method == "zscore":
-    mean = jnp.sum(jnp.where(valid, f, 0.0)) / jnp.maximum(n, 1)
-    std = jnp.sqrt(jnp.sum(jnp.where(valid, jnp.square(f - mean), 0.0)) / jnp.maximum(n, 1))
-    z = (f - mean) / (std + 1e-8)
+    mean = jnp.sum(jnp.where(same, f[None, :], 0.0), axis=1) / jnp.maximum(n, 1)
+    var = jnp.sum(jnp.where(same, jnp.square(f[None, :] - mean[:, None]), 0.0), axis=1) / jnp.maximum(n, 1)
+    z = (f - mean) / (jnp.sqrt(var) + 1e-8)
   elif method == "centered_rank":
-    fv = jnp.where(valid, f, jnp.inf)   # invalid entries rank above every valid one
-    below = jnp.sum(fv[None, :] < fv[:, None], axis=1)
-    ties = jnp.sum(fv[None, :] == fv[:, None], axis=1)
+    below = jnp.sum(same & (f[None, :] < f[:, None]), axis=1)
+    ties = jnp.sum(same & (f[None, :] == f[:, None]), axis=1)
     rank = below + (ties - 1) / 2.0
     z = rank / jnp.maximum(n - 1, 1) - 0.5
   else:
@@ -265,8 +269,12 @@ def strategy_of(c) -> es.Strategy:
                      rank=rank, shaping=shaping, antithetic=antithetic)
 
 
+SHAPE_WITHIN = ("cohort", "version")
+
+
 @functools.lru_cache(maxsize=8)
-def _trainer(kind: str, temperature: float, settings: tuple, ring: int, first_heldout: int):
+def _trainer(kind: str, temperature: float, settings: tuple, ring: int, first_heldout: int,
+             by_version: bool = False):
   """The jitted replay of every seed's stream (one compile per objective, ES settings and
   padded shape: a surface's cells share it)."""
   mode, rank, population, sigma, learning_rate, shaping, antithetic = settings
@@ -289,7 +297,7 @@ def _trainer(kind: str, temperature: float, settings: tuple, ring: int, first_he
           bases, v, m)
       f = jax.vmap(lambda p, tt: jax.vmap(lambda ti: score(p["w"], data["x"][ti], data["y"][ti],
                                                            data["optimum"]))(tt).mean())(points, t)
-      shaped = _shape(f, ok, shaping) * w
+      shaped = _shape(f, ok, shaping, v if by_version else jnp.zeros_like(v)) * w
       current = jax.tree.map(lambda h: h[u % ring], history)
       new, opt_state, _ = es_update.apply(current, opt_state, run_key, v, m, shaped.astype(jnp.float32),
                                           jnp.sum(ok).astype(jnp.int32), cfg, tx)
@@ -310,7 +318,8 @@ def train(c, seeds: list[int], schedules: list[Schedule], ring: int, width: int)
   staleness + 1 and ``width`` >= results per update, fixed across cells (one compile)."""
   o = c.objective
   data = jax.vmap(lambda k: make_data(k, o))(jnp.stack([jax.random.key(1000 + s) for s in seeds]))
-  fn = _trainer(o.kind, float(o.temperature), _es_settings(c), ring, int(o.num_train_tasks))
+  fn = _trainer(o.kind, float(o.temperature), _es_settings(c), ring, int(o.num_train_tasks),
+                c.es.shape_within == "version")
   arrays = _pad(schedules, width)
   start, curve, final_w = fn(jnp.stack([jax.random.key(s) for s in seeds]), data,
                              arrays["versions"], arrays["members"], arrays["tasks"],
@@ -346,6 +355,8 @@ def run_surface(base, cells: dict[str, dict], seeds: list[int], log=print) -> di
     controller_config(c, 0)   # validate every cell before running any
     if c.objective.kind not in OBJECTIVES:
       raise GridError(f"objective.kind={c.objective.kind!r}: one of {OBJECTIVES}")
+    if c.es.shape_within not in SHAPE_WITHIN:
+      raise GridError(f"es.shape_within={c.es.shape_within!r}: one of {SHAPE_WITHIN}")
   scheds = {name: [schedule(c, s) for s in seeds] for name, c in configs.items()}
   t_sched = time.time() - t0
   ring = 1 + max(s.max_staleness for ss in scheds.values() for s in ss)

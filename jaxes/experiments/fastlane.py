@@ -72,11 +72,12 @@ def default_config() -> config_dict.ConfigDict:
       pace_generation_weight=1.0, issue_depth=1, delay_fraction=0.0, delay_updates=0,
       stress_all_stale=0, episodes_per_member=2, pairs="free"))
   # population 20: a 10% delay holds back exactly 2 members of each cohort
-  # shape_within: "cohort" (as the trainer) or "version" (each version's results shaped apart:
-  # issue 63's cheap alternative to waiting for partners; the fast lane only)
+  # Issue 63's cheap alternatives to waiting for partners (the fast lane only): shape_within
+  # "cohort" (as the trainer) or "version" (each version's results shaped apart); task_baseline
+  # r > 0: each episode's fitness less a running mean (rate r) of the fitness seen on its task.
   c.es = config_dict.ConfigDict(dict(mode="lowrank", population=20, rank=1, sigma=0.05,
                                      learning_rate=0.2, shaping="centered_rank", antithetic=True,
-                                     shape_within="cohort"))
+                                     shape_within="cohort", task_baseline=0.0))
   c.objective = config_dict.ConfigDict(dict(kind="regression", dim_in=32, dim_out=8, batch=16,
                                             noise=0.5, temperature=0.25, num_train_tasks=256,
                                             num_heldout_tasks=256))
@@ -272,9 +273,25 @@ def strategy_of(c) -> es.Strategy:
 SHAPE_WITHIN = ("cohort", "version")
 
 
+def _less_task_baseline(per_task, tasks, valid, baseline, rate):
+  """Each episode's fitness less its task's baseline (a running mean of the fitness seen on that
+  task, updated at ``rate`` after this update; a task never seen takes this update's mean), so a
+  member whose partner is not in the cohort no longer carries its tasks' difficulty into the
+  ranks (a pair's two members share their tasks: their difference is unchanged)."""
+  value, seen = baseline
+  weight = jnp.broadcast_to(valid[:, None], per_task.shape).astype(jnp.float32)
+  fallback = jnp.sum(per_task * weight) / jnp.maximum(jnp.sum(weight), 1.0)
+  less = per_task - jnp.where(seen[tasks], value[tasks], fallback)
+  sums = jnp.zeros_like(value).at[tasks].add(per_task * weight)
+  counts = jnp.zeros_like(value).at[tasks].add(weight)
+  here = sums / jnp.maximum(counts, 1.0)
+  value = jnp.where(counts > 0, jnp.where(seen, (1 - rate) * value + rate * here, here), value)
+  return less, (value, seen | (counts > 0))
+
+
 @functools.lru_cache(maxsize=8)
 def _trainer(kind: str, temperature: float, settings: tuple, ring: int, first_heldout: int,
-             by_version: bool = False):
+             by_version: bool = False, task_baseline: float = 0.0, num_tasks: int = 1):
   """The jitted replay of every seed's stream (one compile per objective, ES settings and
   padded shape: a surface's cells share it)."""
   mode, rank, population, sigma, learning_rate, shaping, antithetic = settings
@@ -288,25 +305,29 @@ def _trainer(kind: str, temperature: float, settings: tuple, ring: int, first_he
     state = strategy.init(params, seed_key)
     run_key = state.run_key
     history = jax.tree.map(lambda p: jnp.broadcast_to(p, (ring,) + p.shape), params)
+    baseline = (jnp.zeros(num_tasks, jnp.float32), jnp.zeros(num_tasks, bool))   # per task: value, seen
 
     def step(carry, xs):
-      history, opt_state, u = carry
+      history, opt_state, u, baseline = carry
       v, m, t, w, ok = xs
       bases = jax.tree.map(lambda h: h[v % ring], history)      # each result's own version
       points = jax.vmap(lambda b, vi, mi: es_update.perturb(b, run_key, vi, mi, jnp.float32(sigma), cfg))(
           bases, v, m)
-      f = jax.vmap(lambda p, tt: jax.vmap(lambda ti: score(p["w"], data["x"][ti], data["y"][ti],
-                                                           data["optimum"]))(tt).mean())(points, t)
+      per_task = jax.vmap(lambda p, tt: jax.vmap(lambda ti: score(p["w"], data["x"][ti], data["y"][ti],
+                                                                  data["optimum"]))(tt))(points, t)
+      if task_baseline:
+        per_task, baseline = _less_task_baseline(per_task, t, ok, baseline, task_baseline)
+      f = per_task.mean(axis=1)
       shaped = _shape(f, ok, shaping, v if by_version else jnp.zeros_like(v)) * w
       current = jax.tree.map(lambda h: h[u % ring], history)
       new, opt_state, _ = es_update.apply(current, opt_state, run_key, v, m, shaped.astype(jnp.float32),
                                           jnp.sum(ok).astype(jnp.int32), cfg, tx)
       history = jax.tree.map(lambda h, p: h.at[(u + 1) % ring].set(p), history, new)
       out = heldout_score(kind, temperature, new["w"], data, first_heldout)
-      return (history, opt_state, u + 1), (out, new["w"])
+      return (history, opt_state, u + 1, baseline), (out, new["w"])
 
-    (_, _, _), (curve, ws) = jax.lax.scan(step, (history, state.opt_state, jnp.int32(0)),
-                                          (versions, members, tasks, weights, valid))
+    _, (curve, ws) = jax.lax.scan(step, (history, state.opt_state, jnp.int32(0), baseline),
+                                  (versions, members, tasks, weights, valid))
     start = heldout_score(kind, temperature, params["w"], data, first_heldout)
     return start, curve, ws[-1]
 
@@ -319,7 +340,7 @@ def train(c, seeds: list[int], schedules: list[Schedule], ring: int, width: int)
   o = c.objective
   data = jax.vmap(lambda k: make_data(k, o))(jnp.stack([jax.random.key(1000 + s) for s in seeds]))
   fn = _trainer(o.kind, float(o.temperature), _es_settings(c), ring, int(o.num_train_tasks),
-                c.es.shape_within == "version")
+                c.es.shape_within == "version", float(c.es.task_baseline), int(o.num_train_tasks))
   arrays = _pad(schedules, width)
   start, curve, final_w = fn(jnp.stack([jax.random.key(s) for s in seeds]), data,
                              arrays["versions"], arrays["members"], arrays["tasks"],
@@ -357,6 +378,8 @@ def run_surface(base, cells: dict[str, dict], seeds: list[int], log=print) -> di
       raise GridError(f"objective.kind={c.objective.kind!r}: one of {OBJECTIVES}")
     if c.es.shape_within not in SHAPE_WITHIN:
       raise GridError(f"es.shape_within={c.es.shape_within!r}: one of {SHAPE_WITHIN}")
+    if not 0.0 <= c.es.task_baseline <= 1.0:
+      raise GridError(f"es.task_baseline={c.es.task_baseline!r}: a rate in [0, 1] (0: off)")
   scheds = {name: [schedule(c, s) for s in seeds] for name, c in configs.items()}
   t_sched = time.time() - t0
   ring = 1 + max(s.max_staleness for ss in scheds.values() for s in ss)

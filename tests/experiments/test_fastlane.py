@@ -54,3 +54,18 @@ def test_shaping_in_graph_is_the_librarys_over_the_cohort_or_each_version():
       at = (versions == v) & valid
       np.testing.assert_allclose(by_version[at], shaping.shape(f[at], method), atol=1e-5)
     assert by_version[5] == 0.0 and not by_version[10:].any()   # a version alone, padding
+
+
+def test_task_baseline_by_hand():
+  tasks = np.array([[0, 1], [0, 2], [3, 3]])
+  valid = np.array([True, True, False])   # the padding row neither shifts nor updates anything
+  baseline = (np.zeros(4, np.float32), np.zeros(4, bool))
+  less, baseline = fastlane._less_task_baseline(np.array([[1.0, 2.0], [3.0, 4.0], [9.0, 9.0]]),
+                                                tasks, valid, baseline, 0.5)
+  # no task seen yet: the update's mean, 2.5; afterwards each task's mean of this update
+  np.testing.assert_allclose(less[:2], [[-1.5, -0.5], [0.5, 1.5]])
+  np.testing.assert_allclose(baseline[0], [2.0, 2.0, 4.0, 0.0])
+  assert baseline[1].tolist() == [True, True, True, False]
+  less, baseline = fastlane._less_task_baseline(np.full((3, 2), 3.0), tasks, valid, baseline, 0.5)
+  np.testing.assert_allclose(less[:2], [[1.0, 1.0], [1.0, -1.0]])
+  np.testing.assert_allclose(baseline[0], [2.5, 2.5, 3.5, 0.0])

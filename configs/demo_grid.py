@@ -14,6 +14,7 @@ async1_pace (Async-1 under the stale-result policies of jaxes/controller/policie
 async2_throttle (staleness <= 2, issued one update ahead, nothing dropped), coevolve
 (Async-1 with system prompts co-evolved alongside the parameters, jaxes/train/coevolution.py),
 async1_switch (Async-1 with the in-flight version change, rollout.switch_versions),
+async1_pairs (Async-1 whose results wait, within the bound, for their antithetic partner),
 and grpo: the same warm start, tasks, engine
 and evaluation trained by GRPO (configs/demo_grpo.py's learner settings) at the ES variants'
 episode budget -- 4 tasks x 4 sampled episodes = 16 per update, as 8 members x 2 episodes --
@@ -47,7 +48,7 @@ ANCHORED = ("sync", "async1", "delay8", "grpo")
 ANCHOR_DECAY = 10.0
 VARIANTS = ("sync", "async1", "delay4", "delay8", "allstale", "async1_weight",
             "async1_baseline_only", "async1_pace", "async2_throttle", "coevolve", "async1_switch",
-            "grpo", "sao", "sao_delay4", "sao_delay8") + tuple(f"{v}_l2" for v in ANCHORED)
+            "async1_pairs", "grpo", "sao", "sao_delay4", "sao_delay8") + tuple(f"{v}_l2" for v in ANCHORED)
 # SAO's variants: configs/demo_sao.py under an ES variant's controller (Async-1, its delays).
 SAO_VARIANTS = {"sao": "async1", "sao_delay4": "delay4", "sao_delay8": "delay8"}
 NUM_UPDATES = 48

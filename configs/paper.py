@@ -9,7 +9,8 @@ every result in a cohort is stale), async1_weight / async1_baseline_only / async
 under a stale-result policy, docs/controller.md), async2_throttle (staleness <= 2, work issued
 one update ahead and stragglers waited for: tinker's slow issuing), coevolve (Async-1 with the system prompt
 co-evolved alongside the parameters, Agentic ESOpt), async1_switch (Async-1 whose episodes'
-later turns decode under the newest weights, PipelineRL's in-flight update). ES hyperparameters follow Qiu et al. (population 30,
+later turns decode under the newest weights, PipelineRL's in-flight update), async1_pairs (Async-1
+whose results wait, within the bound, for their antithetic partner). ES hyperparameters follow Qiu et al. (population 30,
 sigma 1e-3, alpha 5e-4, greedy decoding, z-score shaping); the model path, the mesh and the
 sandbox backend are overridable (`--config.mesh.fsdp=8`, `--config.env.sandbox=local`).
 
@@ -38,7 +39,7 @@ from jaxes.train.defaults import base_config
 
 VARIANTS = ("sync", "async1", "delay4", "delay8", "allstale", "async1_weight",
             "async1_baseline_only", "async1_pace", "async2_throttle", "coevolve", "async1_switch",
-            "grpo", "sao", "sao_delay4", "sao_delay8")
+            "async1_pairs", "grpo", "sao", "sao_delay4", "sao_delay8")
 # SAO's variants: the SAO row under an ES variant's controller (Async-1, its delays).
 SAO_VARIANTS = {"sao": "async1", "sao_delay4": "delay4", "sao_delay8": "delay8"}
 # target -> (data, fsdp, tensor); data x tensor = 8 and more shard the cache 8 ways or more.

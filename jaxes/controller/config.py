@@ -8,6 +8,7 @@ from typing import Any, Mapping
 from jaxes.controller.policies import POLICIES
 
 MODES = ("sync", "async")
+PAIRS = ("free", "together")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +37,12 @@ class ControllerConfig:
   antithetic:        members 2j and 2j+1 get the same tasks (common random numbers).
   episodes_share_task: all E episodes of a member run one task (GRPO: a member is a group of
                      E episodes of one task, whose advantages are relative to each other).
+  pairs:             "free": a resolved member is consumed whenever the policy picks it;
+                     "together": with antithetic pairs, a resolved member whose partner is still
+                     running is held out of the cohort until the partner resolves, unless this
+                     update is its last within K (then it goes alone, as "free" would take it).
+                     A partner is merged only when both land in one update (``es.update``); an
+                     unpaired member keeps neither the base fitness nor the task cancelled.
   """
   mode: str = "async"
   population: int = 32
@@ -53,6 +60,7 @@ class ControllerConfig:
   seed: int = 0
   antithetic: bool = True
   episodes_share_task: bool = False
+  pairs: str = "free"
 
   def __post_init__(self):
     def bad(key, why):
@@ -60,6 +68,10 @@ class ControllerConfig:
 
     if self.mode not in MODES:
       bad("mode", f"must be one of {MODES}")
+    if self.pairs not in PAIRS:
+      bad("pairs", f"must be one of {PAIRS}")
+    if self.pairs == "together" and not self.antithetic:
+      bad("pairs", "'together' needs antithetic pairs (es.antithetic = True)")
     if self.overage not in POLICIES:
       bad("overage", f"must be one of {POLICIES}")
     if not 0.0 < float(self.staleness_decay) <= 1.0:

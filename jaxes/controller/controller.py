@@ -14,7 +14,8 @@ consumed within the bound). The stale-result policy (``policies.py``) chooses th
 deadline first, oldest version then completion order (plain FIFO can strand more than N old
 members for one cohort; see ``staleness.py``), or PACE's effective-staleness ranking. A controlled delay holds back a seeded choice of round-half-up(pN)
 members of each cohort for d updates; they are consumed, with their own (version, member),
-by the update d later.
+by the update d later. With ``pairs = "together"`` a resolved member waits for its antithetic
+partner (``_pool``) until its last update within K.
 """
 from __future__ import annotations
 
@@ -285,19 +286,21 @@ class Controller:
     """The next update if one is due; popping it advances ``version`` by one."""
     cfg, budget = self.config, self._budget
     n, u = cfg.population, self.version
-    if len(self._ready) < n:
+    at = self._pool()
+    if len(at) < n:
       return None
-    pool = [policies.Candidate(v, m, tuple(self._members[(v, m)].done)) for v, m in self._ready]
+    pool = [policies.Candidate(v, m, tuple(self._members[(v, m)].done))
+            for v, m in (self._ready[i] for i in at)]
     pick = self.policy.select(pool, n, u)
     if len(pick.cohort) != n or set(pick.cohort) & set(pick.rejected):
       raise RuntimeError(f"policy {self.policy.name!r} chose {len(pick.cohort)} of {n} members, "
                          f"or rejected members it consumes")
-    cohort = [self._ready[i] for i in pick.cohort]
-    taken = set(pick.cohort) | set(pick.rejected)
+    cohort = [self._ready[at[i]] for i in pick.cohort]
+    taken = {at[i] for i in pick.cohort} | {at[i] for i in pick.rejected}
     left = [k for i, k in enumerate(self._ready) if i not in taken]
     if self.policy.waits and not budget.feasible_after([k[0] for k in left]):
       return None
-    rejected = [self._ready[i] for i in sorted(pick.rejected)]
+    rejected = [self._ready[i] for i in sorted(at[i] for i in pick.rejected)]
     self._ready = left
     for key in rejected:
       del self._members[key]
@@ -344,6 +347,29 @@ class Controller:
                 tuple(generation), tuple(waiting), tuple(weights))
     return Update(u, results, staleness, dropped, excluded, delayed, generation, waiting, weights,
                   len(rejected), switched)
+
+  def _pool(self) -> list[int]:
+    """Positions in the ready queue the next cohort may take, in the order the policy sees them.
+    Every one with pairs "free". With pairs "together" a member waits while its partner is still
+    running and a later update may still consume it (its version + K > the current version);
+    partners that are both ready sit side by side (the later one moved up to the earlier, so a
+    stable earliest-deadline order keeps them adjacent). A function of the state alone: a
+    resumed or replayed controller takes the same cohorts."""
+    if self.config.pairs != "together":
+      return list(range(len(self._ready)))
+    u, k = self.version, self.config.max_staleness
+    position = {key: i for i, key in enumerate(self._ready)}
+    out, placed = [], set()
+    for i, (v, m) in enumerate(self._ready):
+      if i in placed:
+        continue
+      j = position.get((v, m ^ 1))
+      if j is not None:
+        out += [i, j]
+        placed.add(j)
+      elif not (m ^ 1 in self._unresolved.get(v, ()) and v + k > u):
+        out.append(i)
+    return out
 
   def _expire(self, versions: list[int]) -> int:
     """Drops the members of ``versions`` (unresolved) and the ready members that are now beyond

@@ -174,7 +174,8 @@ def to_markdown(result: dict) -> str:
   name = MEASURE_NAMES[result["measure"]]
   lines = [f"Held-out {name} of the unperturbed policy: mean ± s.e. over seeds ({seeds}). "
            f"\"vs sync\": final {name} minus sync's on the same tasks (same seed), mean ± s.e. "
-           "over seeds. Updates/hour: the training loop without evaluations. Staleness: every "
+           "over seeds; each seed draws its own held-out tasks (the 95% t-intervals and verdicts: "
+           "the paired statistics below). Updates/hour: the training loop without evaluations. Staleness: every "
            "consumed result, pooled over seeds. Dropped, delayed: results per run (mean ± s.e.).",
            "",
            "| variant | runs | before | after | change (paired) | vs sync | updates/hour | "

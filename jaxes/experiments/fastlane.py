@@ -70,15 +70,23 @@ def default_config() -> config_dict.ConfigDict:
   c.controller = config_dict.ConfigDict(dict(
       mode="async", max_staleness=1, overage="drop", staleness_decay=0.5, pace_pool_capacity=0,
       pace_generation_weight=1.0, issue_depth=1, delay_fraction=0.0, delay_updates=0,
-      stress_all_stale=0, episodes_per_member=2))
+      stress_all_stale=0, episodes_per_member=2, pairs="free"))
   # population 20: a 10% delay holds back exactly 2 members of each cohort
+  # Issue 63's cheap alternatives to waiting for partners (the fast lane only): shape_within
+  # "cohort" (as the trainer) or "version" (each version's results shaped apart); task_baseline
+  # r > 0: each episode's fitness less a running mean (rate r) of the fitness seen on its task.
   c.es = config_dict.ConfigDict(dict(mode="lowrank", population=20, rank=1, sigma=0.05,
-                                     learning_rate=0.2, shaping="centered_rank", antithetic=True))
+                                     learning_rate=0.2, shaping="centered_rank", antithetic=True,
+                                     shape_within="cohort", task_baseline=0.0))
   c.objective = config_dict.ConfigDict(dict(kind="regression", dim_in=32, dim_out=8, batch=16,
                                             noise=0.5, temperature=0.25, num_train_tasks=256,
                                             num_heldout_tasks=256))
   # 2N workers, log-normal(1) durations: Async-1's natural staleness ~0.4, as the LLM toy's 0.44
-  c.sim = config_dict.ConfigDict(dict(workers=40, durations="lognormal:1.0", update_seconds=0.0))
+  # split_fraction: forced splits (issue 63) -- each pair consumed whole has its odd member, with
+  # this probability, replaced by an independent one (fresh noise and tasks, same version): the
+  # pair's cancellation lost at no staleness.
+  c.sim = config_dict.ConfigDict(dict(workers=40, durations="lognormal:1.0", update_seconds=0.0,
+                                      split_fraction=0.0))
   c.train = config_dict.ConfigDict(dict(num_updates=100))
   return c
 
@@ -150,6 +158,25 @@ class Schedule:
     return float((h * np.arange(len(h))).sum() / max(h.sum(), 1))
 
   @property
+  def unpaired_share(self) -> float:
+    """The share of consumed results whose antithetic partner is not in the same update at the
+    same version (the update then cannot cancel the pair's shared base fitness and tasks)."""
+    alone = total = 0
+    for versions, members, valid in zip(self.versions, self.members, self.valid):
+      keys = {(int(v), int(m)) for v, m in zip(versions[valid], members[valid])}
+      total += len(keys)
+      alone += sum((v, m ^ 1) not in keys for v, m in keys)
+    return alone / max(total, 1)
+
+  @property
+  def orphaned_share(self) -> float:
+    """The share of consumed results whose partner no update consumes (dropped, or replaced by a
+    forced split): nothing ever cancels such a result's base fitness and tasks."""
+    keys = {(int(v), int(m)) for versions, members, valid in zip(self.versions, self.members, self.valid)
+            for v, m in zip(versions[valid], members[valid])}
+    return sum((v, m ^ 1) not in keys for v, m in keys) / max(len(keys), 1)
+
+  @property
   def max_staleness(self) -> int:
     return max((s for s, n in enumerate(self.staleness_hist) if n), default=0)
 
@@ -180,7 +207,23 @@ def schedule(c, seed: int) -> Schedule:
       hist.extend([0] * (st + 1 - len(hist)))
       hist[st] += 1
   s.staleness_hist = hist
+  if c.sim.split_fraction:
+    split_pairs(s, float(c.sim.split_fraction), seed, cfg.member_bound, int(c.objective.num_train_tasks))
   return s
+
+
+def split_pairs(s: Schedule, fraction: float, seed: int, member_bound: int, num_tasks: int) -> None:
+  """Forced splits, in place: each pair consumed whole is split with probability ``fraction`` --
+  its odd member becomes member ``member_bound + m`` (a noise key no admitted member has) on
+  fresh tasks, so both halves enter as unpaired members of the same version. Seeded: the same
+  splits for every cell of a seed."""
+  rng = np.random.default_rng([seed, 63])
+  for u in range(s.versions.shape[0]):
+    at = {(int(v), int(m)): i for i, (v, m, ok) in enumerate(zip(s.versions[u], s.members[u], s.valid[u])) if ok}
+    for (v, m), i in sorted(at.items()):
+      if m % 2 and (v, m - 1) in at and rng.random() < fraction:
+        s.members[u, i] = member_bound + m
+        s.tasks[u, i] = rng.integers(0, num_tasks, s.tasks.shape[2])
 
 
 def _pad(schedules: list[Schedule], width: int) -> dict[str, np.ndarray]:
@@ -197,17 +240,18 @@ def _pad(schedules: list[Schedule], width: int) -> dict[str, np.ndarray]:
 
 
 # -- stage 2: the training ----------------------------------------------------------------------------
-def _shape(f: jax.Array, valid: jax.Array, method: str) -> jax.Array:
-  """``jaxes.es.shaping`` in-graph over the valid entries (0 elsewhere)."""
-  n = jnp.sum(valid)
+def _shape(f: jax.Array, valid: jax.Array, method: str, group: jax.Array) -> jax.Array:
+  """``jaxes.es.shaping`` in-graph over the valid entries of each entry's ``group`` (0 elsewhere,
+  and in a group of one): one group is the trainer's shaping over the cohort."""
+  same = valid[None, :] & valid[:, None] & (group[None, :] == group[:, None])   # [i, j]: j shapes i
+  n = jnp.sum(same, axis=1)
   if method == "zscore":
-    mean = jnp.sum(jnp.where(valid, f, 0.0)) / jnp.maximum(n, 1)
-    std = jnp.sqrt(jnp.sum(jnp.where(valid, jnp.square(f - mean), 0.0)) / jnp.maximum(n, 1))
-    z = (f - mean) / (std + 1e-8)
+    mean = jnp.sum(jnp.where(same, f[None, :], 0.0), axis=1) / jnp.maximum(n, 1)
+    var = jnp.sum(jnp.where(same, jnp.square(f[None, :] - mean[:, None]), 0.0), axis=1) / jnp.maximum(n, 1)
+    z = (f - mean) / (jnp.sqrt(var) + 1e-8)
   elif method == "centered_rank":
-    fv = jnp.where(valid, f, jnp.inf)   # invalid entries rank above every valid one
-    below = jnp.sum(fv[None, :] < fv[:, None], axis=1)
-    ties = jnp.sum(fv[None, :] == fv[:, None], axis=1)
+    below = jnp.sum(same & (f[None, :] < f[:, None]), axis=1)
+    ties = jnp.sum(same & (f[None, :] == f[:, None]), axis=1)
     rank = below + (ties - 1) / 2.0
     z = rank / jnp.maximum(n - 1, 1) - 0.5
   else:
@@ -226,8 +270,28 @@ def strategy_of(c) -> es.Strategy:
                      rank=rank, shaping=shaping, antithetic=antithetic)
 
 
+SHAPE_WITHIN = ("cohort", "version")
+
+
+def _less_task_baseline(per_task, tasks, valid, baseline, rate):
+  """Each episode's fitness less its task's baseline (a running mean of the fitness seen on that
+  task, updated at ``rate`` after this update; a task never seen takes this update's mean), so a
+  member whose partner is not in the cohort no longer carries its tasks' difficulty into the
+  ranks (a pair's two members share their tasks: their difference is unchanged)."""
+  value, seen = baseline
+  weight = jnp.broadcast_to(valid[:, None], per_task.shape).astype(jnp.float32)
+  fallback = jnp.sum(per_task * weight) / jnp.maximum(jnp.sum(weight), 1.0)
+  less = per_task - jnp.where(seen[tasks], value[tasks], fallback)
+  sums = jnp.zeros_like(value).at[tasks].add(per_task * weight)
+  counts = jnp.zeros_like(value).at[tasks].add(weight)
+  here = sums / jnp.maximum(counts, 1.0)
+  value = jnp.where(counts > 0, jnp.where(seen, (1 - rate) * value + rate * here, here), value)
+  return less, (value, seen | (counts > 0))
+
+
 @functools.lru_cache(maxsize=8)
-def _trainer(kind: str, temperature: float, settings: tuple, ring: int, first_heldout: int):
+def _trainer(kind: str, temperature: float, settings: tuple, ring: int, first_heldout: int,
+             by_version: bool = False, task_baseline: float = 0.0, num_tasks: int = 1):
   """The jitted replay of every seed's stream (one compile per objective, ES settings and
   padded shape: a surface's cells share it)."""
   mode, rank, population, sigma, learning_rate, shaping, antithetic = settings
@@ -241,25 +305,29 @@ def _trainer(kind: str, temperature: float, settings: tuple, ring: int, first_he
     state = strategy.init(params, seed_key)
     run_key = state.run_key
     history = jax.tree.map(lambda p: jnp.broadcast_to(p, (ring,) + p.shape), params)
+    baseline = (jnp.zeros(num_tasks, jnp.float32), jnp.zeros(num_tasks, bool))   # per task: value, seen
 
     def step(carry, xs):
-      history, opt_state, u = carry
+      history, opt_state, u, baseline = carry
       v, m, t, w, ok = xs
       bases = jax.tree.map(lambda h: h[v % ring], history)      # each result's own version
       points = jax.vmap(lambda b, vi, mi: es_update.perturb(b, run_key, vi, mi, jnp.float32(sigma), cfg))(
           bases, v, m)
-      f = jax.vmap(lambda p, tt: jax.vmap(lambda ti: score(p["w"], data["x"][ti], data["y"][ti],
-                                                           data["optimum"]))(tt).mean())(points, t)
-      shaped = _shape(f, ok, shaping) * w
+      per_task = jax.vmap(lambda p, tt: jax.vmap(lambda ti: score(p["w"], data["x"][ti], data["y"][ti],
+                                                                  data["optimum"]))(tt))(points, t)
+      if task_baseline:
+        per_task, baseline = _less_task_baseline(per_task, t, ok, baseline, task_baseline)
+      f = per_task.mean(axis=1)
+      shaped = _shape(f, ok, shaping, v if by_version else jnp.zeros_like(v)) * w
       current = jax.tree.map(lambda h: h[u % ring], history)
       new, opt_state, _ = es_update.apply(current, opt_state, run_key, v, m, shaped.astype(jnp.float32),
                                           jnp.sum(ok).astype(jnp.int32), cfg, tx)
       history = jax.tree.map(lambda h, p: h.at[(u + 1) % ring].set(p), history, new)
       out = heldout_score(kind, temperature, new["w"], data, first_heldout)
-      return (history, opt_state, u + 1), (out, new["w"])
+      return (history, opt_state, u + 1, baseline), (out, new["w"])
 
-    (_, _, _), (curve, ws) = jax.lax.scan(step, (history, state.opt_state, jnp.int32(0)),
-                                          (versions, members, tasks, weights, valid))
+    _, (curve, ws) = jax.lax.scan(step, (history, state.opt_state, jnp.int32(0), baseline),
+                                  (versions, members, tasks, weights, valid))
     start = heldout_score(kind, temperature, params["w"], data, first_heldout)
     return start, curve, ws[-1]
 
@@ -271,7 +339,8 @@ def train(c, seeds: list[int], schedules: list[Schedule], ring: int, width: int)
   staleness + 1 and ``width`` >= results per update, fixed across cells (one compile)."""
   o = c.objective
   data = jax.vmap(lambda k: make_data(k, o))(jnp.stack([jax.random.key(1000 + s) for s in seeds]))
-  fn = _trainer(o.kind, float(o.temperature), _es_settings(c), ring, int(o.num_train_tasks))
+  fn = _trainer(o.kind, float(o.temperature), _es_settings(c), ring, int(o.num_train_tasks),
+                c.es.shape_within == "version", float(c.es.task_baseline), int(o.num_train_tasks))
   arrays = _pad(schedules, width)
   start, curve, final_w = fn(jnp.stack([jax.random.key(s) for s in seeds]), data,
                              arrays["versions"], arrays["members"], arrays["tasks"],
@@ -307,6 +376,10 @@ def run_surface(base, cells: dict[str, dict], seeds: list[int], log=print) -> di
     controller_config(c, 0)   # validate every cell before running any
     if c.objective.kind not in OBJECTIVES:
       raise GridError(f"objective.kind={c.objective.kind!r}: one of {OBJECTIVES}")
+    if c.es.shape_within not in SHAPE_WITHIN:
+      raise GridError(f"es.shape_within={c.es.shape_within!r}: one of {SHAPE_WITHIN}")
+    if not 0.0 <= c.es.task_baseline <= 1.0:
+      raise GridError(f"es.task_baseline={c.es.task_baseline!r}: a rate in [0, 1] (0: off)")
   scheds = {name: [schedule(c, s) for s in seeds] for name, c in configs.items()}
   t_sched = time.time() - t0
   ring = 1 + max(s.max_staleness for ss in scheds.values() for s in ss)
@@ -321,6 +394,8 @@ def run_surface(base, cells: dict[str, dict], seeds: list[int], log=print) -> di
         "mean_staleness": [s.mean_staleness for s in scheds[name]],
         "staleness_hist": aggregate.pool_histograms([s.staleness_hist for s in scheds[name]]),
         "dropped": [s.dropped for s in scheds[name]],
+        "unpaired_share": [s.unpaired_share for s in scheds[name]],
+        "orphaned_share": [s.orphaned_share for s in scheds[name]],
         "final_w": out["final_w"]}
   ref = rows["sync"]["score"]
   for name, r in rows.items():

@@ -161,22 +161,26 @@ def _paired_html(result: dict, esc) -> str:
     return ""
   rows = []
   for r in summary["table"]:
-    p = r["vs_sync"]
+    p, ref = r["vs_sync"], r["name"] == "sync"
     rows.append(f"<tr><td>{esc(r['name'])}</td>"
                 f"<td>{'—' if r['mean_staleness'] is None else format(r['mean_staleness'], '.2f')}</td>"
-                f"<td>{'(reference)' if r['name'] == 'sync' else stats.format_paired(p)}</td>"
+                f"<td>{'(reference)' if ref else stats.format_paired(p)}</td>"
+                f"<td>{'' if ref else stats.format_ci(p)}</td><td>{'' if ref else stats.format_p(p)}</td>"
                 f"<td>{'yes' if p and p['resolved'] else ('no' if p else '—')}</td>"
-                f"<td>{r['seeds_for_target'] or '—'}</td><td>{r['seeds_to_resolve'] or '—'}</td></tr>")
-  slopes = "".join(f"<tr><td>{esc(str(g))}</td><td>{stats.format_paired(s, 2)}</td><td>{s['n']}</td></tr>"
+                f"<td>{r['seeds_for_target'] or '—'}</td><td>{r.get('seeds_for_power') or '—'}</td></tr>")
+  slopes = "".join(f"<tr><td>{esc(str(g))}</td><td>{stats.format_paired(s, 2)}</td><td>{stats.format_ci(s, 2)}</td>"
+                   f"<td>{s['n']}</td><td>{esc(stats.format_fit(s.get('lack_of_fit')))}</td></tr>"
                    for g, s in summary["slopes"].items())
   heat = stats.heatmap_html(summary, esc)
+  unit = "points of the held-out measure"
   return ((f"<h2>Surface</h2>{heat}" if heat else "")
-          + "<h2>Paired vs sync</h2><p>Per seed, the final held-out measure minus sync's on the same "
-          "tasks, in points; mean ± s.e. over seeds; resolved: |d| &gt; 2 s.e.</p>"
-          f"<table><tr><th>variant</th><th>mean staleness</th><th>vs sync</th><th>resolved</th>"
-          f"<th>seeds for s.e. {summary['target_se']:g}</th><th>seeds to resolve</th></tr>{''.join(rows)}</table>"
-          + (f"<p>Points per unit of mean staleness, by {esc(str(summary['slope_by']))}:</p><table>"
-             f"<tr><th>{esc(str(summary['slope_by']))}</th><th>slope</th><th>seeds</th></tr>{slopes}</table>"
+          + f"<h2>Paired vs sync</h2><p>{esc(stats.rules_line(unit))}</p>"
+          f"<table><tr><th>variant</th><th>mean staleness</th><th>vs sync</th><th>95% t-interval</th>"
+          f"<th>p</th><th>resolved</th><th>seeds for s.e. {summary['target_se']:g}</th>"
+          f"<th>seeds for {stats.POWER:.0%} power</th></tr>{''.join(rows)}</table>"
+          + (f"<p>Points per unit of mean staleness, by {esc(str(summary['slope_by']))} (read only "
+             f"where the line fits):</p><table><tr><th>{esc(str(summary['slope_by']))}</th><th>slope</th>"
+             f"<th>95% t-interval</th><th>seeds</th><th>line</th></tr>{slopes}</table>"
              if slopes else ""))
 
 

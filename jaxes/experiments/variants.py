@@ -43,6 +43,8 @@ ES_OVERRIDES = {
     # In-flight version change (PipelineRL's, docs/controller.md) on Async-1: an episode's next
     # turn decodes under the newest weights with its member's noise.
     "async1_switch": {**_ASYNC1, "rollout.switch_versions": True},
+    # Antithetic pairs kept together (issue 63): a result waits, within K, for its partner.
+    "async1_pairs": {**_ASYNC1, "controller.pairs": "together"},
 }
 
 
@@ -68,6 +70,7 @@ DESCRIPTIONS = {
     "async2_throttle": "staleness <= 2, work issued one update ahead, stragglers waited for (tinker)",
     "coevolve": "Async-1, system prompts co-evolved with the parameters (Agentic ESOpt)",
     "async1_switch": "Async-1, later turns decoded under the newest weights (PipelineRL)",
+    "async1_pairs": "Async-1, a result waits (within the bound) for its antithetic partner",
     "grpo": "GRPO (backprop baseline)",
 }
 

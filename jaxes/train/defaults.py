@@ -71,6 +71,7 @@ def base_config() -> config_dict.ConfigDict:
   c.controller.delay_updates = 0
   c.controller.stress_all_stale = 0
   c.controller.max_retries = 3
+  c.controller.pairs = "free"   # "together": a result waits (within K) for its antithetic partner
 
   # Parameter-context co-evolution (Agentic ESOpt, ES only; jaxes.train.coevolution): each
   # antithetic pair's system prompt gets a seeded mutation of a parent context of prompt pieces,

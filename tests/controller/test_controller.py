@@ -38,6 +38,8 @@ def report_all(ctl, jobs, reward=lambda j: float(j.member)):
     (dict(delay_fraction=0.1), "delay_updates"),
     (dict(stress_all_stale=2, delay_fraction=0.1, delay_updates=1), "stress_all_stale"),
     (dict(max_retries=-1), "max_retries"),
+    (dict(pairs="kept"), "pairs"),
+    (dict(pairs="together", antithetic=False), "pairs"),
 ])
 def test_bad_config_names_the_key(kw, key):
   with pytest.raises(ValueError, match=rf"ControllerConfig\.{key}="):
@@ -274,6 +276,39 @@ def test_wait_mode_waits_for_results_that_must_make_the_update():
   upd2 = ctl.pop_update()
   assert [(v, m) for v, m, _ in upd2.results] == [(1, 0), (1, 1)]
   assert upd2.staleness == [1, 1]
+
+
+def test_pairs_together_holds_a_member_for_its_partner_until_its_last_update():
+  # N = 2, K = 1, E = 1: version 0 admits pairs (0, 1) and (2, 3); 0 and 3 finish first.
+  def start(pairs):
+    ctl = Controller(cfg(max_staleness=1, pairs=pairs), num_tasks=100)
+    jobs = {j.member: j for j in ctl.next_jobs(100)}
+    report_all(ctl, [jobs[0], jobs[3]])
+    return ctl, jobs
+
+  ctl, _ = start("free")
+  assert [(v, m) for v, m, _ in ctl.pop_update().results] == [(0, 0), (0, 3)]   # two pairs split
+  ctl, jobs = start("together")
+  assert ctl.pop_update() is None            # each waits: update 1 may still consume it
+  report_all(ctl, [jobs[1]])
+  upd0 = ctl.pop_update()
+  assert [(v, m) for v, m, _ in upd0.results] == [(0, 0), (0, 1)]
+  assert ctl.pop_update() is None            # (0, 3) still waits for (0, 2)
+  new = ctl.next_jobs(100)
+  report_all(ctl, new)
+  # Update 1 is (0, 3)'s last within K = 1: it goes without its partner, which is dropped.
+  upd1 = ctl.pop_update()
+  assert [(v, m) for v, m, _ in upd1.results] == [(0, 3), (1, 0)] and upd1.staleness == [1, 0]
+  assert upd1.dropped == 1 and [(j.version, j.member) for j in ctl.doomed_jobs()] == [(0, 2)]
+  # Sync has nothing to wait for: the option changes no cohort there.
+  logs = []
+  for pairs in ("free", "together"):
+    logs.append([])
+    ctl = Controller(cfg(mode="sync", population=4, pairs=pairs), num_tasks=100, log=logs[-1])
+    for _ in range(3):
+      report_all(ctl, reversed(ctl.next_jobs(100)))
+      assert ctl.pop_update() is not None
+  assert logs[0] == logs[1]
 
 
 # ---- controlled delay and stress -------------------------------------------------------------

@@ -10,6 +10,7 @@ import random
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from jaxes.controller import Controller, ControllerConfig
+from jaxes.controller.config import PAIRS
 from jaxes.controller.policies import POLICIES
 
 
@@ -36,7 +37,7 @@ def configs(draw):
   if policy == "throttle":
     kw.update(issue_depth=draw(st.integers(0, k)))
   return ControllerConfig(mode=mode, population=n, episodes_per_member=draw(st.integers(1, 3)),
-                          max_staleness=k, overage=policy,
+                          max_staleness=k, overage=policy, pairs=draw(st.sampled_from(PAIRS)),
                           max_retries=draw(st.integers(0, 2)), seed=draw(st.integers(0, 5)), **kw)
 
 

@@ -159,18 +159,19 @@ def test_in_flight_version_change_moves_later_turns_and_counts_generation_from_t
   assert [e for e in log if e[0] != "reissue"] == full_log
 
 
+@pytest.mark.parametrize("pairs", ["free", "together"])
 @pytest.mark.parametrize("cut", [1, 7, 23])
-def test_checkpoint_and_resume_gives_the_uninterrupted_run(cut):
+def test_checkpoint_and_resume_gives_the_uninterrupted_run(cut, pairs):
   full_log = []
-  full = make_sim(full_log, failure_rate=0.1, max_staleness=2)
+  full = make_sim(full_log, failure_rate=0.1, max_staleness=2, pairs=pairs)
   expected = full.run(30)
 
   log = []
-  sim = make_sim(log, failure_rate=0.1, max_staleness=2)
+  sim = make_sim(log, failure_rate=0.1, max_staleness=2, pairs=pairs)
   while len(sim.updates) < cut:
     sim.tick(30)
   state = json.loads(json.dumps(sim.state_dict()))
-  resumed = make_sim(failure_rate=0.1, max_staleness=2)
+  resumed = make_sim(failure_rate=0.1, max_staleness=2, pairs=pairs)
   resumed.load_state_dict(state, log=log)
   assert resumed.run(30) == expected
   assert [e for e in log if e[0] != "reissue"] == full_log

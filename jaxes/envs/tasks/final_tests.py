@@ -26,6 +26,10 @@ import hmac
 import json
 import secrets
 
+from jaxes.envs.tasks import agent_proxy
+
+# Sent into the sandbox as text: the tests' process and the agent-code server both run it.
+_PROXY_SOURCE = open(agent_proxy.__file__, encoding="utf-8").read()
 RESULT_TAG = "JAXES_TEST_RESULT "
 NO_PYTEST = "no-pytest"          # a verifier status besides "ok": an infrastructure fault
 # The agent's home is not usable as the tests' working directory (e.g. it ran `chmod 000` on it):
@@ -140,7 +144,14 @@ def report(passed, failed, collected):
 source, path = job["source"], job["path"]
 linecache.cache[path] = (len(source), None, source.splitlines(True), path)
 
+def agent_code_apart(trusted):
+  # From here on no file the agent could write runs in this process (agent_proxy).
+  proxy = types.ModuleType("jaxes_agent_proxy")
+  exec(compile(job["proxy"], "<jaxes agent proxy>", "exec"), proxy.__dict__)
+  return proxy.install(job["proxy"], sys.executable, trusted)
+
 if job["runner"] == "light":
+  finder, agent_code = agent_code_apart([path])
   mod = types.ModuleType("test_final_state")
   mod.__file__ = path
   sys.modules[mod.__name__] = mod
@@ -163,20 +174,38 @@ if job["runner"] == "light":
     except BaseException as e:
       failed += 1
       lines.append("FAILED " + name + " - " + type(e).__name__ + ": " + str(e)[:2000])
+  agent_code.stop()
   print("\n".join(lines))
   report(passed, failed, tests is not None)
 
-import shutil, tempfile   # the light runner does without them (start-up time)
+import ast, shutil, tempfile   # the light runner does without them (start-up time)
 import pytest
+from _pytest.assertion.rewrite import rewrite_asserts
 home = tempfile.mkdtemp(prefix="jaxes-verify-")
 test_path = os.path.join(home, os.path.basename(path))
-with open(test_path, "w", encoding="utf-8") as f:
-  f.write(source)
+# An empty stand-in for pytest to collect: the tests' source stays in this process's memory
+# (the agent-code server runs as the same uid and could read a file).
+open(test_path, "w").close()
 outcomes = {}
 
+class InMemory(pytest.Module):
+  def _getobj(self):   # the tests' module from memory, asserts rewritten as pytest's import would
+    tree = ast.parse(source, path)
+    rewrite_asserts(tree, source.encode("utf-8"), path, self.config)
+    mod = types.ModuleType("test_final_state")
+    mod.__file__ = path
+    sys.modules[mod.__name__] = mod
+    exec(compile(tree, path, "exec", dont_inherit=True), mod.__dict__)
+    return mod
+
 class Verdict:
-  def pytest_collection_finish(self, session):
-    shutil.rmtree(home, ignore_errors=True)   # before any test (and agent code) runs
+  @pytest.hookimpl(tryfirst=True)
+  def pytest_pycollect_makemodule(self, module_path, parent):
+    return InMemory.from_parent(parent, path=module_path)
+
+  def pytest_sessionstart(self, session):   # ahead of pytest's assertion-rewriting importer
+    sys.meta_path.remove(finder)
+    sys.meta_path.insert(0, finder)
 
   def pytest_runtest_logreport(self, report):
     if report.failed or (report.when == "call" and hasattr(report, "wasxfail")):
@@ -184,11 +213,13 @@ class Verdict:
     elif report.when == "call" and report.passed:
       outcomes.setdefault(report.nodeid, True)
 
+finder, agent_code = agent_code_apart([path, test_path])
 try:
   code = pytest.main(["-q", "-rA", "-p", "no:cacheprovider", "-c", os.devnull,
                       "--rootdir=" + home, "--confcutdir=" + home, test_path],
                      plugins=[Verdict()])
 finally:
+  agent_code.stop()
   shutil.rmtree(home, ignore_errors=True)
 good = sum(outcomes.values())
 report(good, len(outcomes) - good, code in (0, 1))
@@ -202,9 +233,10 @@ def new_key() -> str:
 
 def verifier_job(source: str, key: str, runner: str, path: str, cwd: str, cpu_s: int,
                  mem_bytes: int, uid: int | None = None) -> bytes:
-  """The verifier's JSON payload."""
+  """The verifier's JSON payload (with agent_proxy's source, which the tests' process runs)."""
   return json.dumps({"source": source, "key": key, "runner": runner, "path": path, "cwd": cwd,
-                     "cpu_s": cpu_s, "mem_bytes": mem_bytes, "uid": uid}).encode()
+                     "cpu_s": cpu_s, "mem_bytes": mem_bytes, "uid": uid,
+                     "proxy": _PROXY_SOURCE}).encode()
 
 
 def parse_verdict(output: str, key: str) -> tuple[int, int, bool, str] | None:

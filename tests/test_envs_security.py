@@ -447,3 +447,177 @@ def test_nul_bytes_and_over_long_commands_follow_one_rule_on_both_backends(sandb
   assert (nul.exit_code, nul.output) == (2, "command refused, not run: it contains a NUL byte\n")
   assert too_long.exit_code == 2 and too_long.output == (
     f"command refused, not run: it is longer than {MAX_COMMAND_BYTES} bytes\n")
+
+
+# -- agent code the tests import never decides the verdict (issue 66) -------------------------
+
+# A 2-test Endless-Terminals-style folder whose tests import /home/user/solution.py, as many real
+# suites' do; "pytest" variants import pytest, so the local backend runs them with real pytest.
+IMPORTING_TESTS = textwrap.dedent('''\
+  import importlib.util
+  spec = importlib.util.spec_from_file_location("solution", "/home/user/solution.py")
+  solution = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(solution)
+
+  def test_answer():
+    assert solution.answer() == 42
+
+  def test_total():
+    assert solution.total([1, 2, 3]) == 6
+  ''')
+HONEST_SOLUTION = textwrap.dedent('''\
+  def answer():
+    print("computing")
+    return 42
+
+  def total(xs):
+    return sum(xs)
+  ''')
+WRONG = "def answer():\n  return 0\n\ndef total(xs):\n  return 0\n"
+# Each, written as solution.py, is imported by the tests. Before issue 66 (main at 608e54e) the
+# report, patch, counts and child replays each earned reward 1 on both backends.
+IMPORTED_ATTACKS = {
+  # The tests' process's own report() with the file's exact count.
+  "report": "import __main__\n__main__.report(2, 0, 1)\n",
+  # Ends the process before any assertion, having printed a pytest-like summary and result line.
+  "exit": textwrap.dedent('''\
+    import os, sys
+    sys.stdout.write("\\n2 passed in 0.01s\\nJAXES_TEST_RESULT 2 0 1 ok " + "0" * 64 + "\\n")
+    sys.stdout.flush()
+    os._exit(0)
+    '''),
+  # Makes every test pass without running: pytest's Function.runtest, unittest's TestCase.run,
+  # and the light runner's output redirection turned into exception swallowers.
+  "patch": textwrap.dedent('''\
+    import contextlib, sys, unittest
+    class Swallow:
+      def __init__(self, *args): pass
+      def __enter__(self): return self
+      def __exit__(self, *exc): return True
+    contextlib.redirect_stdout = contextlib.redirect_stderr = Swallow
+    if "_pytest.python" in sys.modules:
+      sys.modules["_pytest.python"].Function.runtest = lambda self: None
+    unittest.TestCase.run = lambda self, result=None: result
+    ''') + WRONG,
+  # "2 0 1" into every pipe it holds (the counts channel among them), then exits.
+  "counts": textwrap.dedent('''\
+    import os, stat
+    for fd in range(3, 256):
+      try:
+        if stat.S_ISFIFO(os.fstat(fd).st_mode):
+          os.write(fd, b"2 0 1\\n")
+      except OSError:
+        pass
+    os._exit(0)
+    '''),
+  # Report files a verifier might read: JUnit XML, pytest-json-report, Harbor's reward files.
+  "report_files": textwrap.dedent('''\
+    import os
+    junit = '<testsuite tests="2" failures="0" errors="0"><testcase name="test_answer"/><testcase name="test_total"/></testsuite>'
+    for path, text in (("/home/user/report.xml", junit), ("/tmp/junit.xml", junit),
+                       ("/home/user/.report.json", '{"summary": {"passed": 2, "total": 2}, "exitcode": 0}'),
+                       ("/logs/verifier/reward.txt", "1"), ("/logs/verifier/reward.json", '{"reward": 1}')):
+      try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+          f.write(text)
+      except OSError:
+        pass
+    ''') + WRONG,
+  # Imports fine; a detached child it forks writes "2 0 1" into the pipes it inherited, kills
+  # its parent and outlives it (holding those pipes a while).
+  "child": textwrap.dedent('''\
+    import os, signal, stat, time
+    fifos = []
+    for fd in range(3, 256):
+      try:
+        if stat.S_ISFIFO(os.fstat(fd).st_mode):
+          fifos.append(fd)
+      except OSError:
+        pass
+    parent = os.getpid()
+    if os.fork() == 0:
+      os.setsid()
+      for fd in fifos:
+        try:
+          os.write(fd, b"2 0 1\\n")
+        except OSError:
+          pass
+      os.kill(parent, signal.SIGKILL)
+      time.sleep(3)
+      os._exit(0)
+    time.sleep(1)
+    ''') + WRONG,
+}
+
+
+def write_solution(answer: str) -> str:
+  return f"<command>cat > /home/user/solution.py <<'EOF'\n{answer}EOF</command>"
+
+
+def importing_suite(root, variants=("light", "pytest")) -> list[str]:
+  """One task folder per variant and attack (same tests, the honest solution as the oracle)."""
+  names = []
+  for variant in variants:
+    tests = ("import pytest\n" if variant == "pytest" else "") + IMPORTING_TESTS
+    for attack in IMPORTED_ATTACKS:
+      name = f"{variant}-{attack}"
+      folder = root / name
+      folder.mkdir(parents=True)
+      (folder / "task.json").write_text(json.dumps({"name": name, "description": "Write solution.py."}))
+      (folder / "test_final_state.py").write_text(tests)
+      (folder / "solution.sh").write_text(f"cat > /home/user/solution.py <<'EOF'\n{HONEST_SOLUTION}EOF\n")
+      names.append(name)
+  return names
+
+
+def check_summary(capsys, argv) -> tuple[int, dict, str]:
+  code = check.main(argv + ["--no-progress"])
+  out = capsys.readouterr().out
+  return code, json.loads(out.strip().splitlines()[-1]), out
+
+
+@pytest.mark.end_to_end
+@pytest.mark.parametrize("backend", ["local", pytest.param("docker", marks=pytest.mark.docker)])
+def test_agent_code_the_tests_import_never_decides_the_verdict(backend, tmp_path, capsys):
+  names = importing_suite(tmp_path / "suite")
+  replay = tmp_path / "replay.json"
+  replay.write_text(json.dumps({name: [write_solution(IMPORTED_ATTACKS[name.split("-", 1)[1]]),
+                                       check.DONE] for name in names}))
+  base = ["--backend", backend, "--tasks", str(tmp_path / "suite"), "--workers", "2"]
+  code, summary, out = check_summary(capsys, base + ["--agent", "oracle"])
+  assert (code, summary["passed"], summary["leaked"]) == (0, len(names), 0), out
+  code, summary, out = check_summary(capsys, base + ["--agent", f"replay:{replay}"])
+  assert (summary["passed"], summary["leaked"], summary["excluded"]) == (0, 0, {}), out
+  assert summary["failures"] == {"FAILED_TESTS": len(names)}, out
+  code, summary, out = check_summary(capsys, base + ["--agent", "noop"])
+  assert (code, summary["passed"]) == (0, 0), out
+
+
+@pytest.mark.end_to_end
+@pytest.mark.parametrize("backend", ["local", pytest.param("docker", marks=pytest.mark.docker)])
+def test_a_training_runs_episodes_pay_imported_agent_code_only_for_solving(backend, tmp_path):
+  from jaxes.envs import environments
+  from jaxes.train import defaults
+  names = importing_suite(tmp_path / "suite", variants=("pytest",))
+  config = defaults.base_config()
+  config.env.kind, config.env.task_dir, config.env.sandbox = "task_folders", str(tmp_path / "suite"), backend
+  config.env.max_turns = 3
+  env = environments.environment(config)
+  tasks = env.make_tasks(config, "train", len(names), 0)
+  make_episode = env.make_episode(config, env.default_system_prompt(config))
+  sandbox = make_sandbox(backend)
+  rewards = {}
+  try:
+    for task in tasks:
+      attack = task.name.split("-", 1)[1]
+      for who, answer in (("oracle", HONEST_SOLUTION), (attack, IMPORTED_ATTACKS[attack])):
+        with sandbox.start(task) as handle:
+          episode = make_episode(task, handle)
+          for turn in (write_solution(answer), check.DONE):
+            if episode.step(turn):
+              break
+          rewards[task.name, who] = episode.finish().reward
+  finally:
+    sandbox.shutdown()
+  assert {k: r for k, r in rewards.items() if (r == 1.0) != (k[1] == "oracle")} == {}, rewards

@@ -621,3 +621,47 @@ def test_a_training_runs_episodes_pay_imported_agent_code_only_for_solving(backe
   finally:
     sandbox.shutdown()
   assert {k: r for k, r in rewards.items() if (r == 1.0) != (k[1] == "oracle")} == {}, rewards
+
+
+# A Harbor folder whose tests import the agent's /app/solution.py: test.sh runs them as root, so
+# the imported code ends pytest with status 0 (test.sh then writes reward 1) or writes
+# /logs/verifier/reward.json itself. Each earned reward 1 on main at 608e54e; no verifier of ours
+# runs there, so the folder is refused at loading unless --allow-unsafe-verdicts keeps it.
+HARBOR_IMPORTS = {
+  "task.toml": 'version = "1.0"\n[verifier]\ntimeout_sec = 45.0\n',
+  "instruction.md": "Write /app/solution.py with answer() returning 42.\n",
+  "environment/Dockerfile": "FROM jaxes-sandbox:latest\nWORKDIR /app\n",
+  "solution/solve.sh": "printf 'def answer():\\n  return 42\\n' > /app/solution.py\n",
+  "tests/test.sh": "#!/bin/bash\nif python3 -m pytest -q -p no:cacheprovider /tests/test_outputs.py; then\n"
+                   "  echo 1 > /logs/verifier/reward.txt\nelse\n  echo 0 > /logs/verifier/reward.txt\nfi\n",
+  "tests/test_outputs.py": 'import sys\nsys.path.insert(0, "/app")\n\ndef test_answer():\n'
+                           '  import solution\n  assert solution.answer() == 42\n',
+}
+HARBOR_IMPORTED_ATTACKS = {
+  "exit": "import os\nos._exit(0)\n",
+  "report_files": "import os\nwith open('/logs/verifier/reward.json', 'w') as f:\n  f.write('{\"reward\": 1}')\n"
+                  "def answer():\n  return 0\n",
+}
+
+
+@pytest.mark.end_to_end
+@pytest.mark.docker
+def test_a_harbor_folder_whose_root_tests_import_agent_code_is_refused(tmp_path, capsys, caplog):
+  suite = tmp_path / "suite"
+  for attack in HARBOR_IMPORTED_ATTACKS:
+    for path, text in HARBOR_IMPORTS.items():
+      (suite / f"harbor-{attack}" / path).parent.mkdir(parents=True, exist_ok=True)
+      (suite / f"harbor-{attack}" / path).write_text(text)
+  replay = tmp_path / "replay.json"
+  replay.write_text(json.dumps({f"harbor-{a}": [
+    f"<command>cat > /app/solution.py <<'EOF'\n{text}EOF</command>", check.DONE]
+    for a, text in HARBOR_IMPORTED_ATTACKS.items()}))
+  base = ["--backend", "docker", "--tasks", str(suite), "--no-progress"]
+  assert check.main(base + ["--agent", f"replay:{replay}"]) == 2
+  assert "every task folder was refused" in capsys.readouterr().err
+  refused = [r.getMessage() for r in caplog.records if "refused (task harbor-" in r.getMessage()]
+  assert len(refused) == 2 and "runs the agent's code as root" in refused[0], refused
+  # Kept on request, the hole is what the summary names: no verifier of ours runs there.
+  code, summary, out = check_summary(capsys, base + ["--agent", f"replay:{replay}",
+                                                     "--allow-unsafe-verdicts"])
+  assert summary["unsafe_verdicts"] == ["harbor-exit", "harbor-report_files"], out

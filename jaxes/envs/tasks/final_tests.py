@@ -24,6 +24,7 @@ import ast
 import hashlib
 import hmac
 import json
+import re
 import secrets
 
 from jaxes.envs.tasks import agent_proxy
@@ -356,24 +357,66 @@ _RUNS_CODE = ("exec", "eval", "compile", "__import__", "import_module", "spec_fr
               "SourceFileLoader", "run_path", "run_module", "run", "call", "check_call",
               "check_output", "Popen", "system", "popen", "execv", "execve", "execvp", "execl",
               "execlp", "spawnv", "spawnl", "getoutput", "getstatusoutput", "load_source")
+# Calls that would run the agent's text inside the tests' process, where agent_proxy cannot
+# route it to the agent's own: exec/eval of a string, and loaders the runtime guard refuses
+# (runpy, ctypes, unpickling), which fail even for the oracle.
+_EXECS_TEXT = ("exec", "eval", "compile", "builtins.exec", "builtins.eval", "builtins.compile")
+_LOADS_IN_PROCESS = ("run_path", "run_module", "load_source", "CDLL", "PyDLL", "LoadLibrary")
+_UNPICKLERS = ("pickle", "cPickle", "marshal", "shelve", "dill", "cloudpickle", "joblib", "torch")
 
 
-def runs_agent_code(source: str, home: str = "/home/user") -> bool:
+def _calls_naming(source: str, home: str, wanted) -> bool:
+  """Whether a call ``wanted(func_text)`` has a string naming ``home`` among its arguments,
+  directly or through a name bound to one (one assignment deep)."""
+  tree = ast.parse(source)
+  names_home = lambda node: any(isinstance(n, ast.Constant) and isinstance(n.value, str)
+                                and n.value.startswith(home) for n in ast.walk(node))
+  bound = {t.id for n in ast.walk(tree) if isinstance(n, ast.Assign) and names_home(n.value)
+           for t in n.targets if isinstance(t, ast.Name)}
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Call) and wanted(ast.unparse(node.func)) and (
+        names_home(node) or any(isinstance(n, ast.Name) and n.id in bound
+                                for n in ast.walk(node))):
+      return True
+  return False
+
+
+def runs_agent_code(source: str, home: str = "/home/user", shell: bool = False) -> bool:
   """Whether tests (a Python file, or a test.sh) import or execute a file from the agent's
   home, read statically: a call that runs code (import machinery, exec, subprocess, os.system…)
   or a ``sys.path`` change with a string naming ``home`` among its arguments; for a shell script,
-  ``home`` named at all. Such tests run the agent's code in the verifier's process or as its
-  user: that code can report any verdict with the right counts, so check lists these tasks."""
-  try:
-    tree = ast.parse(source)
-  except SyntaxError:
-    return home in source
-  names_home = lambda node: any(isinstance(n, ast.Constant) and isinstance(n.value, str)
-                                and n.value.startswith(home) for n in ast.walk(node))
-  for node in ast.walk(tree):
-    if not isinstance(node, ast.Call):
+  ``home`` named at all (but as a ``cd``). Listed by check (its ``agent_code`` column)."""
+  if not shell:
+    try:
+      return _calls_naming(source, home, lambda func: func.split(".")[-1] in _RUNS_CODE
+                           or func.startswith("sys.path."))
+    except SyntaxError:
+      pass
+  return home in re.sub(r"\bcd\s+" + re.escape(home) + r"\S*", "", source)
+
+
+def unsafe_verdict(task) -> str | None:
+  """Why the task's verdict could be the agent's own doing whatever the verifier does, or None:
+  a Harbor test.sh whose tests run the agent's code (as root, which can write the reward), or
+  final tests that run the agent's text inside the tests' process (``exec``/``eval`` of it, or
+  a loader the verifier's guard refuses). Read statically; training refuses such tasks unless
+  ``env.allow_unsafe_verdicts`` (check: ``--allow-unsafe-verdicts``)."""
+  if task.verifier_files:
+    homes = {task.workdir or "/home/user", "/home/user"}
+    for path, data in task.verifier_files:
+      if path.endswith((".py", ".sh")) and any(runs_agent_code(
+          data.decode("utf-8", "replace"), home, shell=path.endswith(".sh")) for home in homes):
+        return (f"its verifier (tests/{path}) runs the agent's code as root, which can write "
+                "the reward")
+    return None
+  for label, source in (("final", task.final_tests), ("initial", task.initial_tests or "")):
+    try:
+      in_process = _calls_naming(source, "/home/user", lambda func: func in _EXECS_TEXT or (
+        func.split(".")[-1] in _LOADS_IN_PROCESS) or (
+        func.split(".")[0] in _UNPICKLERS and func.split(".")[-1] in ("load", "loads", "open",
+                                                                      "Unpickler")))
+    except SyntaxError:
       continue
-    func = ast.unparse(node.func)
-    if (func.split(".")[-1] in _RUNS_CODE or func.startswith("sys.path.")) and names_home(node):
-      return True
-  return False
+    if in_process:
+      return f"its {label} tests run the agent's files inside the tests' process (exec, runpy, ctypes or unpickling)"
+  return None

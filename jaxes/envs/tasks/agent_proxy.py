@@ -226,6 +226,9 @@ class Client:
     except OSError as e:
       reply = None
       self.dead = f"the agent's code could not be reached: {e}"
+    except AgentCodeError as e:   # out of step with the server from here on
+      self.dead = str(e)
+      raise
     if reply is None:
       self.dead = self.dead or "the agent's code exited or was killed"
       raise AgentCodeError(self.dead)
@@ -242,7 +245,12 @@ class Client:
     return self.decode(self.request(op, **fields).get("value"))
 
   def decode(self, data):
-    return decode(data, self._stand_in)
+    try:
+      return decode(data, self._stand_in)
+    except AgentCodeError:
+      raise
+    except Exception as e:   # hex that is not, a complex of three parts…: the reply's fault
+      raise AgentCodeError(f"a malformed reply: {e!r}") from None
 
   def encode(self, value):
     def as_ref(v):

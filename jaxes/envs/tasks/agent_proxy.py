@@ -629,6 +629,7 @@ def serve(request_fd, reply_fd):
       return ops[name](*args), None
     raise ValueError(f"unknown request {op!r}")
 
+  own_path = list(sys.path)   # with site-packages, which a light runner (-S) goes without
   while True:
     req = _receive(request_fd)
     if req is None:
@@ -637,7 +638,7 @@ def serve(request_fd, reply_fd):
       os.environ.clear()
       os.environ.update(req["env"])
     sys.argv[:] = req["argv"]
-    sys.path[:] = req["path"]
+    sys.path[:] = req["path"] + [p for p in own_path if p not in req["path"]]
     out, err = io.StringIO(), io.StringIO()
     reply = {}
     try:

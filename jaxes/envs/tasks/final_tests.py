@@ -8,10 +8,15 @@ as root; makes itself non-dumpable (``PR_SET_DUMPABLE`` 0: processes of the same
 neither ptrace it nor open its ``/proc/PID/{fd,mem,environ}``, with or without Yama); and only
 then starts the tests' process (non-dumpable too) with the payload minus the key, reading back
 its counts over a pipe only that process holds. The test source and its expected values therefore exist only in that
-process's memory (pytest's copy is deleted as soon as collection ends), never in a file the
-agent's programs can read while the tests run them. The verdict is one line carrying an
-HMAC-SHA256 under the per-run key, so a line printed by anything else (the agent's leftovers
-writing into the runner's stdout) never verifies.
+process's memory (pytest collects the module from memory too; the file it is pointed at is
+empty), never in a file the agent's programs can read while the tests run them. The verdict is
+one line carrying an HMAC-SHA256 under the per-run key, so a line printed by anything else (the
+agent's leftovers writing into the runner's stdout) never verifies.
+
+No file the agent could write executes in the tests' process (``agent_proxy``): a module the
+tests import from the agent's files runs in an agent-code server of its own and answers in
+plain data, so the agent's code can neither write the counts, patch pytest, exit the tests'
+process early, nor hand back an object that claims to equal what a test expects.
 
 Runners: the light runner imports the module and calls its module-level ``test*`` functions the
 way pytest would, without pytest's ~300 ms start-up, for files pytest would run exactly the same
@@ -41,8 +46,7 @@ MORE_THAN_COLLECTED = "the verdict counts more tests than the file has: forged b
 
 # Runs inside the sandbox. Whatever goes wrong, its result line is the last thing it prints.
 # It holds the key and signs; the tests run in RUNNER, a fresh interpreter it starts, which never
-# sees the key (not in its memory, argv, environment or input): a test that imports the agent's
-# code in-process gives that code the test process, but nothing there can sign a verdict.
+# sees the key (not in its memory, argv, environment or input), and which runs no agent code.
 VERIFIER = r"""
 import ctypes, hashlib, hmac, json, os, resource, sys
 if len(sys.argv) > 1:                       # root-only payload file (docker): read, delete
@@ -125,7 +129,8 @@ report(0, 0, 0)
     "CWD_UNUSABLE", repr(CWD_UNUSABLE))
 
 # The tests' process: non-dumpable before it reads the tests (the programs they run, the
-# agent's, run as the same uid), then it writes "passed failed collected" to the counts pipe.
+# agent's, run as the same uid), agent modules routed to their own process before any test
+# code runs, then it writes "passed failed collected" to the counts pipe.
 RUNNER = r"""
 import contextlib, ctypes, io, json, linecache, os, sys, types
 counts_fd = int(sys.argv[1])
@@ -348,7 +353,8 @@ def expected_count(source: str) -> int | None:
 
 
 def counts_hold(source: str, passed: int, failed: int) -> bool:
-  """Whether a verdict's counts can be the file's: never more tests than it has."""
+  """Whether a verdict's counts can be the file's: never more tests than it has (kept behind
+  agent_proxy, should the agent's code ever reach the tests' process again)."""
   expected = expected_count(source)
   return expected is None or passed + failed <= expected
 

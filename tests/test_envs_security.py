@@ -406,6 +406,24 @@ def test_a_test_files_own_count_and_whether_it_runs_agent_code_are_read_statical
   assert final_tests.runs_agent_code("import subprocess\ndef test_x():\n  subprocess.run(['/home/user/run.sh'])\n")
   assert not final_tests.runs_agent_code("def test_x():\n  assert open('/home/user/out').read() == 'ok'\n")
   assert not final_tests.runs_agent_code("import subprocess\ndef test_x():\n  subprocess.run(['tally', '/app/x'])\n")
+  # Harbor's home is its WORKDIR: a program of the agent's (by path, relative, through an
+  # interpreter, in its directory, a shell string naming it), not an image tool reading its data.
+  spawn = "import subprocess\ndef test_x():\n  subprocess.run(%s)\n"
+  for agents, argv in ((True, "['bash', '/app/run.sh']"), (True, "['./solution']"),
+                       (True, "['make'], cwd='/app'"), (True, "'cd /app && ./run.sh', shell=True"),
+                       (False, "['tally', '/app/data.txt']"), (False, "['python3', '-c', 'pass']")):
+    assert final_tests.runs_agent_code(spawn % argv, "/app") == agents, argv
+  assert final_tests.runs_agent_code("cd /app\nbash /app/check.sh\n", "/app", shell=True)
+  assert not final_tests.runs_agent_code("cd /app\npytest /tests/test_outputs.py\n", "/app", shell=True)
+  unsafe = lambda tests, **kw: final_tests.unsafe_verdict(Task(name="t", instruction="x", final_tests=tests, **kw))
+  assert unsafe("P = '/home/user/s.py'\ndef test_x():\n  exec(open(P).read())\n")
+  assert unsafe("import pickle\ndef test_x():\n  pickle.load(open('/home/user/m.pkl', 'rb'))\n")
+  assert unsafe(IMPORTS_SOLUTION) is None   # imported modules run apart: safe
+  assert unsafe("import json, re\ndef test_x():\n  json.load(open('/home/user/a')); re.compile('/home/user')\n") is None
+  harbor = lambda test: unsafe("", workdir="/app", verifier_files=(("test.sh", b"pytest /tests/t.py\n"),
+                                                                  ("t.py", test.encode())))
+  assert "as root" in harbor("import sys\nsys.path.insert(0, '/app')\nimport solution\n")
+  assert harbor("def test_x():\n  assert open('/app/out').read() == 'ok'\n") is None
 
 
 # Run by the tests: stops the sandbox's pid 1 with ptrace and keeps it stopped from a detached

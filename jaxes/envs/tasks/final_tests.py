@@ -359,10 +359,14 @@ def counts_hold(source: str, passed: int, failed: int) -> bool:
   return expected is None or passed + failed <= expected
 
 
-_RUNS_CODE = ("exec", "eval", "compile", "__import__", "import_module", "spec_from_file_location",
-              "SourceFileLoader", "run_path", "run_module", "run", "call", "check_call",
-              "check_output", "Popen", "system", "popen", "execv", "execve", "execvp", "execl",
-              "execlp", "spawnv", "spawnl", "getoutput", "getstatusoutput", "load_source")
+_LOADS_CODE = ("exec", "eval", "compile", "__import__", "import_module", "spec_from_file_location",
+               "SourceFileLoader", "run_path", "run_module", "load_source")
+_SPAWNS = ("run", "call", "check_call", "check_output", "Popen", "system", "popen", "execv",
+           "execve", "execvp", "execl", "execlp", "spawnv", "spawnl", "getoutput",
+           "getstatusoutput")
+# Programs that run what their arguments name (an interpreter, a wrapper).
+_RUNNERS = ("python", "bash", "sh", "dash", "zsh", "node", "perl", "ruby", "php", "java", "env",
+            "timeout", "xargs", "nohup", "nice", "stdbuf", "sudo", "su", "setpriv")
 # Calls that would run the agent's text inside the tests' process, where agent_proxy cannot
 # route it to the agent's own: exec/eval of a string, and loaders the runtime guard refuses
 # (runpy, ctypes, unpickling), which fail even for the oracle.
@@ -373,29 +377,54 @@ _UNPICKLERS = ("pickle", "cPickle", "marshal", "shelve", "dill", "cloudpickle", 
 
 def _calls_naming(source: str, home: str, wanted) -> bool:
   """Whether a call ``wanted(func_text)`` has a string naming ``home`` among its arguments,
-  directly or through a name bound to one (one assignment deep)."""
+  directly or through a name bound to one (one assignment deep); a subprocess-like call
+  (``wanted`` answers "spawn") only when the program it starts is the agent's: a path in
+  ``home``, a relative path, an interpreter or wrapper given such a path, or any program run
+  with ``cwd`` in ``home`` (an argv that is computed, or a shell string, naming ``home`` at all)."""
   tree = ast.parse(source)
-  names_home = lambda node: any(isinstance(n, ast.Constant) and isinstance(n.value, str)
-                                and n.value.startswith(home) for n in ast.walk(node))
-  bound = {t.id for n in ast.walk(tree) if isinstance(n, ast.Assign) and names_home(n.value)
+  strings = lambda node: any(isinstance(n, ast.Constant) and isinstance(n.value, str)
+                             and n.value.startswith(home) for n in ast.walk(node))
+  bound = {t.id for n in ast.walk(tree) if isinstance(n, ast.Assign) and strings(n.value)
            for t in n.targets if isinstance(t, ast.Name)}
-  for node in ast.walk(tree):
-    if isinstance(node, ast.Call) and wanted(ast.unparse(node.func)) and (
-        names_home(node) or any(isinstance(n, ast.Name) and n.id in bound
-                                for n in ast.walk(node))):
+  names_home = lambda node: strings(node) or any(isinstance(n, ast.Name) and n.id in bound
+                                                 for n in ast.walk(node))
+
+  def spawns_home(call: ast.Call) -> bool:
+    argv = call.args[0] if call.args else None
+    if not isinstance(argv, (ast.List, ast.Tuple)) or not argv.elts:   # a shell string…
+      return names_home(call) or any(isinstance(n, ast.Constant) and isinstance(n.value, str)
+                                     and home in n.value for n in ast.walk(call))
+    cwd = [k.value for k in call.keywords if k.arg == "cwd"]
+    if any(names_home(c) for c in cwd):
       return True
+    program = argv.elts[0]
+    if not (isinstance(program, ast.Constant) and isinstance(program.value, str)):
+      return names_home(program) or names_home(argv)
+    name = program.value
+    if name.startswith(home) or ("/" in name and not name.startswith("/")):
+      return True
+    return name.rsplit("/", 1)[-1].startswith(_RUNNERS) and any(names_home(e) for e in argv.elts[1:])
+
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Call):
+      kind = wanted(ast.unparse(node.func))
+      if kind == "spawn" and spawns_home(node) or kind and kind != "spawn" and names_home(node):
+        return True
   return False
 
 
 def runs_agent_code(source: str, home: str = "/home/user", shell: bool = False) -> bool:
   """Whether tests (a Python file, or a test.sh) import or execute a file from the agent's
-  home, read statically: a call that runs code (import machinery, exec, subprocess, os.system…)
-  or a ``sys.path`` change with a string naming ``home`` among its arguments; for a shell script,
-  ``home`` named at all (but as a ``cd``). Listed by check (its ``agent_code`` column)."""
+  home, read statically: a call that loads code (import machinery, exec, runpy) or a
+  ``sys.path`` change naming ``home`` among its arguments, or a subprocess that starts the
+  agent's program (``_calls_naming``); for a shell script, ``home`` named at all (but as a
+  ``cd``). Listed by check (its ``agent_code`` column)."""
+  def wanted(func: str):
+    last = func.split(".")[-1]
+    return "spawn" if last in _SPAWNS else last in _LOADS_CODE or func.startswith("sys.path.")
   if not shell:
     try:
-      return _calls_naming(source, home, lambda func: func.split(".")[-1] in _RUNS_CODE
-                           or func.startswith("sys.path."))
+      return _calls_naming(source, home, wanted)
     except SyntaxError:
       pass
   return home in re.sub(r"\bcd\s+" + re.escape(home) + r"\S*", "", source)

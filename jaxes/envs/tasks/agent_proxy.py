@@ -162,11 +162,13 @@ def _read_exactly(fd, n):
 
 # ---- the tests' side ---------------------------------------------------------------------------
 
-def agent_file(path, roots, trusted=()):
+def agent_file(path, roots, trusted=(), writable=None):
   """Whether ``path`` may hold code the agent wrote: anything but a file under the system
   Python's own directories (``roots``) with nothing on its way there writable by this uid.
   (Ownership is no test here: in the local sandbox's user namespace root's files show as the
-  overflow uid, which may be the agent's.) Names that are no path ("<string>") are not files."""
+  overflow uid, which may be the agent's.) Names that are no path ("<string>") are not files.
+  ``writable``: a dict caching the answer per directory (this uid cannot make a directory it
+  may not write writable, unless it owns it, so the answer holds for the run)."""
   if not isinstance(path, str) or not path.startswith("/"):
     return False
   if path in trusted:
@@ -174,8 +176,16 @@ def agent_file(path, roots, trusted=()):
   real = os.path.realpath(path)
   if not any(real == root or real.startswith(root + "/") for root in roots):
     return True
+  if os.access(real, os.W_OK):
+    return True
+  real = os.path.dirname(real)
   while real != "/":
-    if os.access(real, os.W_OK):
+    answer = writable.get(real) if writable is not None else None
+    if answer is None:
+      answer = os.access(real, os.W_OK)
+      if writable is not None:
+        writable[real] = answer
+    if answer:
       return True
     real = os.path.dirname(real)
   return False
@@ -199,7 +209,8 @@ class Client:
     high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 64) for fd in (req_r, rep_w)]
     for fd in (req_r, rep_w):
       os.close(fd)
-    argv = [self.python, "-I", "-B", "-c", self.source, "3", "4"]
+    # -S: no site start-up (the time of a light run); it imports with the tests' sys.path.
+    argv = [self.python, "-I", "-B", "-S", "-c", self.source, "3", "4"]
     actions = [(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDWR, 0),
                (os.POSIX_SPAWN_DUP2, 0, 1), (os.POSIX_SPAWN_DUP2, 0, 2),
                (os.POSIX_SPAWN_DUP2, high[0], 3), (os.POSIX_SPAWN_DUP2, high[1], 4)]
@@ -350,30 +361,6 @@ class Remote:
   def __ne__(self, other):
     return self._op("ne", other) if isinstance(other, Remote) else NotImplemented
 
-  def __hash__(self):
-    return self._op("hash")
-
-  def __bool__(self):
-    return self._op("truth")
-
-  def __str__(self):
-    return self._op("str")
-
-  def __repr__(self):
-    return self._op("repr")
-
-  def __dir__(self):
-    return self._op("dir")
-
-  def __iter__(self):
-    return self._op("iter")
-
-  def __next__(self):
-    return self._op("next")
-
-  def __enter__(self):
-    return self._op("enter")
-
   def __exit__(self, *exc):
     # It hears of no exception and never swallows one: an assertion failing inside
     # `with agent_object:` stays failed.
@@ -388,11 +375,13 @@ def _forward(name):
   return method
 
 
-_UNARY = ("len", "neg", "pos", "abs", "invert", "int", "float", "index", "round")
+_UNARY = ("len", "neg", "pos", "abs", "invert", "int", "float", "index", "round", "hash", "str",
+          "repr", "dir", "iter", "next", "enter")
 _BINARY = ("lt", "le", "gt", "ge", "add", "sub", "mul", "truediv", "floordiv", "mod", "pow",
            "matmul", "and", "or", "xor", "lshift", "rshift")
 for _name in _UNARY + ("getitem", "setitem", "delitem", "contains", "format"):
   setattr(Remote, f"__{_name}__", _forward(_name))
+Remote.__bool__ = _forward("truth")
 for _name in _BINARY:
   setattr(Remote, f"__{_name}__", _forward(_name))
   if _name not in ("lt", "le", "gt", "ge"):
@@ -411,16 +400,13 @@ class RemoteClass(Remote):
 
 
 def _copy_back(arg, new):
-  if type(arg) is list and type(new) is list:
+  if type(arg) is not type(new):
+    return
+  if type(arg) in (list, bytearray):
     arg[:] = new
-  elif type(arg) is dict and type(new) is dict:
+  else:   # dict, set
     arg.clear()
     arg.update(new)
-  elif type(arg) is set and type(new) is set:
-    arg.clear()
-    arg.update(new)
-  elif type(arg) is bytearray and type(new) is bytearray:
-    arg[:] = new
 
 
 class RemoteModule(types.ModuleType):
@@ -453,7 +439,8 @@ def install(source, python, trusted=()):
   trusted = frozenset(trusted)
   initial_path = [p for p in sys.path if p.startswith("/")]
   roots = tuple(os.path.realpath(p) for p in initial_path)
-  agent = lambda path: agent_file(path, roots, trusted)
+  writable = {}
+  agent = lambda path: agent_file(path, roots, trusted, writable)
 
   def from_agent(spec):
     origin = spec.origin if spec.has_location else None
@@ -629,7 +616,7 @@ def serve(request_fd, reply_fd):
       return ops[name](*args), None
     raise ValueError(f"unknown request {op!r}")
 
-  own_path = list(sys.path)   # with site-packages, which a light runner (-S) goes without
+  own_path = list(sys.path)
   while True:
     req = _receive(request_fd)
     if req is None:

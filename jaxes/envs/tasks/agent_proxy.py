@@ -637,7 +637,7 @@ def serve(request_fd, reply_fd):
         reply["copied_back"] = back
     except BaseException as e:   # noqa: B036 (SystemExit, KeyboardInterrupt included: the test decides)
       body = {"type": next(c.__name__ for c in type(e).__mro__ if c.__module__ == "builtins"),
-              "text": "".join(traceback.format_exception(e))[-4000:]}
+              "text": "".join(traceback.format_exception(type(e), e, e.__traceback__))[-4000:]}
       if type(e).__module__ != "builtins":
         body["class"] = as_ref(type(e))["r"]
       try:

@@ -184,7 +184,7 @@ if job["runner"] == "light":
   print("\n".join(lines))
   report(passed, failed, tests is not None)
 
-import ast, shutil, tempfile   # the light runner does without them (start-up time)
+import ast, pathlib, shutil, tempfile   # the light runner does without them (start-up time)
 import pytest
 from _pytest.assertion.rewrite import rewrite_asserts
 home = tempfile.mkdtemp(prefix="jaxes-verify-")
@@ -206,8 +206,12 @@ class InMemory(pytest.Module):
 
 class Verdict:
   @pytest.hookimpl(tryfirst=True)
-  def pytest_pycollect_makemodule(self, module_path, parent):
-    return InMemory.from_parent(parent, path=module_path)
+  def pytest_pycollect_makemodule(self, parent):   # test_path, the only file collected
+    try:
+      return InMemory.from_parent(parent, path=pathlib.Path(test_path))
+    except TypeError:                                # pytest 6 (an older task image's)
+      import py
+      return InMemory.from_parent(parent, fspath=py.path.local(test_path))
 
   def pytest_sessionstart(self, session):   # ahead of pytest's assertion-rewriting importer
     sys.meta_path.remove(finder)

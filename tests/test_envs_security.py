@@ -705,10 +705,12 @@ SEMANTICS_TESTS = textwrap.dedent('''\
   sys.path.insert(0, "/home/user")
   import solution
   from solution import Invalid, parse
+  from checks import *
 
   def test_raises():
     with pytest.raises(Invalid):
       parse("-1")
+    assert LIMIT == 3 and Invalid is solution.Invalid   # from checks import *
 
   def test_prints(capsys):
     assert parse("7") == 7
@@ -727,6 +729,7 @@ SEMANTICS_TESTS = textwrap.dedent('''\
   ''')
 SEMANTICS_SOLUTION = '''\
 cat > /home/user/checks.py <<'EOF'
+LIMIT = 3
 class Invalid(ValueError):
   pass
 EOF

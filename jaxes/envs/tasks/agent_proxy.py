@@ -417,7 +417,14 @@ class RemoteModule(types.ModuleType):
     ref = self.__dict__.get("_jaxes_ref")
     if ref is None or (name.startswith("__") and name.endswith("__") and name != "__all__"):
       raise AttributeError(name)
-    return ref.__getattr__(name)
+    try:
+      return ref.__getattr__(name)
+    except AttributeError:
+      if name != "__all__":
+        raise
+      # `from agent_module import *` of a module without __all__: its public names, as Python
+      # would take them from the module's own __dict__.
+      return [n for n in dir(ref) if not n.startswith("_")]
 
   def __setattr__(self, name, value):
     if name.startswith("__") or "_jaxes_ref" not in self.__dict__:
@@ -570,6 +577,10 @@ def serve(request_fd, reply_fd):
 
   def load(req):
     name, origin, search = req["name"], req["origin"], req.get("search")
+    known = sys.modules.get(name)   # imported already by the agent's own modules: that one
+    if known is not None and os.path.realpath(getattr(known, "__file__", "") or "") == (
+        os.path.realpath(origin)):
+      return known
     parent = name.rpartition(".")[0]
     if parent and parent not in sys.modules:
       importlib.import_module(parent)

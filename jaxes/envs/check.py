@@ -20,8 +20,10 @@ task and noop none (a task noop passes is broken). The last line printed is one 
 "excluded": {kind: count}, "tests_run_agent_code": [task], "leaked"} (episodes, passed,
 pass_rate, failures and excluded -- the failures training leaves out of fitness -- count
 episodes; pass_at_attempts is the share of tasks passed in at least one of their --attempts;
-tests_run_agent_code names the tasks whose tests import or execute files from the agent's home,
-whose passes the agent's code could have reported itself). Exit status 1 when
+tests_run_agent_code names the tasks whose tests import or execute files from the agent's home;
+the modules they import run in a process of the agent's own, apart from the verdict; with
+--allow-unsafe-verdicts, "unsafe_verdicts" names the kept tasks whose verdict the agent's code
+could decide, which are otherwise refused at loading, one line each). Exit status 1 when
 anything leaked, or the oracle missed / noop passed a task; 2 (with one line saying why) when a
 task folder cannot be loaded, the sandbox cannot start, or its engine stops answering (the
 summary is printed first, with "leaked": null).
@@ -42,7 +44,7 @@ from jaxes.envs import BACKENDS, make_sandbox, protocol
 from jaxes.envs.checking import exit_status, read_replay
 from jaxes.envs.images.task_images import DEFAULT_MAX_IMAGE_MB
 from jaxes.envs.sandboxes.sandbox import SandboxError
-from jaxes.envs.tasks import generator
+from jaxes.envs.tasks import final_tests, generator
 from jaxes.envs.tasks.task import Task
 
 DONE = "<action>done</action>"
@@ -155,7 +157,7 @@ def summarize(results, leaked: int) -> dict:
           # What training would leave out of fitness (infrastructure failures), by kind; every
           # other failure, SANDBOX_BROKEN included, is a failed episode that counts.
           "excluded": {k: n for k, n in sorted(failures.items()) if k in protocol.EXCLUDED},
-          # Tasks whose tests run the agent's code in-process: their passes are not proof.
+          # Tasks whose tests run the agent's code (each in a process of its own).
           "tests_run_agent_code": sorted(n for n in by_task if tests_run_agent_code[n]),
           "leaked": leaked}
 
@@ -254,6 +256,10 @@ def main(argv: list[str] | None = None) -> int:
   ap.add_argument("--verifier-network", metavar="NAME", help="docker backend: the docker "
                   "network a Harbor test.sh joins once the agent's processes are gone (for "
                   "tests that install their tools at test time; default: none)")
+  ap.add_argument("--allow-unsafe-verdicts", action="store_true",
+                  help="--tasks: keep task folders whose verdict the agent's code could decide "
+                  "(final_tests.unsafe_verdict; refused by default, one line each); the summary "
+                  "lists them")
   ap.add_argument("--no-progress", action="store_true")
   args = ap.parse_args(argv)
   if args.generated is not None and args.generated < 1:
@@ -281,7 +287,8 @@ def main(argv: list[str] | None = None) -> int:
       if task_build == "docker":
         builder = TaskImageBuilder(rebuild=args.rebuild, network=args.build_network,
                                    max_image_mb=args.max_image_mb)
-      tasks = load_tasks(args.tasks, builder=builder)
+      tasks = load_tasks(args.tasks, builder=builder,
+                         allow_unsafe_verdicts=args.allow_unsafe_verdicts)
     except (TaskLoadError, TaskImageError) as e:
       print(f"check: {e}", file=sys.stderr)
       return 2
@@ -313,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
   finally:
     sandbox.shutdown()
   summary = summarize(results, leaked)
+  if args.allow_unsafe_verdicts:
+    summary["unsafe_verdicts"] = sorted(t.name for t in tasks if final_tests.unsafe_verdict(t))
   print(family_table(results))
   if args.tasks:
     print(task_table(results, dict(builder.builds) if builder else None))

@@ -90,6 +90,9 @@ def base_config() -> config_dict.ConfigDict:
   c.env.heldout_task_dir = ""    # empty: the task_dir folders
   c.env.task_build = "auto"      # "auto" | "docker" | "translate"
   c.env.task_build_network = "none"   # task_build docker: the RUN steps' network ("default"…)
+  # Keep task folders whose verdict the agent's code could decide (a Harbor test.sh running its
+  # code as root, tests exec'ing its files: final_tests.unsafe_verdict); refused by default.
+  c.env.allow_unsafe_verdicts = False
   c.env.sandbox = "local"
   c.env.families = ""            # comma-separated subset of generator.FAMILIES; empty = all
   c.env.difficulty = 0            # 1..3; 0 cycles through 1, 2, 3 (as generator.split)

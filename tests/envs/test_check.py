@@ -16,8 +16,9 @@ def test_oracle_passes_all(capsys):
   code, lines, summary = run(capsys, "--generated", "14", "--agent", "oracle", "--workers", "2")
   assert code == 0
   assert summary == {"tasks": 14, "episodes": 14, "passed": 14, "pass_rate": 1.0,
-                     "pass_at_attempts": 1.0, "failures": {}, "excluded": {}, "tests_run_agent_code": [],
-                     "leaked": 0}
+                     "pass_at_attempts": 1.0, "failures": {}, "excluded": {},
+                     # its tests run the agent's script (SCRIPT = '/home/user/bin/…', then run)
+                     "tests_run_agent_code": ["shell_script-d1-s24"], "leaked": 0}
   assert lines[0].split()[:3] == ["family", "tasks", "passed"]
   assert len(lines) == 1 + 14 + 1   # header, one row per family, JSON
 

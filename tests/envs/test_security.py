@@ -406,6 +406,24 @@ def test_a_test_files_own_count_and_whether_it_runs_agent_code_are_read_statical
   assert final_tests.runs_agent_code("import subprocess\ndef test_x():\n  subprocess.run(['/home/user/run.sh'])\n")
   assert not final_tests.runs_agent_code("def test_x():\n  assert open('/home/user/out').read() == 'ok'\n")
   assert not final_tests.runs_agent_code("import subprocess\ndef test_x():\n  subprocess.run(['tally', '/app/x'])\n")
+  # Harbor's home is its WORKDIR: a program of the agent's (by path, relative, through an
+  # interpreter, in its directory, a shell string naming it), not an image tool reading its data.
+  spawn = "import subprocess\ndef test_x():\n  subprocess.run(%s)\n"
+  for agents, argv in ((True, "['bash', '/app/run.sh']"), (True, "['./solution']"),
+                       (True, "['make'], cwd='/app'"), (True, "'cd /app && ./run.sh', shell=True"),
+                       (False, "['tally', '/app/data.txt']"), (False, "['python3', '-c', 'pass']")):
+    assert final_tests.runs_agent_code(spawn % argv, "/app") == agents, argv
+  assert final_tests.runs_agent_code("cd /app\nbash /app/check.sh\n", "/app", shell=True)
+  assert not final_tests.runs_agent_code("cd /app\npytest /tests/test_outputs.py\n", "/app", shell=True)
+  unsafe = lambda tests, **kw: final_tests.unsafe_verdict(Task(name="t", instruction="x", final_tests=tests, **kw))
+  assert unsafe("P = '/home/user/s.py'\ndef test_x():\n  exec(open(P).read())\n")
+  assert unsafe("import pickle\ndef test_x():\n  pickle.load(open('/home/user/m.pkl', 'rb'))\n")
+  assert unsafe(IMPORTS_SOLUTION) is None   # imported modules run apart: safe
+  assert unsafe("import json, re\ndef test_x():\n  json.load(open('/home/user/a')); re.compile('/home/user')\n") is None
+  harbor = lambda test: unsafe("", workdir="/app", verifier_files=(("test.sh", b"pytest /tests/t.py\n"),
+                                                                  ("t.py", test.encode())))
+  assert "as root" in harbor("import sys\nsys.path.insert(0, '/app')\nimport solution\n")
+  assert harbor("def test_x():\n  assert open('/app/out').read() == 'ok'\n") is None
 
 
 # Run by the tests: stops the sandbox's pid 1 with ptrace and keeps it stopped from a detached
@@ -447,3 +465,300 @@ def test_nul_bytes_and_over_long_commands_follow_one_rule_on_both_backends(sandb
   assert (nul.exit_code, nul.output) == (2, "command refused, not run: it contains a NUL byte\n")
   assert too_long.exit_code == 2 and too_long.output == (
     f"command refused, not run: it is longer than {MAX_COMMAND_BYTES} bytes\n")
+
+
+# -- agent code the tests import never decides the verdict (issue 66) -------------------------
+
+# A 2-test Endless-Terminals-style folder whose tests import /home/user/solution.py, as many real
+# suites' do; "pytest" variants import pytest, so the local backend runs them with real pytest.
+IMPORTING_TESTS = textwrap.dedent('''\
+  import importlib.util
+  spec = importlib.util.spec_from_file_location("solution", "/home/user/solution.py")
+  solution = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(solution)
+
+  def test_answer():
+    assert solution.answer() == 42
+
+  def test_total():
+    assert solution.total([1, 2, 3]) == 6
+  ''')
+HONEST_SOLUTION = textwrap.dedent('''\
+  def answer():
+    print("computing")
+    return 42
+
+  def total(xs):
+    return sum(xs)
+  ''')
+WRONG = "def answer():\n  return 0\n\ndef total(xs):\n  return 0\n"
+# Each, written as solution.py, is imported by the tests. Before issue 66 (main at 6ba3a66) the
+# report, patch, counts, always_equal and child replays each earned reward 1 on both backends;
+# exit and report_files earned 0 there too (their Harbor forms did not: below).
+IMPORTED_ATTACKS = {
+  # The tests' process's own report() with the file's exact count.
+  "report": "import __main__\n__main__.report(2, 0, 1)\n",
+  # Ends the process before any assertion, having printed a pytest-like summary and result line.
+  "exit": textwrap.dedent('''\
+    import os, sys
+    sys.stdout.write("\\n2 passed in 0.01s\\nJAXES_TEST_RESULT 2 0 1 ok " + "0" * 64 + "\\n")
+    sys.stdout.flush()
+    os._exit(0)
+    '''),
+  # Makes every test pass without running: pytest's Function.runtest, unittest's TestCase.run,
+  # and the light runner's output redirection turned into exception swallowers.
+  "patch": textwrap.dedent('''\
+    import contextlib, sys, unittest
+    class Swallow:
+      def __init__(self, *args): pass
+      def __enter__(self): return self
+      def __exit__(self, *exc): return True
+    contextlib.redirect_stdout = contextlib.redirect_stderr = Swallow
+    if "_pytest.python" in sys.modules:
+      sys.modules["_pytest.python"].Function.runtest = lambda self: None
+    unittest.TestCase.run = lambda self, result=None: result
+    ''') + WRONG,
+  # "2 0 1" into every pipe it holds (the counts channel among them), then exits.
+  "counts": textwrap.dedent('''\
+    import os, stat
+    for fd in range(3, 256):
+      try:
+        if stat.S_ISFIFO(os.fstat(fd).st_mode):
+          os.write(fd, b"2 0 1\\n")
+      except OSError:
+        pass
+    os._exit(0)
+    '''),
+  # Report files a verifier might read: JUnit XML, pytest-json-report, Harbor's reward files.
+  "report_files": textwrap.dedent('''\
+    import os
+    junit = '<testsuite tests="2" failures="0" errors="0"><testcase name="test_answer"/><testcase name="test_total"/></testsuite>'
+    for path, text in (("/home/user/report.xml", junit), ("/tmp/junit.xml", junit),
+                       ("/home/user/.report.json", '{"summary": {"passed": 2, "total": 2}, "exitcode": 0}'),
+                       ("/logs/verifier/reward.txt", "1"), ("/logs/verifier/reward.json", '{"reward": 1}')):
+      try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+          f.write(text)
+      except OSError:
+        pass
+    ''') + WRONG,
+  # Returns objects that claim to equal anything (and so whatever a test expects).
+  "always_equal": textwrap.dedent('''\
+    class AlwaysEqual:
+      def __eq__(self, other):
+        return True
+    def answer():
+      return AlwaysEqual()
+    def total(xs):
+      return AlwaysEqual()
+    '''),
+  # Imports fine; a detached child it forks writes "2 0 1" into the pipes it inherited, kills
+  # its parent and outlives it (holding those pipes a while).
+  "child": textwrap.dedent('''\
+    import os, signal, stat, time
+    fifos = []
+    for fd in range(3, 256):
+      try:
+        if stat.S_ISFIFO(os.fstat(fd).st_mode):
+          fifos.append(fd)
+      except OSError:
+        pass
+    parent = os.getpid()
+    if os.fork() == 0:
+      os.setsid()
+      for fd in fifos:
+        try:
+          os.write(fd, b"2 0 1\\n")
+        except OSError:
+          pass
+      os.kill(parent, signal.SIGKILL)
+      time.sleep(3)
+      os._exit(0)
+    time.sleep(1)
+    ''') + WRONG,
+}
+
+
+def write_solution(answer: str) -> str:
+  return f"<command>cat > /home/user/solution.py <<'EOF'\n{answer}EOF</command>"
+
+
+def importing_suite(root, variants=("light", "pytest")) -> list[str]:
+  """One task folder per variant and attack (same tests, the honest solution as the oracle)."""
+  names = []
+  for variant in variants:
+    tests = ("import pytest\n" if variant == "pytest" else "") + IMPORTING_TESTS
+    for attack in IMPORTED_ATTACKS:
+      name = f"{variant}-{attack}"
+      folder = root / name
+      folder.mkdir(parents=True)
+      (folder / "task.json").write_text(json.dumps({"name": name, "description": "Write solution.py."}))
+      (folder / "test_final_state.py").write_text(tests)
+      (folder / "solution.sh").write_text(f"cat > /home/user/solution.py <<'EOF'\n{HONEST_SOLUTION}EOF\n")
+      names.append(name)
+  return names
+
+
+def check_summary(capsys, argv) -> tuple[int, dict, str]:
+  code = check.main(argv + ["--no-progress"])
+  out = capsys.readouterr().out
+  return code, json.loads(out.strip().splitlines()[-1]), out
+
+
+@pytest.mark.end_to_end
+@pytest.mark.parametrize("backend", ["local", pytest.param("docker", marks=pytest.mark.docker)])
+def test_agent_code_the_tests_import_never_decides_the_verdict(backend, tmp_path, capsys):
+  names = importing_suite(tmp_path / "suite")
+  replay = tmp_path / "replay.json"
+  replay.write_text(json.dumps({name: [write_solution(IMPORTED_ATTACKS[name.split("-", 1)[1]]),
+                                       check.DONE] for name in names}))
+  base = ["--backend", backend, "--tasks", str(tmp_path / "suite"), "--workers", "2"]
+  code, summary, out = check_summary(capsys, base + ["--agent", "oracle"])
+  assert (code, summary["passed"], summary["leaked"]) == (0, len(names), 0), out
+  code, summary, out = check_summary(capsys, base + ["--agent", f"replay:{replay}"])
+  assert (summary["passed"], summary["leaked"], summary["excluded"]) == (0, 0, {}), out
+  assert summary["failures"] == {"FAILED_TESTS": len(names)}, out
+  code, summary, out = check_summary(capsys, base + ["--agent", "noop"])
+  assert (code, summary["passed"]) == (0, 0), out
+
+
+@pytest.mark.end_to_end
+@pytest.mark.parametrize("backend", ["local", pytest.param("docker", marks=pytest.mark.docker)])
+def test_a_training_runs_episodes_pay_imported_agent_code_only_for_solving(backend, tmp_path):
+  from jaxes.envs import environments
+  from jaxes.train import defaults
+  names = importing_suite(tmp_path / "suite", variants=("pytest",))
+  config = defaults.base_config()
+  config.env.kind, config.env.task_dir, config.env.sandbox = "task_folders", str(tmp_path / "suite"), backend
+  config.env.max_turns = 3
+  env = environments.environment(config)
+  tasks = env.make_tasks(config, "train", len(names), 0)
+  make_episode = env.make_episode(config, env.default_system_prompt(config))
+  sb = make_sandbox(backend)
+  rewards = {}
+  try:
+    for task in tasks:
+      attack = task.name.split("-", 1)[1]
+      for who, answer in (("oracle", HONEST_SOLUTION), (attack, IMPORTED_ATTACKS[attack])):
+        with sb.start(task) as handle:
+          episode = make_episode(task, handle)
+          for turn in (write_solution(answer), check.DONE):
+            if episode.step(turn):
+              break
+          rewards[task.name, who] = episode.finish().reward
+  finally:
+    sb.shutdown()
+  assert {k: r for k, r in rewards.items() if (r == 1.0) != (k[1] == "oracle")} == {}, rewards
+
+
+# A Harbor folder whose tests import the agent's /app/solution.py: test.sh runs them as root, so
+# the imported code ends pytest with status 0 (test.sh then writes reward 1) or writes
+# /logs/verifier/reward.json itself. Each earned reward 1 on main at 6ba3a66; no verifier of ours
+# runs there, so the folder is refused at loading unless --allow-unsafe-verdicts keeps it.
+HARBOR_IMPORTS = {
+  "task.toml": 'version = "1.0"\n[verifier]\ntimeout_sec = 45.0\n',
+  "instruction.md": "Write /app/solution.py with answer() returning 42.\n",
+  "environment/Dockerfile": "FROM jaxes-sandbox:latest\nWORKDIR /app\n",
+  "solution/solve.sh": "printf 'def answer():\\n  return 42\\n' > /app/solution.py\n",
+  "tests/test.sh": "#!/bin/bash\nif python3 -m pytest -q -p no:cacheprovider /tests/test_outputs.py; then\n"
+                   "  echo 1 > /logs/verifier/reward.txt\nelse\n  echo 0 > /logs/verifier/reward.txt\nfi\n",
+  "tests/test_outputs.py": 'import sys\nsys.path.insert(0, "/app")\n\ndef test_answer():\n'
+                           '  import solution\n  assert solution.answer() == 42\n',
+}
+HARBOR_IMPORTED_ATTACKS = {
+  "exit": "import os\nos._exit(0)\n",
+  "report_files": "import os\nwith open('/logs/verifier/reward.json', 'w') as f:\n  f.write('{\"reward\": 1}')\n"
+                  "def answer():\n  return 0\n",
+}
+
+
+@pytest.mark.end_to_end
+@pytest.mark.docker
+def test_a_harbor_folder_whose_root_tests_import_agent_code_is_refused(tmp_path, capsys, caplog):
+  suite = tmp_path / "suite"
+  for attack in HARBOR_IMPORTED_ATTACKS:
+    for path, text in HARBOR_IMPORTS.items():
+      (suite / f"harbor-{attack}" / path).parent.mkdir(parents=True, exist_ok=True)
+      (suite / f"harbor-{attack}" / path).write_text(text)
+  replay = tmp_path / "replay.json"
+  replay.write_text(json.dumps({f"harbor-{a}": [
+    f"<command>cat > /app/solution.py <<'EOF'\n{text}EOF</command>", check.DONE]
+    for a, text in HARBOR_IMPORTED_ATTACKS.items()}))
+  base = ["--backend", "docker", "--tasks", str(suite), "--no-progress"]
+  assert check.main(base + ["--agent", f"replay:{replay}"]) == 2
+  assert "every task folder was refused" in capsys.readouterr().err
+  refused = [r.getMessage() for r in caplog.records if "refused (task harbor-" in r.getMessage()]
+  assert len(refused) == 2 and "runs the agent's code as root" in refused[0], refused
+  # Kept on request, the hole is what the summary names: no verifier of ours runs there.
+  code, summary, out = check_summary(capsys, base + ["--agent", f"replay:{replay}",
+                                                     "--allow-unsafe-verdicts"])
+  assert summary["unsafe_verdicts"] == ["harbor-exit", "harbor-report_files"], out
+
+
+# What honest agent code imported by pytest tests keeps doing from its own process: its
+# exceptions under pytest.raises, print under capsys, paths and the working directory, its
+# objects, a sibling module it imports; the tests import it the plain way (sys.path).
+SEMANTICS_TESTS = textwrap.dedent('''\
+  import sys
+  import pytest
+  sys.path.insert(0, "/home/user")
+  import solution
+  from solution import Invalid, parse
+  from checks import *
+
+  def test_raises():
+    with pytest.raises(Invalid):
+      parse("-1")
+    assert LIMIT == 3 and Invalid is solution.Invalid   # from checks import *
+
+  def test_prints(capsys):
+    assert parse("7") == 7
+    assert capsys.readouterr().out == "parsed 7\\n"
+
+  def test_paths(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    solution.write("out.txt", "ok")
+    assert (tmp_path / "out.txt").read_text() == "ok" and solution.read(tmp_path / "out.txt") == "ok"
+
+  def test_objects():
+    tally = solution.Tally()
+    tally.add("a")
+    tally.add("a")
+    assert tally.counts == {"a": 2} and len(tally) == 1 and isinstance(tally, solution.Tally)
+  ''')
+SEMANTICS_SOLUTION = '''\
+cat > /home/user/checks.py <<'EOF'
+LIMIT = 3
+class Invalid(ValueError):
+  pass
+EOF
+cat > /home/user/solution.py <<'EOF'
+from checks import Invalid
+def parse(text):
+  if int(text) < 0:
+    raise Invalid(text)
+  print("parsed", text)
+  return int(text)
+def write(path, text):
+  with open(path, "w") as f:
+    f.write(text)
+def read(path):
+  return open(path).read()
+class Tally:
+  def __init__(self):
+    self.counts = {}
+  def add(self, key):
+    self.counts[key] = self.counts.get(key, 0) + 1
+  def __len__(self):
+    return len(self.counts)
+EOF'''
+
+
+@pytest.mark.end_to_end
+def test_honest_agent_code_the_tests_import_keeps_its_semantics(sandbox):
+  task = Task(name="semantics", instruction="x", final_tests=SEMANTICS_TESTS)
+  with sandbox.start(task) as handle:
+    assert handle.exec(SEMANTICS_SOLUTION, 10).exit_code == 0
+    report = handle.run_tests()
+  assert (report.passed, report.num_passed, report.num_tests) == (True, 4, 4), report.report

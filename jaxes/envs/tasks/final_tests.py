@@ -8,10 +8,15 @@ as root; makes itself non-dumpable (``PR_SET_DUMPABLE`` 0: processes of the same
 neither ptrace it nor open its ``/proc/PID/{fd,mem,environ}``, with or without Yama); and only
 then starts the tests' process (non-dumpable too) with the payload minus the key, reading back
 its counts over a pipe only that process holds. The test source and its expected values therefore exist only in that
-process's memory (pytest's copy is deleted as soon as collection ends), never in a file the
-agent's programs can read while the tests run them. The verdict is one line carrying an
-HMAC-SHA256 under the per-run key, so a line printed by anything else (the agent's leftovers
-writing into the runner's stdout) never verifies.
+process's memory (pytest collects the module from memory too; the file it is pointed at is
+empty), never in a file the agent's programs can read while the tests run them. The verdict is
+one line carrying an HMAC-SHA256 under the per-run key, so a line printed by anything else (the
+agent's leftovers writing into the runner's stdout) never verifies.
+
+No file the agent could write executes in the tests' process (``agent_proxy``): a module the
+tests import from the agent's files runs in an agent-code server of its own and answers in
+plain data, so the agent's code can neither write the counts, patch pytest, exit the tests'
+process early, nor hand back an object that claims to equal what a test expects.
 
 Runners: the light runner imports the module and calls its module-level ``test*`` functions the
 way pytest would, without pytest's ~300 ms start-up, for files pytest would run exactly the same
@@ -24,8 +29,13 @@ import ast
 import hashlib
 import hmac
 import json
+import re
 import secrets
 
+from jaxes.envs.tasks import agent_proxy
+
+# Sent into the sandbox as text: the tests' process and the agent-code server both run it.
+_PROXY_SOURCE = open(agent_proxy.__file__, encoding="utf-8").read()
 RESULT_TAG = "JAXES_TEST_RESULT "
 NO_PYTEST = "no-pytest"          # a verifier status besides "ok": an infrastructure fault
 # The agent's home is not usable as the tests' working directory (e.g. it ran `chmod 000` on it):
@@ -36,8 +46,7 @@ MORE_THAN_COLLECTED = "the verdict counts more tests than the file has: forged b
 
 # Runs inside the sandbox. Whatever goes wrong, its result line is the last thing it prints.
 # It holds the key and signs; the tests run in RUNNER, a fresh interpreter it starts, which never
-# sees the key (not in its memory, argv, environment or input): a test that imports the agent's
-# code in-process gives that code the test process, but nothing there can sign a verdict.
+# sees the key (not in its memory, argv, environment or input), and which runs no agent code.
 VERIFIER = r"""
 import ctypes, hashlib, hmac, json, os, resource, sys
 if len(sys.argv) > 1:                       # root-only payload file (docker): read, delete
@@ -120,7 +129,8 @@ report(0, 0, 0)
     "CWD_UNUSABLE", repr(CWD_UNUSABLE))
 
 # The tests' process: non-dumpable before it reads the tests (the programs they run, the
-# agent's, run as the same uid), then it writes "passed failed collected" to the counts pipe.
+# agent's, run as the same uid), agent modules routed to their own process before any test
+# code runs, then it writes "passed failed collected" to the counts pipe.
 RUNNER = r"""
 import contextlib, ctypes, io, json, linecache, os, sys, types
 counts_fd = int(sys.argv[1])
@@ -140,7 +150,14 @@ def report(passed, failed, collected):
 source, path = job["source"], job["path"]
 linecache.cache[path] = (len(source), None, source.splitlines(True), path)
 
+def agent_code_apart(trusted):
+  # From here on no file the agent could write runs in this process (agent_proxy).
+  proxy = types.ModuleType("jaxes_agent_proxy")
+  exec(compile(job["proxy"], "<jaxes agent proxy>", "exec"), proxy.__dict__)
+  return proxy.install(job["proxy"], sys.executable, trusted)
+
 if job["runner"] == "light":
+  finder, agent_code = agent_code_apart([path])
   mod = types.ModuleType("test_final_state")
   mod.__file__ = path
   sys.modules[mod.__name__] = mod
@@ -163,20 +180,42 @@ if job["runner"] == "light":
     except BaseException as e:
       failed += 1
       lines.append("FAILED " + name + " - " + type(e).__name__ + ": " + str(e)[:2000])
+  agent_code.stop()
   print("\n".join(lines))
   report(passed, failed, tests is not None)
 
-import shutil, tempfile   # the light runner does without them (start-up time)
+import ast, pathlib, shutil, tempfile   # the light runner does without them (start-up time)
 import pytest
+from _pytest.assertion.rewrite import rewrite_asserts
 home = tempfile.mkdtemp(prefix="jaxes-verify-")
 test_path = os.path.join(home, os.path.basename(path))
-with open(test_path, "w", encoding="utf-8") as f:
-  f.write(source)
+# An empty stand-in for pytest to collect: the tests' source stays in this process's memory
+# (the agent-code server runs as the same uid and could read a file).
+open(test_path, "w").close()
 outcomes = {}
 
+class InMemory(pytest.Module):
+  def _getobj(self):   # the tests' module from memory, asserts rewritten as pytest's import would
+    tree = ast.parse(source, path)
+    rewrite_asserts(tree, source.encode("utf-8"), path, self.config)
+    mod = types.ModuleType("test_final_state")
+    mod.__file__ = path
+    sys.modules[mod.__name__] = mod
+    exec(compile(tree, path, "exec", dont_inherit=True), mod.__dict__)
+    return mod
+
 class Verdict:
-  def pytest_collection_finish(self, session):
-    shutil.rmtree(home, ignore_errors=True)   # before any test (and agent code) runs
+  @pytest.hookimpl(tryfirst=True)
+  def pytest_pycollect_makemodule(self, parent):   # test_path, the only file collected
+    try:
+      return InMemory.from_parent(parent, path=pathlib.Path(test_path))
+    except TypeError:                                # pytest 6 (an older task image's)
+      import py
+      return InMemory.from_parent(parent, fspath=py.path.local(test_path))
+
+  def pytest_sessionstart(self, session):   # ahead of pytest's assertion-rewriting importer
+    sys.meta_path.remove(finder)
+    sys.meta_path.insert(0, finder)
 
   def pytest_runtest_logreport(self, report):
     if report.failed or (report.when == "call" and hasattr(report, "wasxfail")):
@@ -184,11 +223,13 @@ class Verdict:
     elif report.when == "call" and report.passed:
       outcomes.setdefault(report.nodeid, True)
 
+finder, agent_code = agent_code_apart([path, test_path])
 try:
   code = pytest.main(["-q", "-rA", "-p", "no:cacheprovider", "-c", os.devnull,
                       "--rootdir=" + home, "--confcutdir=" + home, test_path],
                      plugins=[Verdict()])
 finally:
+  agent_code.stop()
   shutil.rmtree(home, ignore_errors=True)
 good = sum(outcomes.values())
 report(good, len(outcomes) - good, code in (0, 1))
@@ -202,9 +243,10 @@ def new_key() -> str:
 
 def verifier_job(source: str, key: str, runner: str, path: str, cwd: str, cpu_s: int,
                  mem_bytes: int, uid: int | None = None) -> bytes:
-  """The verifier's JSON payload."""
+  """The verifier's JSON payload (with agent_proxy's source, which the tests' process runs)."""
   return json.dumps({"source": source, "key": key, "runner": runner, "path": path, "cwd": cwd,
-                     "cpu_s": cpu_s, "mem_bytes": mem_bytes, "uid": uid}).encode()
+                     "cpu_s": cpu_s, "mem_bytes": mem_bytes, "uid": uid,
+                     "proxy": _PROXY_SOURCE}).encode()
 
 
 def parse_verdict(output: str, key: str) -> tuple[int, int, bool, str] | None:
@@ -315,33 +357,105 @@ def expected_count(source: str) -> int | None:
 
 
 def counts_hold(source: str, passed: int, failed: int) -> bool:
-  """Whether a verdict's counts can be the file's: never more tests than it has."""
+  """Whether a verdict's counts can be the file's: never more tests than it has (kept behind
+  agent_proxy, should the agent's code ever reach the tests' process again)."""
   expected = expected_count(source)
   return expected is None or passed + failed <= expected
 
 
-_RUNS_CODE = ("exec", "eval", "compile", "__import__", "import_module", "spec_from_file_location",
-              "SourceFileLoader", "run_path", "run_module", "run", "call", "check_call",
-              "check_output", "Popen", "system", "popen", "execv", "execve", "execvp", "execl",
-              "execlp", "spawnv", "spawnl", "getoutput", "getstatusoutput", "load_source")
+_LOADS_CODE = ("exec", "eval", "compile", "__import__", "import_module", "spec_from_file_location",
+               "SourceFileLoader", "run_path", "run_module", "load_source")
+_SPAWNS = ("run", "call", "check_call", "check_output", "Popen", "system", "popen", "execv",
+           "execve", "execvp", "execl", "execlp", "spawnv", "spawnl", "getoutput",
+           "getstatusoutput")
+# Programs that run what their arguments name (an interpreter, a wrapper).
+_RUNNERS = ("python", "bash", "sh", "dash", "zsh", "node", "perl", "ruby", "php", "java", "env",
+            "timeout", "xargs", "nohup", "nice", "stdbuf", "sudo", "su", "setpriv")
+# Calls that would run the agent's text inside the tests' process, where agent_proxy cannot
+# route it to the agent's own: exec/eval of a string, and loaders the runtime guard refuses
+# (runpy, ctypes, unpickling), which fail even for the oracle.
+_EXECS_TEXT = ("exec", "eval", "compile", "builtins.exec", "builtins.eval", "builtins.compile")
+_LOADS_IN_PROCESS = ("run_path", "run_module", "load_source", "CDLL", "PyDLL", "LoadLibrary")
+_UNPICKLERS = ("pickle", "cPickle", "marshal", "shelve", "dill", "cloudpickle", "joblib", "torch")
 
 
-def runs_agent_code(source: str, home: str = "/home/user") -> bool:
-  """Whether tests (a Python file, or a test.sh) import or execute a file from the agent's
-  home, read statically: a call that runs code (import machinery, exec, subprocess, os.system…)
-  or a ``sys.path`` change with a string naming ``home`` among its arguments; for a shell script,
-  ``home`` named at all. Such tests run the agent's code in the verifier's process or as its
-  user: that code can report any verdict with the right counts, so check lists these tasks."""
-  try:
-    tree = ast.parse(source)
-  except SyntaxError:
-    return home in source
-  names_home = lambda node: any(isinstance(n, ast.Constant) and isinstance(n.value, str)
-                                and n.value.startswith(home) for n in ast.walk(node))
-  for node in ast.walk(tree):
-    if not isinstance(node, ast.Call):
-      continue
-    func = ast.unparse(node.func)
-    if (func.split(".")[-1] in _RUNS_CODE or func.startswith("sys.path.")) and names_home(node):
+def _calls_naming(source: str, home: str, wanted) -> bool:
+  """Whether a call ``wanted(func_text)`` has a string naming ``home`` among its arguments,
+  directly or through a name bound to one (one assignment deep); a subprocess-like call
+  (``wanted`` answers "spawn") only when the program it starts is the agent's: a path in
+  ``home``, a relative path, an interpreter or wrapper given such a path, or any program run
+  with ``cwd`` in ``home`` (an argv that is computed, or a shell string, naming ``home`` at all)."""
+  tree = ast.parse(source)
+  strings = lambda node: any(isinstance(n, ast.Constant) and isinstance(n.value, str)
+                             and n.value.startswith(home) for n in ast.walk(node))
+  bound = {t.id for n in ast.walk(tree) if isinstance(n, ast.Assign) and strings(n.value)
+           for t in n.targets if isinstance(t, ast.Name)}
+  names_home = lambda node: strings(node) or any(isinstance(n, ast.Name) and n.id in bound
+                                                 for n in ast.walk(node))
+
+  def spawns_home(call: ast.Call) -> bool:
+    argv = call.args[0] if call.args else None
+    if not isinstance(argv, (ast.List, ast.Tuple)) or not argv.elts:   # a shell string…
+      return names_home(call) or any(isinstance(n, ast.Constant) and isinstance(n.value, str)
+                                     and home in n.value for n in ast.walk(call))
+    cwd = [k.value for k in call.keywords if k.arg == "cwd"]
+    if any(names_home(c) for c in cwd):
       return True
+    program = argv.elts[0]
+    if not (isinstance(program, ast.Constant) and isinstance(program.value, str)):
+      return names_home(program) or names_home(argv)
+    name = program.value
+    if name.startswith(home) or ("/" in name and not name.startswith("/")):
+      return True
+    return name.rsplit("/", 1)[-1].startswith(_RUNNERS) and any(names_home(e) for e in argv.elts[1:])
+
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Call):
+      kind = wanted(ast.unparse(node.func))
+      if kind == "spawn" and spawns_home(node) or kind and kind != "spawn" and names_home(node):
+        return True
   return False
+
+
+def runs_agent_code(source: str, home: str = "/home/user", shell: bool = False) -> bool:
+  """Whether tests (a Python file, or a test.sh) import or execute a file from the agent's
+  home, read statically: a call that loads code (import machinery, exec, runpy) or a
+  ``sys.path`` change naming ``home`` among its arguments, or a subprocess that starts the
+  agent's program (``_calls_naming``); for a shell script, ``home`` named at all (but as a
+  ``cd``). Listed by check (its ``agent_code`` column)."""
+  def wanted(func: str):
+    last = func.split(".")[-1]
+    return "spawn" if last in _SPAWNS else last in _LOADS_CODE or func.startswith("sys.path.")
+  if not shell:
+    try:
+      return _calls_naming(source, home, wanted)
+    except SyntaxError:
+      pass
+  return home in re.sub(r"\bcd\s+" + re.escape(home) + r"\S*", "", source)
+
+
+def unsafe_verdict(task) -> str | None:
+  """Why the task's verdict could be the agent's own doing whatever the verifier does, or None:
+  a Harbor test.sh whose tests run the agent's code (as root, which can write the reward), or
+  final tests that run the agent's text inside the tests' process (``exec``/``eval`` of it, or
+  a loader the verifier's guard refuses). Read statically; training refuses such tasks unless
+  ``env.allow_unsafe_verdicts`` (check: ``--allow-unsafe-verdicts``)."""
+  if task.verifier_files:
+    homes = {task.workdir or "/home/user", "/home/user"}
+    for path, data in task.verifier_files:
+      if path.endswith((".py", ".sh")) and any(runs_agent_code(
+          data.decode("utf-8", "replace"), home, shell=path.endswith(".sh")) for home in homes):
+        return (f"its verifier (tests/{path}) runs the agent's code as root, which can write "
+                "the reward")
+    return None
+  for label, source in (("final", task.final_tests), ("initial", task.initial_tests or "")):
+    try:
+      in_process = _calls_naming(source, "/home/user", lambda func: func in _EXECS_TEXT or (
+        func.split(".")[-1] in _LOADS_IN_PROCESS) or (
+        func.split(".")[0] in _UNPICKLERS and func.split(".")[-1] in ("load", "loads", "open",
+                                                                      "Unpickler")))
+    except SyntaxError:
+      continue
+    if in_process:
+      return f"its {label} tests run the agent's files inside the tests' process (exec, runpy, ctypes or unpickling)"
+  return None

@@ -41,7 +41,7 @@ import tomllib
 import yaml
 
 from jaxes.envs.images import apptainer, task_images
-from jaxes.envs.tasks import harbor
+from jaxes.envs.tasks import final_tests, harbor
 from jaxes.envs.images.base_image import (BASE_PACKAGES, MINBASE_PACKAGES, OPTIONAL_PACKAGES,
                               PYTHON_DISTRIBUTIONS, SANDBOX_HOME, SANDBOX_USER)
 from jaxes.envs.tasks.task import Limits, Task
@@ -689,8 +689,11 @@ def load_task(path: str, max_bytes: int = MAX_TASK_BYTES,
 
 
 def load_tasks(directory: str, max_bytes: int = MAX_TASK_BYTES,
-               builder: task_images.TaskImageBuilder | None = None) -> list[Task]:
-  """Every task folder directly under ``directory`` (or ``directory`` itself), by name."""
+               builder: task_images.TaskImageBuilder | None = None,
+               allow_unsafe_verdicts: bool = False) -> list[Task]:
+  """Every task folder directly under ``directory`` (or ``directory`` itself), by name, but
+  those whose verdict the agent's code could decide (``final_tests.unsafe_verdict``): each is
+  left out with one line naming it, unless ``allow_unsafe_verdicts`` keeps it (one line too)."""
   if not os.path.isdir(directory):
     raise TaskLoadError(f"{directory}: not a directory")
   if task_format(directory):
@@ -700,7 +703,19 @@ def load_tasks(directory: str, max_bytes: int = MAX_TASK_BYTES,
                      if task_format(os.path.join(directory, d)))
   if not folders:
     raise TaskLoadError(f"{directory}: contains no task folders")
-  tasks = [load_task(folder, max_bytes, builder) for folder in folders]
+  tasks = []
+  for folder in folders:
+    task = load_task(folder, max_bytes, builder)
+    why = final_tests.unsafe_verdict(task)
+    if why is not None:
+      log.warning("%s: %s (task %s): %s", folder, "kept by allow_unsafe_verdicts"
+                  if allow_unsafe_verdicts else "refused", task.name, why)
+      if not allow_unsafe_verdicts:
+        continue
+    tasks.append(task)
+  if not tasks:
+    raise TaskLoadError(f"{directory}: every task folder was refused (their verdicts could be "
+                        "the agent's; allow_unsafe_verdicts keeps them)")
   if builder is None:
     log.warning("%s: %d task folder(s) translated into the shared sandbox image (task_build = "
                 "\"translate\"): their FROM, package installs and test.sh are not run as written",

@@ -55,11 +55,13 @@ class Task:
   @property
   def tests_run_agent_code(self) -> bool:
     """Whether the task's tests import or execute a file from the agent's home (read from their
-    source, ``final_tests.runs_agent_code``): that code runs inside the verifier's tests and
-    can report whatever verdict it likes with the file's own counts, so ``check`` lists such
-    tasks apart."""
+    source, ``final_tests.runs_agent_code``; check's ``agent_code`` column). Modules they import
+    run in a process of the agent's own (``agent_proxy``); a task whose verdict that cannot make
+    safe is ``final_tests.unsafe_verdict``'s."""
     from jaxes.envs.tasks import final_tests   # the task model stays free of the verifier at import
-    sources = [self.final_tests, self.initial_tests or ""] + [
-      data.decode("utf-8", "replace") for path, data in self.verifier_files
-      if path.endswith((".py", ".sh"))]
-    return any(final_tests.runs_agent_code(source) for source in sources if source)
+    sources = [(self.final_tests, False), (self.initial_tests or "", False)] + [
+      (data.decode("utf-8", "replace"), path.endswith(".sh"))
+      for path, data in self.verifier_files if path.endswith((".py", ".sh"))]
+    homes = {self.workdir or "/home/user", "/home/user"}   # a Harbor image's agent works in its WORKDIR
+    return any(final_tests.runs_agent_code(source, home, shell) for source, shell in sources
+               if source for home in homes)

@@ -2,7 +2,9 @@
 (Endless Terminals, Terminal-Bench / Harbor), run as their authors wrote them.
 
 ``env.task_dir`` holds the training split's folders, ``env.heldout_task_dir`` the held-out
-split's (empty: the training folders). ``env.task_build``: "docker" builds each folder's own
+split's (empty: the training folders). A folder whose verdict the agent's code could decide
+(``final_tests.unsafe_verdict``) is refused at loading, one line naming it, unless
+``env.allow_unsafe_verdicts`` (recorded in the run's config.json) keeps it. ``env.task_build``: "docker" builds each folder's own
 image (``jaxes.envs.images.task_images``; needs ``env.sandbox = "docker"``), "translate" translates it
 into the shared sandbox image (a warning says so), "auto" is docker on the docker sandbox.
 A split of n tasks from ``start`` takes the split's folders in name order, cycling.
@@ -34,12 +36,14 @@ def task_build(config) -> str:
 
 
 @functools.lru_cache(maxsize=4)
-def _load(directory: str, build: str, network: str = "none") -> tuple:
+def _load(directory: str, build: str, network: str = "none",
+          allow_unsafe_verdicts: bool = False) -> tuple:
   # Once per folder and build per process: loading builds (or finds cached) each task's image.
   from jaxes.envs.images.task_images import TaskImageBuilder, TaskImageError
   try:
     builder = TaskImageBuilder(network=network) if build == "docker" else None
-    return tuple(loaders.load_tasks(directory, builder=builder))
+    return tuple(loaders.load_tasks(directory, builder=builder,
+                                    allow_unsafe_verdicts=allow_unsafe_verdicts))
   except (loaders.TaskLoadError, TaskImageError) as err:
     raise ConfigError(f"config.env.task_dir: {err}") from err
 
@@ -62,7 +66,8 @@ class TaskFolders:
     if not directory:
       raise ConfigError("config.env.task_dir: empty; env.kind = 'task_folders' needs the folder "
                         "of a downloaded task suite")
-    tasks = _load(directory, task_build(config), config.env.task_build_network)
+    tasks = _load(directory, task_build(config), config.env.task_build_network,
+                  bool(config.env.allow_unsafe_verdicts))
     return [dataclasses.replace(task, limits=dataclasses.replace(
               task.limits, max_turns=config.env.max_turns))
             for task in (tasks[(start + i) % len(tasks)] for i in range(n))]

@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     sandbox.shutdown()
   summary = summarize(results, leaked)
   if args.allow_unsafe_verdicts:
-    summary["unsafe_verdicts"] = sorted(t.name for t in tasks if final_tests.unsafe_verdict(t))
+    summary["unsafe_verdicts"] = final_tests.unsafe_task_names(tasks)
   print(family_table(results))
   if args.tasks:
     print(task_table(results, dict(builder.builds) if builder else None))

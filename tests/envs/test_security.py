@@ -423,6 +423,9 @@ def test_a_test_files_own_count_and_whether_it_runs_agent_code_are_read_statical
   harbor = lambda test: unsafe("", workdir="/app", verifier_files=(("test.sh", b"pytest /tests/t.py\n"),
                                                                   ("t.py", test.encode())))
   assert "as root" in harbor("import sys\nsys.path.insert(0, '/app')\nimport solution\n")
+  execs = Task(name="execs", instruction="x", final_tests="def test_x():\n  exec(open('/home/user/s.py').read())\n")
+  plain = Task(name="plain", instruction="x", final_tests=IMPORTS_SOLUTION)
+  assert final_tests.unsafe_task_names([plain, execs, execs, "a webshop goal"]) == ["execs"]
   assert harbor("def test_x():\n  assert open('/app/out').read() == 'ok'\n") is None
 
 

@@ -82,7 +82,9 @@ def test_few_updates_end_to_end_async_no_recompile_no_leftovers(tokenizer_dir, t
   # 8 slots, as the exception test below: its programs are then this run's (the compile cache).
   c = tiny_config(tokenizer_dir, **{"train.num_updates": 4, "controller.mode": "async",
                                     "controller.max_staleness": 1, "train.plot": True,
-                                    "rollout.num_slots": 8})
+                                    "rollout.num_slots": 8,
+                                    # the summary names tasks kept with unsafe verdicts (none here)
+                                    "env.allow_unsafe_verdicts": True})
   summary = Trainer(c, str(tmp_path / "run"), sandbox=sandbox,
                     on_update=lambda r: at_update.append(compiles[0]), log=lambda s: None).run()
   assert summary["version"] == 4
@@ -100,6 +102,7 @@ def test_few_updates_end_to_end_async_no_recompile_no_leftovers(tokenizer_dir, t
   assert [r["version"] for r in evals] == [0, 4]
   assert os.path.getsize(tmp_path / "run" / "progress.png") > 0
   assert json.load(open(tmp_path / "run" / "summary.json"))["version"] == 4
+  assert summary["unsafe_verdicts"] == []
   assert os.listdir(sandbox_root) == []
 
 
@@ -215,7 +218,9 @@ def test_exception_inside_loop_leaves_no_sandbox(tokenizer_dir, tmp_path, sandbo
     raise RuntimeError("boom at update %d" % record["version"])
 
   c = tiny_config(tokenizer_dir, **{"controller.mode": "async", "controller.max_staleness": 1,
-                                    "rollout.num_slots": 8})
+                                    "rollout.num_slots": 8,
+                                    # the summary names tasks kept with unsafe verdicts (none here)
+                                    "env.allow_unsafe_verdicts": True})
   with pytest.raises(RuntimeError, match="boom at update 1"):
     Trainer(c, str(tmp_path / "run"), sandbox=sandbox, on_update=explode, log=lambda s: None).run()
   assert os.listdir(sandbox_root) == []

@@ -4,7 +4,8 @@
 ``env.task_dir`` holds the training split's folders, ``env.heldout_task_dir`` the held-out
 split's (empty: the training folders). A folder whose verdict the agent's code could decide
 (``final_tests.unsafe_verdict``) is refused at loading, one line naming it, unless
-``env.allow_unsafe_verdicts`` (recorded in the run's config.json) keeps it. ``env.task_build``: "docker" builds each folder's own
+``env.allow_unsafe_verdicts`` (recorded in the run's config.json; summary.json names the kept
+tasks) keeps it. ``env.task_build``: "docker" builds each folder's own
 image (``jaxes.envs.images.task_images``; needs ``env.sandbox = "docker"``), "translate" translates it
 into the shared sandbox image (a warning says so), "auto" is docker on the docker sandbox.
 A split of n tasks from ``start`` takes the split's folders in name order, cycling.

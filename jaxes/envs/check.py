@@ -44,8 +44,8 @@ from jaxes.envs import BACKENDS, make_sandbox, protocol
 from jaxes.envs.checking import exit_status, read_replay
 from jaxes.envs.images.task_images import DEFAULT_MAX_IMAGE_MB
 from jaxes.envs.sandboxes.sandbox import SandboxError
-from jaxes.envs.tasks import final_tests, generator
-from jaxes.envs.tasks.task import Task
+from jaxes.envs.tasks import generator
+from jaxes.envs.tasks.task import Task, unsafe_task_names
 
 DONE = "<action>done</action>"
 FAILED_TESTS = "FAILED_TESTS"     # the episode ran normally but the final tests failed
@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     sandbox.shutdown()
   summary = summarize(results, leaked)
   if args.allow_unsafe_verdicts:
-    summary["unsafe_verdicts"] = final_tests.unsafe_task_names(tasks)
+    summary["unsafe_verdicts"] = unsafe_task_names(tasks)
   print(family_table(results))
   if args.tasks:
     print(task_table(results, dict(builder.builds) if builder else None))

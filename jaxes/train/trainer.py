@@ -23,7 +23,8 @@ from typing import Callable
 from ml_collections import config_dict
 
 from jaxes.envs.sandboxes.sandbox import Sandbox, SandboxError
-from jaxes.envs.tasks import final_tests, oracle
+from jaxes.envs.tasks import oracle
+from jaxes.envs.tasks.task import unsafe_task_names
 from jaxes.train import (algorithms, builders, checkpoint, coevolution, compile_cache, config_history,
                          drift, evaluation, mc_probe, metrics, multihost, precompile, tracker)
 from jaxes.train.algorithms import ReplaysUpdates, UpdateContext
@@ -345,7 +346,7 @@ class Trainer:
                "train_s": run_s, "updates_per_hour": _per_hour(len(windows), run_s),
                "updates_this_run": updates,
                # Tasks kept by env.allow_unsafe_verdicts: their rewards the agent's code could decide.
-               **({"unsafe_verdicts": final_tests.unsafe_task_names(
+               **({"unsafe_verdicts": unsafe_task_names(
                    self.parts.train_tasks + self.parts.heldout_tasks)}
                   if c.env.get("allow_unsafe_verdicts", False) else {}),
                "this_invocation": {"updates": updates, "train_s": mine, "wall_s": train_s,

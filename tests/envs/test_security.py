@@ -15,7 +15,7 @@ import pytest
 from helpers_sandboxes import sandbox  # noqa: F401  (sandbox: both backends)
 from jaxes.envs import check, make_sandbox
 from jaxes.envs.tasks import generator, loaders
-from jaxes.envs.tasks.task import Limits, Task
+from jaxes.envs.tasks.task import Limits, Task, unsafe_task_names
 
 # Finds the final tests wherever the verifier might keep them (files, open fds of any process)
 # and prints the expected answer for its arguments.
@@ -425,7 +425,7 @@ def test_a_test_files_own_count_and_whether_it_runs_agent_code_are_read_statical
   assert "as root" in harbor("import sys\nsys.path.insert(0, '/app')\nimport solution\n")
   execs = Task(name="execs", instruction="x", final_tests="def test_x():\n  exec(open('/home/user/s.py').read())\n")
   plain = Task(name="plain", instruction="x", final_tests=IMPORTS_SOLUTION)
-  assert final_tests.unsafe_task_names([plain, execs, execs, "a webshop goal"]) == ["execs"]
+  assert unsafe_task_names([plain, execs, execs, "a webshop goal"]) == ["execs"]
   assert harbor("def test_x():\n  assert open('/app/out').read() == 'ok'\n") is None
 
 

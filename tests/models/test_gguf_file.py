@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from jaxes import tokenization
-from jaxes.models import check_logits, qwen2, sources
+from jaxes.models import check_logits, gguf_file, qwen2, sources
 from jaxes.models.safetensors_io import CheckpointError
 from helpers_models import hf_logits, save_random_hf_checkpoint, tiny_tokenizer, write_gguf
 
@@ -47,7 +47,7 @@ def test_llama_gguf_reads_as_transformers_reads_it(tmp_path, tied, tensor_type):
   for name, tensor in reference.state_dict().items():
     if name == "lm_head.weight" and tied:
       continue
-    np.testing.assert_array_equal(sources.gguf_file.checkpoint_tensors(path)[name].open(),
+    np.testing.assert_array_equal(gguf_file.checkpoint_tensors(path)[name].open(),
                                   tensor.numpy(), err_msg=name)
   tokens = np.random.RandomState(0).randint(0, cfg.vocab_size, (2, 9))
   np.testing.assert_allclose(_logits(graphdef, params, tokens), hf_logits(reference, tokens), atol=1e-4, rtol=0)

@@ -434,13 +434,6 @@ def runs_agent_code(source: str, home: str = "/home/user", shell: bool = False) 
   return home in re.sub(r"\bcd\s+" + re.escape(home) + r"\S*", "", source)
 
 
-def unsafe_task_names(tasks) -> list[str]:
-  """The terminal tasks among ``tasks`` whose verdict the agent's code could decide (what a run
-  that kept them on request names in its summary)."""
-  from jaxes.envs.tasks.task import Task
-  return sorted({t.name for t in tasks if isinstance(t, Task) and unsafe_verdict(t)})
-
-
 def unsafe_verdict(task) -> str | None:
   """Why the task's verdict could be the agent's own doing whatever the verifier does, or None:
   a Harbor test.sh whose tests run the agent's code (as root, which can write the reward), or

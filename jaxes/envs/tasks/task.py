@@ -65,3 +65,10 @@ class Task:
     homes = {self.workdir or "/home/user", "/home/user"}   # a Harbor image's agent works in its WORKDIR
     return any(final_tests.runs_agent_code(source, home, shell) for source, shell in sources
                if source for home in homes)
+
+
+def unsafe_task_names(tasks) -> list[str]:
+  """The terminal tasks among ``tasks`` whose verdict the agent's code could decide (what a run
+  that kept them on request names in its summary)."""
+  from jaxes.envs.tasks import final_tests   # as tests_run_agent_code: no verifier at import
+  return sorted({t.name for t in tasks if isinstance(t, Task) and final_tests.unsafe_verdict(t)})

@@ -72,6 +72,7 @@ def test_unknown_paper_variant():
     ("eval.num_tasks", 10_000, r"config\.eval\.num_tasks"),
     ("env.sandbox", "vm", r"config\.env\.sandbox"),
     ("env.parse_error_penalty", -0.5, r"config\.env\.parse_error_penalty"),
+    ("env.action_format", "xml", r"config\.env\.action_format: must be one of \('tags', 'fenced'\)"),
     ("mesh.tensor", 0, r"config\.mesh\.tensor: must be a positive int or -1"),
 ])
 def test_bad_values_name_the_key(key, value, match):
@@ -94,6 +95,10 @@ def test_a_version_change_is_refused_for_full_rank_es():
 def test_webshop_asin_length_is_checked():
   c = _load("demo_webshop")
   validate(c)
+  c.env.action_format = "fenced"
+  with pytest.raises(ConfigError, match=r"config\.env\.action_format: .*WebShop has its own actions"):
+    validate(c)
+  c.env.action_format = "tags"
   c.webshop.asin_length = 11
   with pytest.raises(ConfigError, match=r"config\.webshop\.asin_length: must be in \[3, 10\]"):
     validate(c)

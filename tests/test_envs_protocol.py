@@ -186,7 +186,7 @@ def test_run_episode_closes_the_sandbox(sandbox):
     ("Run ```bash ls``` now.", "invalid", None),                                  # inline, not a block
     ("```python\nimport os\nos.system('ls')\n```", "invalid", None),
     ("```bash\n   \n```", "invalid", None),                                       # empty block
-    ("```bash\necho a\x00b\n```", "invalid", None),                               # NUL: no shell takes it
+    ("```bash\necho a\x00b\n```", "command", "echo a\x00b"),                      # the sandbox refuses it
     ("<command>ls</command>", "invalid", None),                                   # the other format
     ("I would run ls here.", "invalid", None),
 ])
@@ -218,7 +218,6 @@ def test_fenced_episode_solves_and_tells_the_format(sandbox):
 @pytest.mark.parametrize("reply", [
     "```python\nopen('/home/user/a', 'w'); open('/home/user/b', 'w')\n```",     # not run
     "```bash\ntouch /home/user/a /home/user/b",                                  # unterminated: not run
-    "```bash\ntouch /home/user/a /home/user/b\x00\n```",                         # NUL: not run
     "x" * 200_000 + "\x00" * 1000,
 ])
 def test_fenced_unparsable_replies_never_act_nor_earn(sandbox, reply):
@@ -230,6 +229,16 @@ def test_fenced_unparsable_replies_never_act_nor_earn(sandbox, reply):
     assert ep.step(reply)
     out = ep.finish()
   assert (out.passed, out.reward, out.parse_errors, out.failure) == (False, 0.0, 2, protocol.PARSE_ERROR)
+
+
+def test_fenced_command_with_a_nul_byte_is_refused_not_run(sandbox):
+  task = dataclasses.replace(TASK, limits=Limits(max_turns=1))
+  with sandbox.start(task) as handle:
+    ep = protocol.Episode(task, handle, action_format=protocol.FENCED)
+    assert ep.step("```bash\ntouch /home/user/a /home/user/b\x00\n```")
+    assert "command refused, not run: it contains a NUL byte" in ep.messages[-1]["content"]
+    out = ep.finish()
+  assert (out.passed, out.reward, out.parse_errors) == (False, 0.0, 0)
 
 
 def test_fenced_huge_command_output_is_cut_and_stated(sandbox):

@@ -104,15 +104,16 @@ _FENCE_RE = re.compile(r"^[ \t]*```[ \t]*([\w+#.-]*)[^\n`]*\n(.*?)^[ \t]*```[ \t
 
 def parse_fenced(text: str) -> Action:
   """Done wins anywhere in the turn; else the first closed fenced block in a shell language
-  (or unlabelled), run as one script. An unterminated fence, a block in another language, an
-  empty block or one holding a NUL byte (no shell can be given one) is no action."""
+  (or unlabelled), run as one script. An unterminated fence, a block in another language or an
+  empty block is no action. (A command holding a NUL byte is the sandbox's to refuse, as for
+  ``<command>``.)"""
   if _DONE_RE.search(text):
     return Action("done")
   for language, body in _FENCE_RE.findall(text):
     if language.lower() not in SHELL_LANGUAGES:
       continue
     command = body.strip()
-    if not command or "\x00" in command:
+    if not command:
       return Action("invalid")
     return Action("done") if command.lower() == "done" else Action("command", command)
   return Action("invalid")

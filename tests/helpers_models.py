@@ -1,4 +1,4 @@
-"""Tiny random Qwen2 checkpoints and tokenizers built locally, for tests (no hub, no network)."""
+"""Tiny random Qwen2/Llama checkpoints and tokenizers built locally, for tests (no hub, no network)."""
 from __future__ import annotations
 
 import os
@@ -85,14 +85,16 @@ def tiny_tokenizer(out_dir: str, vocab_size: int = 300):
 
 def save_random_hf_checkpoint(out_dir: str, cfg: Qwen2Config, seed: int = 0,
                               torch_dtype: str = "float32"):
-  """A transformers Qwen2ForCausalLM with random weights — including non-zero biases and norm
-  gains, which HF initialises to 0 and 1 — saved with ``save_pretrained``. Returns the model."""
+  """A transformers model of ``cfg.architecture`` (Qwen2ForCausalLM, LlamaForCausalLM) with random
+  weights — including non-zero biases and norm gains, which HF initialises to 0 and 1 — saved
+  with ``save_pretrained``. Returns the model."""
   import torch
   import transformers
 
-  hf_cfg = transformers.Qwen2Config(**cfg.to_hf_dict())
+  config_class = getattr(transformers, cfg.architecture.replace("ForCausalLM", "Config"))
+  hf_cfg = config_class(**cfg.to_hf_dict())
   torch.manual_seed(seed)
-  model = transformers.Qwen2ForCausalLM(hf_cfg).eval()
+  model = getattr(transformers, cfg.architecture)(hf_cfg).eval()
   with torch.no_grad():
     for name, p in model.named_parameters():
       if name.endswith("bias"):
@@ -120,3 +122,69 @@ def hf_logits(model, tokens, attention_mask=None, position_ids=None):
   with torch.no_grad():
     out = model(torch.as_tensor(np.asarray(tokens, dtype=np.int64)), **kwargs)
   return out.logits.float().numpy()
+
+
+def llama_cpp_permute(rows, heads: int):
+  """The q/k row order llama.cpp's converter writes for Llama (its ``permute``), from
+  transformers' ``rotate_half`` order: within each head, the two halves' rows interleaved."""
+  head_size = rows.shape[0] // heads
+  return rows.reshape(heads, 2, head_size // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def write_gguf(path: str, model, cfg: Qwen2Config, tensor_type: str = "F32", tokenizer=None,
+               **metadata) -> None:
+  """A GGUF file as llama.cpp's converter writes one for transformers ``model`` (of ``cfg``):
+  its metadata, its tensors under GGUF names (Llama's q/k rows permuted; 2-D weights in
+  ``tensor_type``, vectors in float32) and, with ``tokenizer`` (a byte-level BPE), its vocabulary,
+  merges and chat template. ``metadata``: ``{key: (value, GGUFValueType)}`` added or replaced."""
+  import gguf
+
+  arch = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}[cfg.architecture]
+  writer = gguf.GGUFWriter(path, arch)
+  writer.add_block_count(cfg.num_layers)
+  writer.add_context_length(cfg.max_position_embeddings)
+  writer.add_embedding_length(cfg.hidden_size)
+  writer.add_feed_forward_length(cfg.intermediate_size)
+  writer.add_head_count(cfg.num_heads)
+  writer.add_head_count_kv(cfg.num_kv_heads)
+  writer.add_key_length(cfg.head_size)
+  writer.add_rope_dimension_count(cfg.head_size)
+  writer.add_rope_freq_base(cfg.rope_theta)
+  writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+  writer.add_vocab_size(cfg.vocab_size)
+  for key, (value, value_type) in metadata.items():
+    writer.add_key_value(key, value, value_type)
+  names = gguf.get_tensor_name_map(
+      next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch), cfg.num_layers)
+  quant = gguf.GGMLQuantizationType[tensor_type]
+  for name, tensor in model.state_dict().items():
+    if cfg.tie_word_embeddings and name == "lm_head.weight":
+      continue
+    data = tensor.float().numpy()
+    if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
+      data = llama_cpp_permute(data, cfg.num_heads if ".q_proj." in name else cfg.num_kv_heads)
+    gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+    if data.ndim == 2 and quant not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+      writer.add_tensor(gguf_name, gguf.quants.quantize(data, quant), raw_dtype=quant)
+    else:
+      writer.add_tensor(gguf_name, data.astype(np.float16 if data.ndim == 2 and tensor_type == "F16"
+                                               else np.float32))
+  if tokenizer is not None:
+    import json
+    spec = json.loads(tokenizer.backend_tokenizer.to_str())
+    vocab = {**spec["model"]["vocab"], **{t["content"]: t["id"] for t in spec["added_tokens"]}}
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    special = {t["content"] for t in spec["added_tokens"]}
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL
+                            for t in tokens])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]])
+    writer.add_bos_token_id(tokenizer.convert_tokens_to_ids("<|im_start|>"))
+    writer.add_eos_token_id(tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    writer.add_chat_template(tokenizer.chat_template)
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()

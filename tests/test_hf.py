@@ -159,3 +159,43 @@ def test_index_pointing_to_a_missing_file(checkpoint, tmp_path):
   os.remove(tmp_path / second)
   with pytest.raises(CheckpointError, match=f"{second}: file not found"):
     hf.load(str(tmp_path))
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_llama_checkpoint_loads_without_biases_and_exports_as_llama(tmp_path, tied):
+  cfg = qwen2.Qwen2Config(vocab_size=61, hidden_size=32, intermediate_size=40, num_layers=2,
+                          num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=1e5,
+                          tie_word_embeddings=tied, architecture="LlamaForCausalLM",
+                          attention_bias=False)
+  torch_model = save_random_hf_checkpoint(str(tmp_path / "a"), cfg, seed=3)
+  loaded, _, params = hf.load(str(tmp_path / "a"))
+  assert loaded == cfg
+  leaves = ["/".join(str(k.key) for k in path) for path, _ in
+            jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(params))]
+  assert not [p for p in leaves if p.endswith("bias")] and ("lm_head/kernel" in leaves) != tied
+  hf.save(str(tmp_path / "b"), loaded, params)
+  with open(tmp_path / "b" / "config.json") as f:
+    written = json.load(f)
+  assert (written["architectures"], written["model_type"], written["attention_bias"]) == \
+         (["LlamaForCausalLM"], "llama", False)
+  import transformers
+  exported = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "b")).eval()
+  tokens = np.random.RandomState(0).randint(0, cfg.vocab_size, (1, 7))
+  np.testing.assert_allclose(hf_logits(exported, tokens), hf_logits(torch_model, tokens),
+                             atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("changes, message", [
+  (dict(attention_bias=True), r"q_proj\.bias.*missing"),   # a biased Llama's checkpoint carries them
+  (dict(mlp_bias=True), "mlp_bias"),
+  (dict(model_type="mistral"), "model_type='mistral'"),
+])
+def test_llama_config_errors(tmp_path, changes, message):
+  cfg = qwen2.Qwen2Config.preset("tiny", vocab_size=50, head_dim=16, architecture="LlamaForCausalLM",
+                                 attention_bias=False)
+  save_random_hf_checkpoint(str(tmp_path), cfg)
+  _edit_config(str(tmp_path), **changes)
+  with pytest.raises((UnsupportedConfigError, CheckpointError), match=message):
+    hf.load(str(tmp_path))
+  with pytest.raises(ValueError, match="attention_bias must be True for Qwen2ForCausalLM"):
+    qwen2.Qwen2Config.preset("tiny", attention_bias=False)

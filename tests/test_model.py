@@ -21,6 +21,15 @@ PARITY_CONFIGS = {
   "tied-mqa-headdim": qwen2.Qwen2Config(vocab_size=64, hidden_size=36, intermediate_size=50,
                                         num_layers=2, num_heads=4, num_kv_heads=1, head_dim=10,
                                         tie_word_embeddings=True),
+  # The Llama family: no q/k/v biases (SmolLM2's shape in small), and with them.
+  "llama-tied-gqa3": qwen2.Qwen2Config(vocab_size=90, hidden_size=48, intermediate_size=64,
+                                       num_layers=2, num_heads=6, num_kv_heads=2, head_dim=8, rope_theta=1e5,
+                                       rms_norm_eps=1e-5, tie_word_embeddings=True,
+                                       architecture="LlamaForCausalLM", attention_bias=False),
+  "llama-untied-bias": qwen2.Qwen2Config(vocab_size=70, hidden_size=32, intermediate_size=40,
+                                         num_layers=2, num_heads=4, num_kv_heads=4, head_dim=12,
+                                         tie_word_embeddings=False, architecture="LlamaForCausalLM",
+                                         attention_bias=True),
 }
 
 forward = jax.jit(qwen2.forward, static_argnums=0)
@@ -165,9 +174,10 @@ class RecordingNoiser(IdentityNoiser):
     return super().scale(x, scale, name=name, layer=layer)
 
 
-@pytest.mark.parametrize("tied", [True, False])
-def test_every_parameter_goes_through_the_noiser(tied):
-  cfg = qwen2.Qwen2Config.preset("tiny", tie_word_embeddings=tied)
+@pytest.mark.parametrize("tied, llama", [(True, False), (False, False), (True, True)])
+def test_every_parameter_goes_through_the_noiser(tied, llama):
+  cfg = qwen2.Qwen2Config.preset("tiny", tie_word_embeddings=tied, **(
+      dict(architecture="LlamaForCausalLM", attention_bias=False) if llama else {}))
   model = qwen2.Qwen2ForCausalLM(cfg, rngs=nnx.Rngs(0))
   noiser = RecordingNoiser()
   tokens = jnp.zeros((1, 3), jnp.int32)
@@ -175,6 +185,7 @@ def test_every_parameter_goes_through_the_noiser(tied):
   paths = {"/".join(str(k.key) for k in path) for path, _ in
            jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(nnx.state(model, nnx.Param)))}
   assert {name for _, name, _ in noiser.calls} == paths
+  assert any(p.endswith("/bias") for p in paths) != llama   # no bias leaf to perturb without one
   for kind, name, has_layer in noiser.calls:  # stacked params get the layer index, others not
     assert has_layer == name.startswith("layers/"), (kind, name)
   if tied:

@@ -275,3 +275,39 @@ def test_a_run_starts_from_an_exported_checkpoint_whose_shape_the_config_cannot_
   assert f"model: config.model.path={out} (Qwen2, 1 layers, hidden 32, intermediate 64, heads 2/1, " \
          f"vocab 400, float32)" in said, said
   _params_equal(load_policy(str(tmp_path / "run"), 0).params, whole["params"])
+
+
+def test_a_llama_gguf_trains_reloads_and_exports_as_llama(tokenizer_dir, tmp_path):
+  """A Llama-family model from a GGUF file (no attention biases) through the trainer: version 0 is
+  the file's weights, an ES update runs, load_policy reads the run back (no bias leaves) and the
+  export is a LlamaForCausalLM that transformers computes the same logits with."""
+  import transformers
+  from helpers_models import save_random_hf_checkpoint, write_gguf
+  from jaxes.models import sources
+  cfg = qwen2.Qwen2Config(vocab_size=400, hidden_size=32, intermediate_size=64, num_layers=1,
+                          num_heads=2, num_kv_heads=1, head_dim=16, max_position_embeddings=256,
+                          architecture="LlamaForCausalLM", attention_bias=False)
+  path = str(tmp_path / "llama.gguf")
+  write_gguf(path, save_random_hf_checkpoint(str(tmp_path / "src"), cfg, seed=9), cfg)
+  config = tiny_config(tokenizer_dir, **{**BASE, "warmstart.steps": 0, "train.num_updates": 1})
+  config.model.path = path
+  for key in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"):
+    config.model[key] = 0
+  workdir = tmp_path / "run"
+  summary = Trainer(config, str(workdir), **QUIET).run()
+  _params_equal(load_policy(str(workdir), 0).params, sources.load(path)[2])
+  policy = load_policy(str(workdir))
+  assert policy.version == 1 and policy.model_config == cfg
+  assert not [p for p in jax.tree_util.tree_leaves_with_path(policy.params) if "bias" in str(p[0])]
+  _params_equal(policy.params, summary["params"])
+  out = tmp_path / "hf"
+  export.export(str(workdir), str(out))
+  assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+  exported = transformers.LlamaForCausalLM.from_pretrained(str(out)).eval()
+  ids = policy.tokenizer.encode("ls -la | grep log", add_special_tokens=False)
+  got, _ = qwen2.forward(policy.graphdef, policy.params, jnp.asarray([ids], jnp.int32),
+                         jnp.arange(len(ids))[None], jnp.ones((1, len(ids)), bool))
+  import torch
+  with torch.no_grad():
+    want = exported(torch.tensor([ids])).logits[0].numpy()
+  np.testing.assert_allclose(np.asarray(got[0]), want, atol=1e-4, rtol=1e-4)

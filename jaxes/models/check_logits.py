@@ -1,13 +1,18 @@
-"""Compare jaxes' Qwen2 logits with transformers' (torch, CPU) on a local HF checkpoint.
+"""Compare jaxes' logits with transformers' (torch, CPU) on a local checkpoint.
 
-    python -m jaxes.models.check_logits --hf_dir DIR [--dtype float32|bfloat16]
+    python -m jaxes.models.check_logits --model DIR|FILE.gguf|pip:PACKAGE [--dtype float32|bfloat16]
         [--mesh data=1,fsdp=4,tensor=2] [--prompt TEXT]
+
+``--model`` (or ``--hf_dir``) is any model source (``jaxes.models.sources``): a transformers
+checkpoint directory (Qwen2 or Llama), which transformers loads itself, or a GGUF file, which
+transformers dequantizes with its own GGUF loader into its model class: an independent reading
+of the file (dequantization, q/k row order, config) as well as of the network.
 
 Prints a per-position table, then, last, one JSON line
 ``{"max_abs_diff": ..., "kl": ..., "top1_agreement": ...}``; exits 0 iff within tolerance
 (float32: max |Δlogit| <= 1e-4), 1 when outside it, 2 when the checkpoint or mesh is unusable.
-Tokens come from the checkpoint's tokenizer when the directory has one, else from the prompt's
-UTF-8 bytes modulo the vocabulary. On a CPU-only machine a mesh of N devices gets N host CPU
+Tokens come from the checkpoint's tokenizer when it has one, else from the prompt's UTF-8 bytes
+modulo the vocabulary. On a CPU-only machine a mesh of N devices gets N host CPU
 devices.
 """
 from __future__ import annotations
@@ -30,10 +35,10 @@ TOLERANCES = {
 DEFAULT_PROMPT = "Write a shell command that counts the lines of every *.py file under src/."
 
 
-def _tokens(hf_dir: str, prompt: str, vocab_size: int) -> np.ndarray:
-  if os.path.exists(os.path.join(hf_dir, "tokenizer.json")):
-    from jaxes import tokenization
-    ids = tokenization.load_tokenizer(hf_dir).encode(prompt)
+def _tokens(model: str, prompt: str, vocab_size: int) -> np.ndarray:
+  from jaxes.models import sources
+  if sources.has_tokenizer(model):
+    ids = sources.load_tokenizer(model).encode(prompt)
   else:
     ids = [b % vocab_size for b in prompt.encode()]
   if not ids:
@@ -63,9 +68,35 @@ def within_tolerance(metrics: dict, dtype: str) -> bool:
           and metrics["top1_agreement"] >= tol.get("top1_agreement", 0.0))
 
 
+def transformers_model(model: str, architecture: str, dtype: str):
+  """transformers' own model of the source ``model`` (the reference), in ``dtype``."""
+  import torch
+  import transformers
+  from jaxes.models import sources
+
+  path = sources.resolve(model)
+  model_class = getattr(transformers, architecture)
+  if not path.endswith(".gguf"):
+    return model_class.from_pretrained(path, dtype=getattr(torch, dtype), local_files_only=True).eval()
+  # transformers' GGUF reader (the one from_pretrained(gguf_file=...) builds on, without the
+  # accelerate package that entry point asks for): config and dequantized tensors by HF name.
+  from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+  config = model_class.config_class(**load_gguf_checkpoint(path)["config"])
+  reference = model_class(config)
+  tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=reference)["tensors"]
+  missing, unexpected = reference.load_state_dict(tensors, strict=False)
+  if unexpected or set(missing) - {"lm_head.weight"}:   # a tied head is the embedding
+    raise ValueError(f"{path}: transformers' GGUF reader gave unexpected tensors {unexpected[:3]} "
+                     f"and none for {sorted(missing)[:3]}")
+  if config.tie_word_embeddings:
+    reference.tie_weights()
+  return reference.to(getattr(torch, dtype)).eval()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--hf_dir", required=True)
+  parser.add_argument("--model", "--hf_dir", dest="model", required=True,
+                      help="a checkpoint directory, a .gguf file or pip:PACKAGE")
   parser.add_argument("--dtype", default="float32", choices=sorted(TOLERANCES))
   parser.add_argument("--mesh", default=None, help="e.g. data=1,fsdp=4,tensor=2")
   parser.add_argument("--prompt", default=DEFAULT_PROMPT)
@@ -84,17 +115,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("check_logits: needs torch for the transformers reference (pip install -e '.[test]')",
           file=sys.stderr)
     return 2
-  import transformers
-  from jaxes.models import hf, qwen2
+  from jaxes.models import qwen2, sources
 
   mesh = sharding.make_mesh(**mesh_sizes) if mesh_sizes else None
   try:
-    cfg, graphdef, params = hf.load(args.hf_dir, mesh=mesh, param_dtype=args.dtype,
-                                    dtype=args.dtype)
+    cfg, graphdef, params = sources.load(args.model, mesh=mesh, param_dtype=args.dtype,
+                                         dtype=args.dtype)
   except ValueError as e:  # CheckpointError, UnsupportedConfigError, mesh/divisibility errors
     print(f"check_logits: {e}", file=sys.stderr)
     return 2
-  tokens = _tokens(args.hf_dir, args.prompt, cfg.vocab_size)
+  tokens = _tokens(args.model, args.prompt, cfg.vocab_size)
   T = tokens.shape[1]
   # float32 parity needs true float32 matmuls; GPUs and TPUs default to reduced-precision passes.
   with jax.default_matmul_precision("float32" if args.dtype == "float32" else "default"):
@@ -103,14 +133,13 @@ def main(argv: Sequence[str] | None = None) -> int:
       jax.numpy.ones((1, T), bool))
   ours = np.asarray(ours[0], np.float32)
 
-  torch_model = transformers.Qwen2ForCausalLM.from_pretrained(
-    args.hf_dir, dtype=getattr(torch, args.dtype), local_files_only=True).eval()
+  torch_model = transformers_model(args.model, cfg.architecture, args.dtype)
   with torch.no_grad():
     reference = torch_model(torch.as_tensor(tokens)).logits[0].float().numpy()
 
   metrics = compare(reference, ours)
   devices = mesh.devices.size if mesh is not None else 1
-  print(f"checkpoint {args.hf_dir}: {cfg.num_layers} layers, vocab {cfg.vocab_size}, "
+  print(f"checkpoint {args.model}: {cfg.architecture}, {cfg.num_layers} layers, vocab {cfg.vocab_size}, "
         f"dtype {args.dtype}, {devices} device(s) {mesh_sizes or ''}")
   print(f"{'pos':>4} {'token':>7} {'hf_top1':>8} {'jax_top1':>8} {'max|dlogit|':>12} {'kl':>10}")
   for t in range(T):

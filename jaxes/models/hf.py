@@ -1,4 +1,4 @@
-"""Load and export transformers (HF) Qwen2 checkpoints: ``config.json`` + ``*.safetensors``.
+"""Load and export transformers (HF) Qwen2 and Llama checkpoints: ``config.json`` + ``*.safetensors``.
 
 Loading is tensor by tensor: every file header is validated against the model first (missing,
 corrupt or mis-shaped tensors raise ``CheckpointError`` naming the file and tensor, before any
@@ -6,7 +6,10 @@ parameter is built); then each parameter is assembled shard by shard from memory
 directly into its target sharding, so the host never holds a full copy of the checkpoint.
 
 HF stores linear weights ``[out, in]``; we store kernels ``[in, out]`` and stack decoder layers
-``[L, ...]``. Qwen uses the ``rotate_half`` RoPE layout, so no q/k permutation is needed.
+``[L, ...]``. transformers' Qwen2 and Llama use the ``rotate_half`` RoPE layout, so no q/k
+permutation is needed (llama.cpp's GGUF files are permuted: ``jaxes.models.gguf_file`` undoes it).
+``from_tensors`` builds the parameters from any mapping of HF tensor names to readable tensors
+(``jaxes.models.sources``: a GGUF file's too).
 """
 from __future__ import annotations
 
@@ -57,10 +60,13 @@ def leaf_maps(cfg: Qwen2Config) -> list[LeafMap]:
       ("attn/v_proj/kernel", "self_attn.v_proj.weight", True),
       ("attn/v_proj/bias", "self_attn.v_proj.bias", False),
       ("attn/o_proj/kernel", "self_attn.o_proj.weight", True),
+      ("attn/o_proj/bias", "self_attn.o_proj.bias", False),
       ("post_attn_norm/scale", "post_attention_layernorm.weight", False),
       ("mlp/gate_proj/kernel", "mlp.gate_proj.weight", True),
       ("mlp/up_proj/kernel", "mlp.up_proj.weight", True),
       ("mlp/down_proj/kernel", "mlp.down_proj.weight", True)):
+    if ours.endswith("/bias") and ours.split("/")[1] not in cfg.biased_projections:
+      continue
     maps.append(LeafMap(f"layers/{ours}", layer + theirs, True, transpose))
   maps.append(LeafMap("final_norm/scale", "model.norm.weight", False, False))
   if not cfg.tie_word_embeddings:
@@ -131,7 +137,7 @@ def _validate(cfg: Qwen2Config, abstract: dict, tensors: Mapping[str, TensorInfo
   unexpected = sorted(n for n in tensors if n not in expected and not n.endswith(_IGNORED_SUFFIXES))
   if unexpected:
     raise CheckpointError(f"{tensors[unexpected[0]].path}: unexpected tensor(s) {unexpected[:5]} "
-                          f"({len(unexpected)} in all) for a Qwen2 model with this config")
+                          f"({len(unexpected)} in all) for a {cfg.architecture} with this config")
 
 
 def _lookup(tree: dict, path: str):
@@ -165,21 +171,26 @@ def _build_leaf(m: LeafMap, cfg: Qwen2Config, tensors: Mapping[str, TensorInfo],
   return jax.make_array_from_callback(shape, target_sharding, shard)
 
 
-def load(hf_dir: str, *, mesh: Mesh | None = None, param_dtype: str | None = None,
-         dtype: str | None = None, rules=sharding.LOGICAL_RULES
-         ) -> tuple[Qwen2Config, nnx.GraphDef, nnx.State]:
-  """Load a local HF Qwen2 checkpoint directory -> ``(config, graphdef, params)``.
+def load(hf_dir: str, **kwargs) -> tuple[Qwen2Config, nnx.GraphDef, nnx.State]:
+  """Load a local HF Qwen2 or Llama checkpoint directory -> ``(config, graphdef, params)``
+  (``kwargs``: ``from_tensors``')."""
+  return from_tensors(read_config(hf_dir), checkpoint_tensors(hf_dir), **kwargs)
+
+
+def from_tensors(hf: dict, tensors: Mapping[str, TensorInfo], *, mesh: Mesh | None = None,
+                 param_dtype: str | None = None, dtype: str | None = None,
+                 rules=sharding.LOGICAL_RULES) -> tuple[Qwen2Config, nnx.GraphDef, nnx.State]:
+  """``(config, graphdef, params)`` from a config.json dict and the checkpoint's tensors by HF
+  name (anything with ``path``, ``shape`` and ``open()`` as ``TensorInfo``).
 
   ``param_dtype`` defaults to the checkpoint's dtype when it is float32/bfloat16 (else float32),
   ``dtype`` (compute) to ``param_dtype``. With ``mesh``, each parameter lands directly in its
   sharding from the logical-axis rules; without, on the first device."""
-  hf = read_config(hf_dir)
   stored = hf.get("dtype") or hf.get("torch_dtype")
   param_dtype = param_dtype or (stored if stored in DTYPES else "float32")
   cfg = Qwen2Config.from_hf_dict(hf, param_dtype=param_dtype, dtype=dtype or param_dtype)
   if mesh is not None:
     partition.check_divisible(cfg, mesh)
-  tensors = checkpoint_tensors(hf_dir)
   graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Qwen2ForCausalLM(cfg, rngs=nnx.Rngs(0))),
                                  nnx.Param)
   shapes = nnx.to_pure_dict(abstract)

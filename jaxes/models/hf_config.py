@@ -1,9 +1,27 @@
-"""transformers ``config.json`` <-> ``Qwen2Config``: what we support, and a clear error otherwise."""
+"""transformers ``config.json`` <-> ``Qwen2Config``: what we support, and a clear error otherwise.
+
+Two architectures share the model (``jaxes.models.qwen2``): Qwen2 (q/k/v biases always) and the
+Llama family (biases only with ``attention_bias``; SmolLM2 has none). Both use the ``rotate_half``
+RoPE layout, SwiGLU and RMSNorm, so they differ in the biases alone.
+"""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
-ARCHITECTURE = "Qwen2ForCausalLM"
+
+class Architecture(NamedTuple):
+  model_type: str
+  attention_bias: bool | None   # fixed for the architecture, or None: config.json's attention_bias
+  biased: tuple[str, ...]       # the attention projections a bias comes with
+
+
+# transformers' architectures: Qwen2's q/k/v always have biases (o never); Llama's q/k/v/o have
+# them only where config.json says ``attention_bias``.
+ARCHITECTURES = {
+  "Qwen2ForCausalLM": Architecture("qwen2", True, ("q_proj", "k_proj", "v_proj")),
+  "LlamaForCausalLM": Architecture("llama", None, ("q_proj", "k_proj", "v_proj", "o_proj")),
+}
+MODEL_TYPES = {a.model_type: name for name, a in ARCHITECTURES.items()}
 
 
 class UnsupportedConfigError(ValueError):
@@ -32,14 +50,44 @@ def _rope_theta(d: dict) -> float:
   return float(rope.get("rope_theta", d.get("rope_theta", 10000.0)))
 
 
-def config_kwargs_from_hf(d: dict) -> dict:
+def architecture_of(d: dict) -> str:
+  """The architecture a config.json describes; ``architectures`` and ``model_type`` must agree."""
   archs = d.get("architectures")
-  if archs and ARCHITECTURE not in archs:
+  model_type = d.get("model_type")
+  if archs:
+    known = [a for a in archs if a in ARCHITECTURES]
+    if not known:
+      raise UnsupportedConfigError(
+        f"config.json: architectures={archs!r}; only {sorted(ARCHITECTURES)} are supported")
+    arch = known[0]
+  elif model_type is None:
+    return "Qwen2ForCausalLM"   # neither key: a Qwen2 config, as jaxes always read it
+  elif model_type in MODEL_TYPES:
+    arch = MODEL_TYPES[model_type]
+  else:
     raise UnsupportedConfigError(
-      f"config.json: architectures={archs!r}; only {ARCHITECTURE!r} is supported")
-  if d.get("model_type", "qwen2") != "qwen2":
+      f"config.json: model_type={model_type!r}; only {sorted(MODEL_TYPES)} are supported")
+  if model_type is not None and model_type != ARCHITECTURES[arch].model_type:
     raise UnsupportedConfigError(
-      f"config.json: model_type={d['model_type']!r}; only 'qwen2' is supported")
+      f"config.json: architectures={archs!r} but model_type={model_type!r}; "
+      f"{arch} has model_type {ARCHITECTURES[arch].model_type!r}")
+  return arch
+
+
+def _attention_bias(d: dict, arch: str) -> bool:
+  fixed = ARCHITECTURES[arch].attention_bias
+  if fixed is not None:
+    if d.get("attention_bias", fixed) != fixed:
+      raise UnsupportedConfigError(
+        f"config.json: attention_bias={d['attention_bias']!r}; {arch} always has attention_bias={fixed}")
+    return fixed
+  return bool(d.get("attention_bias", False))
+
+
+def config_kwargs_from_hf(d: dict) -> dict:
+  arch = architecture_of(d)
+  if d.get("mlp_bias"):
+    raise UnsupportedConfigError("config.json: mlp_bias=true is not supported")
   if d.get("use_sliding_window"):
     raise UnsupportedConfigError("config.json: use_sliding_window=true is not supported")
   layer_types = d.get("layer_types")
@@ -63,6 +111,8 @@ def config_kwargs_from_hf(d: dict) -> dict:
     rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
     tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
     max_position_embeddings=int(d.get("max_position_embeddings", 32768)),
+    architecture=arch,
+    attention_bias=_attention_bias(d, arch),
   )
 
 
@@ -70,7 +120,8 @@ def hf_dict_from_config(cfg) -> dict:
   """``cfg``: a ``jaxes.models.qwen2.Qwen2Config`` (read by field; this module imports no model,
   so ``qwen2`` can import it at the top)."""
   d = dict(
-    architectures=[ARCHITECTURE], model_type="qwen2", hidden_act="silu",
+    architectures=[cfg.architecture], model_type=ARCHITECTURES[cfg.architecture].model_type,
+    hidden_act="silu",
     vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
     intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
     num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
@@ -82,4 +133,6 @@ def hf_dict_from_config(cfg) -> dict:
   )
   if cfg.head_dim is not None:
     d["head_dim"] = cfg.head_dim
+  if ARCHITECTURES[cfg.architecture].attention_bias is None:   # the key is this architecture's only
+    d.update(attention_bias=cfg.attention_bias, mlp_bias=False)
   return d

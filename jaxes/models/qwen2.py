@@ -1,9 +1,10 @@
-"""Qwen2 / Qwen2.5 decoder-only language model in flax.nnx.
+"""Qwen2 / Qwen2.5 decoder-only language model in flax.nnx, and the Llama family (SmolLM2).
 
 Architecture (as transformers' ``Qwen2ForCausalLM``): token embedding; ``num_layers`` pre-norm
 decoder layers, each RMSNorm -> grouped-query attention (q/k/v with bias, o without, RoPE in the
 ``rotate_half`` layout) -> residual -> RMSNorm -> SwiGLU MLP -> residual; final RMSNorm; LM head
-tied to the embedding or separate.
+tied to the embedding or separate. ``LlamaForCausalLM`` is the same network with q/k/v/o biases
+only where ``attention_bias`` (``Qwen2Config.architecture`` says which one a config is).
 
 The decoder layers' parameters are stacked with a leading layer axis and run under
 ``jax.lax.scan``, so compile time does not grow with depth. Every op that reads a parameter goes
@@ -65,6 +66,10 @@ class Qwen2Config:
   max_position_embeddings: int = 32768
   param_dtype: str = "float32"  # storage dtype of the parameters
   dtype: str = "float32"  # compute dtype of activations (softmax and norms run in float32)
+  # transformers' class this configuration is (what an export writes back), and whether q/k/v
+  # have biases: always for Qwen2; false (no bias parameters at all) for most Llama models.
+  architecture: str = "Qwen2ForCausalLM"
+  attention_bias: bool = True
 
   def __post_init__(self):
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -84,12 +89,23 @@ class Qwen2Config:
     for key in ("param_dtype", "dtype"):
       if getattr(self, key) not in DTYPES:
         raise ValueError(f"Qwen2Config.{key} must be one of {DTYPES}, got {getattr(self, key)!r}")
+    if self.architecture not in hf_config.ARCHITECTURES:
+      raise ValueError(f"Qwen2Config.architecture must be one of {sorted(hf_config.ARCHITECTURES)}, "
+                       f"got {self.architecture!r}")
+    fixed = hf_config.ARCHITECTURES[self.architecture].attention_bias
+    if fixed is not None and self.attention_bias != fixed:
+      raise ValueError(f"Qwen2Config.attention_bias must be {fixed} for {self.architecture}")
 
   @property
   def head_size(self) -> int:
     """Per-head dimension: ``head_dim``, or ``hidden_size // num_heads`` when that is None. Kept
     apart from the field so ``dataclasses.replace(cfg, hidden_size=...)`` re-derives it."""
     return self.hidden_size // self.num_heads if self.head_dim is None else self.head_dim
+
+  @property
+  def biased_projections(self) -> tuple[str, ...]:
+    """The attention projections (``q_proj`` ...) that have a bias parameter."""
+    return hf_config.ARCHITECTURES[self.architecture].biased if self.attention_bias else ()
 
   @property
   def num_groups(self) -> int:
@@ -321,12 +337,15 @@ class Attention(nnx.Module):
     d, q_dim, kv_dim, L = (cfg.hidden_size, cfg.num_heads * cfg.head_size,
                            cfg.num_kv_heads * cfg.head_size, cfg.num_layers)
     common = dict(layers=L, cfg=cfg, rngs=rngs)
-    self.q_proj = Linear("layers/attn/q_proj", d, q_dim, ("embed", "heads"), bias=True, **common)
-    self.k_proj = Linear("layers/attn/k_proj", d, kv_dim, ("embed", "kv_heads"), bias=True,
-                         **common)
-    self.v_proj = Linear("layers/attn/v_proj", d, kv_dim, ("embed", "kv_heads"), bias=True,
-                         **common)
-    self.o_proj = Linear("layers/attn/o_proj", q_dim, d, ("heads", "embed"), bias=False, **common)
+    biased = cfg.biased_projections
+    self.q_proj = Linear("layers/attn/q_proj", d, q_dim, ("embed", "heads"),
+                         bias="q_proj" in biased, **common)
+    self.k_proj = Linear("layers/attn/k_proj", d, kv_dim, ("embed", "kv_heads"),
+                         bias="k_proj" in biased, **common)
+    self.v_proj = Linear("layers/attn/v_proj", d, kv_dim, ("embed", "kv_heads"),
+                         bias="v_proj" in biased, **common)
+    self.o_proj = Linear("layers/attn/o_proj", q_dim, d, ("heads", "embed"),
+                         bias="o_proj" in biased, **common)
 
   def __call__(self, x, positions, noiser, layer, mask=None, cache=None):
     """x: [B, T, d]. Without a cache, ``mask`` [B, T] says which tokens are real; query t sees

@@ -20,7 +20,7 @@ from jaxes.envs import protocol
 from jaxes.envs import environments
 from jaxes.envs.sandboxes.latency import LatencySandbox
 from jaxes.errors import ConfigError
-from jaxes.models import hf, qwen2
+from jaxes.models import qwen2, sources
 from jaxes.rollout.engine import Engine
 from jaxes.rollout.episodes import EpisodeRunner
 from jaxes.rollout.policy_bank import PolicyBank
@@ -143,7 +143,8 @@ def build_tokenizer(config, workdir: str, transcripts: list[list[dict]], log=pri
 
 
 def load_tokenizer(path: str):
-  return tokenization.load_tokenizer(path)
+  """A tokenizer directory's, or a model source's (``jaxes.models.sources``: a .gguf file's)."""
+  return sources.load_tokenizer(path)
 
 
 def stop_ids(tokenizer) -> tuple[list[int], int]:
@@ -164,11 +165,11 @@ class Model:
 
 
 def model_config(config, vocab_size: int) -> qwen2.Qwen2Config:
-  """The Qwen2 configuration: from ``model.path``'s config.json, or the preset with the config's
-  size overrides (0 = the preset's) and ``vocab_size`` tokens."""
+  """The model's configuration: ``model.path``'s (``jaxes.models.sources``), or the Qwen2 preset
+  with the config's size overrides (0 = the preset's) and ``vocab_size`` tokens."""
   c = config.model
   if c.path:
-    stored = hf.read_config(c.path)
+    stored = sources.read_config(c.path)
     return qwen2.Qwen2Config.from_hf_dict(stored, param_dtype=c.param_dtype, dtype=c.dtype)
   overrides = {k: c[k] for k in ("hidden_size", "intermediate_size", "num_layers", "num_heads",
                                  "num_kv_heads") if c[k]}
@@ -211,7 +212,7 @@ def initial_params(config, model: Model):
   """Weights before any training: ``model.path``'s checkpoint (placed in its shardings on the
   config's mesh), or a random initialisation from the seed."""
   if config.model.path:
-    _, _, params = hf.load(config.model.path, mesh=build_mesh(config),
+    _, _, params = sources.load(config.model.path, mesh=build_mesh(config),
                            param_dtype=config.model.param_dtype, dtype=config.model.dtype)
     return params
   _, params = nnx.split(qwen2.Qwen2ForCausalLM(model.config, rngs=nnx.Rngs(config.seed)), nnx.Param)

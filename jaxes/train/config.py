@@ -14,7 +14,7 @@ from jaxes import envs
 from jaxes.envs import environments, protocol
 from jaxes.envs.tasks import generator
 from jaxes.errors import ConfigError
-from jaxes.models import hf, qwen2
+from jaxes.models import qwen2, sources
 from jaxes.train import algorithms, builders, coevolution, defaults, mc_probe
 from jaxes.train.algorithms import evolution
 from jaxes.train.tracker import TRACKERS
@@ -117,11 +117,11 @@ class _Checks:
     self.at_least("seed", 0)
     self.one_of("model.preset", tuple(qwen2.PRESETS))
     if c.model.path:
-      self.check("model.path", os.path.isfile(os.path.join(c.model.path, "config.json")),
-                 "must be a local directory containing config.json")
+      problem = sources.problem(c.model.path)
+      self.check("model.path", problem is None, problem)
       self.checkpoint_shape()
     elif not c.model.preset.startswith("tiny"):
-      self.check("model.path", False, f"must name a local checkpoint directory for preset {c.model.preset!r}")
+      self.check("model.path", False, f"must name a local checkpoint (directory, .gguf file or pip:PACKAGE) for preset {c.model.preset!r}")
     for k in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"):
       self.at_least(f"model.{k}", 0)
     if c.tokenizer.path:
@@ -140,8 +140,8 @@ class _Checks:
     """The model's shape is the checkpoint's: a size also set in the config (not 0) must agree,
     or the run would train the checkpoint's model while config.json records the other."""
     try:
-      stored = qwen2.Qwen2Config.from_hf_dict(hf.read_config(self.c.model.path))
-    except (ValueError, TypeError, KeyError, hf.CheckpointError):
+      stored = qwen2.Qwen2Config.from_hf_dict(sources.read_config(self.c.model.path))
+    except (ValueError, TypeError, KeyError):   # CheckpointError too
       return   # not a readable Qwen2 config: loading it names what is wrong
     for key in self.CHECKPOINT_DECIDES:
       value = self.c.model[key]

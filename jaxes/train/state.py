@@ -228,7 +228,7 @@ def version_zero_params(config, parts: Parts, transcripts: list[list[dict]], log
   m = parts.model.config
   source = (f"config.model.path={config.model.path}" if config.model.path else
             f"a random initialisation of preset {config.model.preset!r}")
-  log(f"model: {source} (Qwen2, {m.num_layers} layers, hidden {m.hidden_size}, intermediate "
+  log(f"model: {source} ({m.architecture.removesuffix('ForCausalLM')}, {m.num_layers} layers, hidden {m.hidden_size}, intermediate "
       f"{m.intermediate_size}, heads {m.num_heads}/{m.num_kv_heads}, vocab {m.vocab_size}, {m.param_dtype})")
   if config.warmstart.steps:
     t = time.perf_counter()

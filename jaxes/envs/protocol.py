@@ -98,8 +98,26 @@ FENCED_PARSE_ERROR_OBSERVATION = ("Could not find a ```bash code block or <actio
                                   "Reply with one shell command in a ```bash code block.")
 
 SHELL_LANGUAGES = ("", "bash", "sh", "shell", "console", "zsh")
-_FENCE_RE = re.compile(r"^[ \t]*```[ \t]*([\w+#.-]*)[^\n`]*\n(.*?)^[ \t]*```[ \t]*$",
-                       re.MULTILINE | re.DOTALL)
+# An opening fence line: ``` and an optional language word, nothing after it holding a backtick
+# (so an inline ```ls``` opens nothing). A closing fence line is ``` alone.
+_FENCE_OPEN_RE = re.compile(r"```[ \t]*([\w+#.-]*)[^`]*")
+
+
+def _fenced_blocks(text: str):
+  """(language, body) of each closed fenced block, in order. Line by line, so linear in the
+  text (a regular expression over the whole reply backtracks quadratically on unclosed fences)."""
+  language, body = None, []
+  for line in text.split("\n"):
+    stripped = line.strip()
+    if language is None:
+      opening = _FENCE_OPEN_RE.fullmatch(stripped)
+      if opening:
+        language, body = opening.group(1).lower(), []
+    elif stripped == "```":
+      yield language, "\n".join(body)
+      language = None
+    else:
+      body.append(line)
 
 
 def parse_fenced(text: str) -> Action:
@@ -109,8 +127,8 @@ def parse_fenced(text: str) -> Action:
   ``<command>``.)"""
   if _DONE_RE.search(text):
     return Action("done")
-  for language, body in _FENCE_RE.findall(text):
-    if language.lower() not in SHELL_LANGUAGES:
+  for language, body in _fenced_blocks(text):
+    if language not in SHELL_LANGUAGES:
       continue
     command = body.strip()
     if not command:

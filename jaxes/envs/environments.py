@@ -43,6 +43,9 @@ class Environment(Protocol):
   def make_episode(self, config, system_prompt: str) -> MakeEpisode:
     """The agent protocol with the config's reward settings."""
 
+  def parses(self, config) -> Callable[[str], bool]:
+    """Whether a model reply names an action the protocol accepts (the format rate's test)."""
+
   def oracle_transcripts(self, config, tasks: list, backend, make_episode: MakeEpisode) -> list[list[dict]]:
     """The warm start's oracle transcripts of ``tasks`` (passing episodes only)."""
 
@@ -75,6 +78,9 @@ class WebShop:
                                     system_prompt=system_prompt,
                                     parse_error_penalty=config.env.parse_error_penalty)
     return make_webshop_episode
+
+  def parses(self, config) -> Callable[[str], bool]:
+    return lambda text: webshop.env.parse_action(text) is not None
 
   def oracle_transcripts(self, config, tasks: list, backend, make_episode: MakeEpisode) -> list[list[dict]]:
     out = [webshop.transcript(g, backend, make_episode, config.webshop.max_steps) for g in tasks]

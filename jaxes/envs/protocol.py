@@ -9,6 +9,12 @@ head and tail and states the true length. The episode ends at ``<action>done</ac
 the reward is 0, as in Endless Terminals). The final tests decide the reward: 1/0, or the
 fraction of tests passed with ``partial_credit=True``; ``parse_error_penalty=p`` subtracts
 ``p / max_turns`` per unparsable reply (a format reward; success is unaffected).
+
+``FENCED`` (``env.action_format = "fenced"``) is a second way to write the action, the one
+instruct models already use in chat: the reply's first fenced shell block (```bash, ```sh,
+```shell or an unlabelled fence) is run as one script; ``<action>done</action>`` still ends the
+episode. Its observations are the same strings; only the parser, the system prompt's rules and
+the parse-error message differ (``ActionFormat``).
 """
 from __future__ import annotations
 
@@ -76,6 +82,76 @@ def parse_action(text: str) -> Action:
   return Action("command", command)
 
 
+# The fenced format: a fence opens a line (```, an optional language word) and a line holding only
+# ``` closes it. Shell blocks run; a block in another language (python, json, ...) is text.
+FENCED_SYSTEM_PROMPT = """\
+You are an agent working in a Linux terminal. Your goal is to complete the user's task inside /home/user.
+
+Rules:
+- Reply with a short explanation, then exactly one shell command in a ```bash code block.
+  I run the first ```bash block of your reply and show you its output.
+- Commands run non-interactively: never wait for input; use non-interactive flags.
+- Write files explicitly; check your result (for example with cat).
+- When the task is complete, reply <action>done</action> instead of a code block."""
+
+FENCED_PARSE_ERROR_OBSERVATION = ("Could not find a ```bash code block or <action>done</action> in your reply. "
+                                  "Reply with one shell command in a ```bash code block.")
+
+SHELL_LANGUAGES = ("", "bash", "sh", "shell", "console", "zsh")
+# An opening fence line: ``` and an optional language word, nothing after it holding a backtick
+# (so an inline ```ls``` opens nothing). A closing fence line is ``` alone.
+_FENCE_OPEN_RE = re.compile(r"```[ \t]*([\w+#.-]*)[^`]*")
+
+
+def _fenced_blocks(text: str):
+  """(language, body) of each closed fenced block, in order. Line by line, so linear in the
+  text (a regular expression over the whole reply backtracks quadratically on unclosed fences)."""
+  language, body = None, []
+  for line in text.split("\n"):
+    stripped = line.strip()
+    if language is None:
+      opening = _FENCE_OPEN_RE.fullmatch(stripped)
+      if opening:
+        language, body = opening.group(1).lower(), []
+    elif stripped == "```":
+      yield language, "\n".join(body)
+      language = None
+    else:
+      body.append(line)
+
+
+def parse_fenced(text: str) -> Action:
+  """Done wins anywhere in the turn; else the first closed fenced block in a shell language
+  (or unlabelled), run as one script. An unterminated fence, a block in another language or an
+  empty block is no action. (A command holding a NUL byte is the sandbox's to refuse, as for
+  ``<command>``.)"""
+  if _DONE_RE.search(text):
+    return Action("done")
+  for language, body in _fenced_blocks(text):
+    if language not in SHELL_LANGUAGES:
+      continue
+    command = body.strip()
+    if not command:
+      return Action("invalid")
+    return Action("done") if command.lower() == "done" else Action("command", command)
+  return Action("invalid")
+
+
+@dataclasses.dataclass(frozen=True)
+class ActionFormat:
+  """How a reply writes its action (``env.action_format``): the parser, the rules the default
+  system prompt states, and what the agent is told after an unparsable reply."""
+  name: str
+  parse: Callable[[str], Action]
+  system_prompt: str
+  parse_error_observation: str
+
+
+TAGS = ActionFormat("tags", parse_action, SYSTEM_PROMPT, PARSE_ERROR_OBSERVATION)
+FENCED = ActionFormat("fenced", parse_fenced, FENCED_SYSTEM_PROMPT, FENCED_PARSE_ERROR_OBSERVATION)
+ACTION_FORMATS = {f.name: f for f in (TAGS, FENCED)}
+
+
 def format_observation(result: ExecResult, output_limit: int, timeout_s: float) -> str:
   """Endless Terminals' observation string for one executed command."""
   output = result.output
@@ -109,12 +185,15 @@ class Episode:
   model_time_counts: False: the episode limit counts only the time spent in sandbox commands,
   not the time between them (the model's decoding, which follows the machine and its load), so
   that a run on the deterministic schedule ends its episodes alike on any machine and layout.
+  action_format: how replies write their action (``TAGS``: Endless Terminals' protocol).
   """
 
   def __init__(self, task: Task, handle: SandboxHandle, partial_credit: bool = False,
                clock: Callable[[], float] = time.monotonic, system_prompt: str = SYSTEM_PROMPT,
-               parse_error_penalty: float = 0.0, model_time_counts: bool = True):
+               parse_error_penalty: float = 0.0, model_time_counts: bool = True,
+               action_format: ActionFormat = TAGS):
     self.task = task
+    self.action_format = action_format
     self.handle = handle
     self.partial_credit = partial_credit
     self.parse_error_penalty = parse_error_penalty
@@ -141,13 +220,13 @@ class Episode:
     limits = self.task.limits
     self.turns += 1
     self.messages.append({"role": "assistant", "content": model_text})
-    action = parse_action(model_text)
+    action = self.action_format.parse(model_text)
     if action.kind == "done":
       self.done = True
       return True
     if action.kind == "invalid":
       self.parse_errors += 1
-      self.messages.append({"role": "user", "content": PARSE_ERROR_OBSERVATION})
+      self.messages.append({"role": "user", "content": self.action_format.parse_error_observation})
     else:
       remaining = limits.episode_timeout_s - self._elapsed()
       timeout = max(min(limits.command_timeout_s, remaining), 0.001)

@@ -87,6 +87,11 @@ def system_prompt(config) -> str:
   return config.env.system_prompt or environments.environment(config).default_system_prompt(config)
 
 
+def reply_parses(config) -> Callable[[str], bool]:
+  """Whether a model reply names an action the environment's protocol accepts."""
+  return environments.environment(config).parses(config)
+
+
 def build_sandbox(config):
   """The episode backend: a sandbox for terminal tasks, the in-process WebShop backend."""
   return environments.environment(config).build_backend(config)

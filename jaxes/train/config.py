@@ -11,7 +11,7 @@ import re
 from ml_collections import config_dict
 
 from jaxes import envs
-from jaxes.envs import environments
+from jaxes.envs import environments, protocol
 from jaxes.envs.tasks import generator
 from jaxes.errors import ConfigError
 from jaxes.models import qwen2, sources
@@ -166,7 +166,10 @@ class _Checks:
     c = self.c
     self.one_of("env.kind", tuple(environments.ENVIRONMENTS))
     self.one_of("env.sandbox", envs.BACKENDS)
+    self.one_of("env.action_format", tuple(protocol.ACTION_FORMATS))
     if c.env.kind == "webshop":
+      self.check("env.action_format", c.env.action_format == "tags",
+                 "chooses how terminal agents write commands; WebShop has its own actions (set 'tags')")
       self.at_least("webshop.max_steps", 1)
       self.at_least("webshop.results_per_page", 1)
       self.at_least("webshop.num_products", 0)

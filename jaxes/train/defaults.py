@@ -106,7 +106,10 @@ def base_config() -> config_dict.ConfigDict:
   c.env.partial_credit = False
   # Format reward: each reply the protocol cannot parse costs parse_error_penalty / max_turns.
   c.env.parse_error_penalty = 0.0
-  c.env.system_prompt = ""       # empty = jaxes.envs.protocol.SYSTEM_PROMPT
+  c.env.system_prompt = ""       # empty = the action format's own (jaxes.envs.protocol)
+  # How a terminal agent writes its action: "tags" (<command>…</command>, Endless Terminals') or
+  # "fenced" (the reply's first ```bash block, as instruct models write in chat).
+  c.env.action_format = "tags"
   c.env.max_turns = 16
   c.env.sandbox_workers = 8
   # Heavy-tailed episode durations on top of the real sandbox work (jaxes.envs.sandboxes.latency):

@@ -43,15 +43,26 @@ class EvalEpisode:
   task: int
 
 
+def reply_counter(tokenizer, parses: Callable[[str], bool]) -> Callable[[EpisodeResult], tuple[int, int]]:
+  """``result -> (replies the protocol parses, replies)`` from the episode's sampled tokens."""
+  def count(result: EpisodeResult) -> tuple[int, int]:
+    turns = result.tokens.turns if result.tokens is not None else ()
+    texts = [tokenizer.decode(list(t), skip_special_tokens=True) for t in turns]
+    return sum(map(parses, texts)), len(texts)
+  return count
+
+
 def evaluate(runner: EpisodeRunner, params_by_version: dict, version: int, tasks: list, *,
              seeds: int, temperature: float, top_p: float,
              on_training_result: Callable[[EpisodeResult], None], log=print,
              prepare: Callable[[EpisodeSpec], EpisodeSpec] = lambda spec: spec,
-             name: str = "held-out", streams: dict | None = None) -> dict:
+             name: str = "held-out", streams: dict | None = None,
+             count_replies: Callable[[EpisodeResult], tuple[int, int]] | None = None) -> dict:
   """Success of ``params_by_version[version]`` unperturbed on ``tasks`` x ``seeds`` episodes.
   ``prepare``: each episode's spec as the run runs it (co-evolution: with the best context).
   ``name``: what the log line calls the tasks; ``streams``: filled with ``{task index: its
-  seed-0 episode's EpisodeStream}`` (the drift measure's transcripts)."""
+  seed-0 episode's EpisodeStream}`` (the drift measure's transcripts). ``count_replies``
+  (``reply_counter``): adds the format rate, the fraction of model replies the protocol parses."""
   todo = [prepare(EpisodeSpec(EvalEpisode(s, i), task, version, -1, EVAL_STREAM_BASE + s * len(tasks) + i,
                               temperature, top_p))
           for s in range(seeds) for i, task in enumerate(tasks)]
@@ -59,6 +70,7 @@ def evaluate(runner: EpisodeRunner, params_by_version: dict, version: int, tasks
   passed = np.zeros((seeds, len(tasks)))
   rewards = np.zeros((seeds, len(tasks)))
   remaining, t, failures = len(todo), time.perf_counter(), Counter()
+  parsed = replies = 0
   while remaining:
     for _ in runner.free_slots()[:len(todo)]:
       runner.submit(todo.pop())
@@ -71,6 +83,9 @@ def evaluate(runner: EpisodeRunner, params_by_version: dict, version: int, tasks
       if streams is not None and s == 0 and r.tokens is not None:
         streams[i] = r.tokens
       failures[r.failure or ("passed" if r.passed else "wrong")] += 1
+      if count_replies is not None:
+        ok, n = count_replies(r)
+        parsed, replies = parsed + ok, replies + n
       remaining -= 1
   per_task = passed.mean(axis=0)  # s.e. over held-out tasks of the per-task success rate
   per_task_reward = rewards.mean(axis=0)
@@ -82,8 +97,12 @@ def evaluate(runner: EpisodeRunner, params_by_version: dict, version: int, tasks
             "episodes": int(passed.size), "seconds": time.perf_counter() - t,
             "failures": dict(failures), "per_task": per_task.tolist(),
             "per_task_reward": per_task_reward.tolist()}
+  fmt = ""
+  if count_replies is not None:
+    result |= {"format_rate": parsed / replies if replies else None, "replies": replies}
+    fmt = f", {parsed} of {replies} replies parsed"
   log(f"{name} eval at version {version}: success {success:.3f} ± {stderr:.3f} "
-      f"({passed.size} episodes, {result['seconds']:.0f}s)")
+      f"({passed.size} episodes, {result['seconds']:.0f}s{fmt})")
   return result
 
 

@@ -302,7 +302,9 @@ class Trainer:
           self.runner, state.params_by_version, state.version, tasks, seeds=c.eval.seeds,
           temperature=c.eval.temperature, top_p=c.rollout.top_p, on_training_result=self._report,
           log=self.log, prepare=lambda spec: self._contexts.spec(spec, state.contexts), name=name,
-          streams=streams if name == "held-out" else None)
+          streams=streams if name == "held-out" else None, count_replies=count_replies)
+
+    count_replies = evaluation.reply_counter(self.parts.tokenizer, builders.reply_parses(c))
 
     result = run(self.parts.heldout_tasks[:c.eval.num_tasks], "held-out")
     if self.parts.shift is not None:

@@ -171,3 +171,83 @@ def test_run_episode_closes_the_sandbox(sandbox):
                              if len(messages) == 2 else "<action>done</action>")
   assert out.passed and out.turns == 2 and "start_s" in out.timings
   assert sandbox.leftovers() == {"directories": 0}
+
+
+# -- the fenced action format (env.action_format = "fenced") -----------------------------------
+@pytest.mark.parametrize("text,kind,command", [
+    ("Let me look.\n```bash\nls -la\n```\nThat lists the files.", "command", "ls -la"),
+    ("```bash\nls\n```\nthen\n```sh\npwd\n```", "command", "ls"),                  # first block runs
+    ("```python\nprint(1)\n```\n```shell\necho hi\n```", "command", "echo hi"),   # other languages are text
+    ("```\ncat a\nwc -l a\n```", "command", "cat a\nwc -l a"),                    # unlabelled: a shell block
+    ("  ```Bash title=x\n  echo a\n  ```  ", "command", "echo a"),
+    ("```bash\nrm -rf x\n```\n<action>done</action>", "done", None),               # done wins
+    ("```bash\ndone\n```", "done", None),
+    ("```bash\nls -la", "invalid", None),                                         # unterminated fence
+    ("Run ```bash ls``` now.", "invalid", None),                                  # inline, not a block
+    ("```python\nimport os\nos.system('ls')\n```", "invalid", None),
+    ("```bash\n   \n```", "invalid", None),                                       # empty block
+    ("```bash\necho a\x00b\n```", "command", "echo a\x00b"),                      # the sandbox refuses it
+    ("<command>ls</command>", "invalid", None),                                   # the other format
+    ("I would run ls here.", "invalid", None),
+])
+def test_parse_fenced(text, kind, command):
+  assert protocol.parse_fenced(text) == protocol.Action(kind, command)
+
+
+def test_parse_fenced_huge_reply_is_linear_and_defined():
+  # Many unclosed fences and a megabyte of text: a defined answer, at once (a regular expression
+  # over the whole reply took minutes here, backtracking from every opening fence).
+  assert protocol.parse_fenced("```bash\n" * 20_000 + "x" * 1_000_000).kind == "invalid"
+  assert protocol.parse_fenced("y" * 1_000_000 + "\n```bash\nls\n```" + "\n```" * 20_000) == \
+      protocol.Action("command", "ls")
+
+
+def test_fenced_episode_solves_and_tells_the_format(sandbox):
+  task = dataclasses.replace(TASK, limits=Limits(max_turns=3))
+  with sandbox.start(task) as handle:
+    ep = protocol.Episode(task, handle, system_prompt=protocol.FENCED.system_prompt,
+                          action_format=protocol.FENCED)
+    assert not ep.step("<command>touch /home/user/a /home/user/b</command>")   # not this format
+    assert ep.messages[-1]["content"] == protocol.FENCED_PARSE_ERROR_OBSERVATION
+    assert not ep.step("Two steps:\n```bash\ntouch /home/user/a\ntouch /home/user/b && echo made\n```\n"
+                       "```bash\nrm /home/user/a\n```")                          # only the first runs
+    assert ep.messages[-1]["content"] == "Command executed successfully. Output: made\n\n\n(exit_code=0)"
+    assert ep.step("<action>done</action>")
+    out = ep.finish()
+  assert (out.passed, out.reward, out.parse_errors, out.turns) == (True, 1.0, 1, 3)
+
+
+@pytest.mark.parametrize("reply", [
+    "```python\nopen('/home/user/a', 'w'); open('/home/user/b', 'w')\n```",     # not run
+    "```bash\ntouch /home/user/a /home/user/b",                                  # unterminated: not run
+    "x" * 200_000 + "\x00" * 1000,
+])
+def test_fenced_unparsable_replies_never_act_nor_earn(sandbox, reply):
+  task = dataclasses.replace(TASK, limits=Limits(max_turns=2))
+  with sandbox.start(task) as handle:
+    ep = protocol.Episode(task, handle, action_format=protocol.FENCED, partial_credit=True)
+    assert not ep.step(reply)
+    assert ep.commands == 0 and ep.messages[-1]["content"] == protocol.FENCED_PARSE_ERROR_OBSERVATION
+    assert ep.step(reply)
+    out = ep.finish()
+  assert (out.passed, out.reward, out.parse_errors, out.failure) == (False, 0.0, 2, protocol.PARSE_ERROR)
+
+
+def test_fenced_command_with_a_nul_byte_is_refused_not_run(sandbox):
+  task = dataclasses.replace(TASK, limits=Limits(max_turns=1))
+  with sandbox.start(task) as handle:
+    ep = protocol.Episode(task, handle, action_format=protocol.FENCED)
+    assert ep.step("```bash\ntouch /home/user/a /home/user/b\x00\n```")
+    assert "command refused, not run: it contains a NUL byte" in ep.messages[-1]["content"]
+    out = ep.finish()
+  assert (out.passed, out.reward, out.parse_errors) == (False, 0.0, 0)
+
+
+def test_fenced_huge_command_output_is_cut_and_stated(sandbox):
+  task = dataclasses.replace(TASK, limits=Limits(max_turns=1, output_chars=1000))
+  with sandbox.start(task) as handle:
+    ep = protocol.Episode(task, handle, action_format=protocol.FENCED)
+    ep.step("```bash\nhead -c 300000 /dev/zero | tr '\\0' 'z'\n```")
+    observation = ep.messages[-1]["content"]
+  assert "[Output truncated: showing first 500 and last 500 of 300000 characters]" in observation
+  assert len(observation) < 2000

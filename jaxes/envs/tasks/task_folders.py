@@ -86,5 +86,8 @@ class TaskFolders:
   def make_episode(self, config, system_prompt: str) -> Callable[[Any, Any], Any]:
     return self._terminal.make_episode(config, system_prompt)
 
+  def parses(self, config) -> Callable[[str], bool]:
+    return self._terminal.parses(config)
+
   def oracle_transcripts(self, config, tasks: list, backend, make_episode) -> list[list[dict]]:
     return self._terminal.oracle_transcripts(config, tasks, backend, make_episode)

@@ -16,7 +16,7 @@ MakeEpisode = Callable[[Any, Any], Any]   # (task, backend handle) -> an episode
 
 # Text every terminal episode repeats, weighted up when a BPE tokenizer is built so its merges
 # compress it.
-_TERMINAL_TEXTS = (protocol.PARSE_ERROR_OBSERVATION, "<action>done</action>",
+_TERMINAL_TEXTS = ("<action>done</action>",
                    "Command executed successfully. Output: \n\n(exit_code=0)",
                    "Command failed. Output: \n\n(exit_code=1)")
 
@@ -41,10 +41,10 @@ class TerminalTasks:
     return tasks
 
   def default_system_prompt(self, config) -> str:
-    return protocol.SYSTEM_PROMPT
+    return action_format(config).system_prompt
 
   def tokenizer_texts(self, config) -> list[str]:
-    return list(_TERMINAL_TEXTS)
+    return [action_format(config).parse_error_observation, *_TERMINAL_TEXTS]
 
   def build_backend(self, config):
     return make_sandbox(config.env.sandbox)
@@ -55,12 +55,21 @@ class TerminalTasks:
       # follows the machine's load and the process layout, and would end episodes differently.
       return protocol.Episode(task, handle, partial_credit=config.env.partial_credit,
                               parse_error_penalty=config.env.parse_error_penalty,
-                              system_prompt=system_prompt,
+                              system_prompt=system_prompt, action_format=action_format(config),
                               model_time_counts=config.rollout.sandbox_steps == 0)
     return make_terminal_episode
 
+  def parses(self, config) -> Callable[[str], bool]:
+    parse = action_format(config).parse
+    return lambda text: parse(text).kind != "invalid"
+
   def oracle_transcripts(self, config, tasks: list, backend, make_episode: MakeEpisode) -> list[list[dict]]:
     return oracle.oracle_transcripts(tasks, backend, make_episode, config.env.sandbox_workers)
+
+
+def action_format(config) -> protocol.ActionFormat:
+  """How replies write their action (``env.action_format``: "tags" or "fenced")."""
+  return protocol.ACTION_FORMATS[config.env.action_format]
 
 
 def task_families(config) -> list[str]:

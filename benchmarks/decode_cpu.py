@@ -62,7 +62,6 @@ if ARGS.threads:   # before JAX starts its CPU client
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false"
                              f" intra_op_parallelism_threads={ARGS.threads}")
 
-import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from flax import nnx  # noqa: E402

@@ -59,6 +59,13 @@ from jaxes.models import kernels_tpu
 # A finite floor (not -inf) keeps rows without any visible key (padding) free of NaN.
 _FLOOR = float(jnp.finfo(jnp.float32).min)
 KV_BLOCK = 512  # keys per block (read at trace time, so tests can shrink it)
+# Keys per block of a bounded read (``KeyView.bounded``: the engine's) by platform, at most
+# ``KV_BLOCK``: such a read stops at the block holding the furthest query, so its cost follows
+# the live tokens to within a block. On the CPU the cost per key is flat from 32- to 512-key
+# blocks (0.37-0.39 us per key, row and layer at SmolLM2's heads, one thread) and a 512-key block
+# would be most of a 135M model's decode step while rows are short (benchmarks/RESULTS.md,
+# "Decode on CPU"). Elsewhere ``KV_BLOCK``: an accelerator pays per loop iteration.
+BOUNDED_KV_BLOCK = {"cpu": 64}
 
 
 def dense(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
@@ -251,7 +258,14 @@ def _attend_rows(q, cache_k, cache_v, layer, row_valid, q_slots, index, span, dt
 
 
 def _attend(q: jax.Array, keys: KeyView, platform: str, cache: str, phase: str) -> jax.Array:
-  """Attention of ``q`` to ``keys`` by the implementation the dispatch table names."""
+  """Attention of ``q`` to ``keys`` by the implementation the dispatch table names (a bounded
+  read in the platform's ``BOUNDED_KV_BLOCK``)."""
+  bounded = BOUNDED_KV_BLOCK.get(platform)
+  # Only where it tiles the span: blocks divide it, and a span with no divisor near the bound
+  # would be read in many tiny blocks.
+  if keys.bounded and bounded and (keys.span <= bounded or keys.span % bounded == 0):
+    block = KV_BLOCK if keys.block is None else keys.block
+    keys = dataclasses.replace(keys, block=min(block, bounded))
   return dispatch.choose(platform, cache, phase).fn(q, keys)
 
 

@@ -87,6 +87,7 @@ def setup(tmp_path_factory):
   config = tiny_config(tokenizer, **{
       "rollout.num_slots": 8, "mesh.data": -1, "mesh.fsdp": 2, "rollout.sandbox_steps": 2,
       "controller.mode": "async", "controller.max_staleness": 1,
+      "controller.pairs": "together",   # held partners: the same cohorts in every process layout
       "warmstart.steps": 60, "warmstart.learning_rate": 1e-2, "env.partial_credit": True,
       "rollout.temperature": 0.4, "rollout.common_random_numbers": False,
       "train.num_updates": UPDATES, "train.plot": False})

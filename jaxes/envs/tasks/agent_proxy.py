@@ -234,6 +234,8 @@ class Client:
     try:
       _send(self.send_fd, fields)
       reply = _receive(self.reply_fd)
+    except BrokenPipeError:   # the server is gone: as an end of file on the reply pipe
+      reply = None
     except OSError as e:
       reply = None
       self.dead = f"the agent's code could not be reached: {e}"

@@ -6,12 +6,13 @@ import subprocess
 import sys
 import time
 
+from helpers_repo import REPO
 from jaxes import tokenization
 from jaxes.envs.tasks import generator
 from jaxes.train import metrics
 from jaxes.train.config import load_config_file
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]  # tests/ is one below the repository
+ROOT = REPO
 FAMILIES = "permissions,log_count"
 SYSTEM = "Answer with <command>CMD</command>, then <action>done</action>."
 

@@ -6,6 +6,7 @@ import math
 from typing import Any, Mapping
 
 from jaxes.controller.policies import POLICIES
+from jaxes.errors import OptionError
 
 MODES = ("sync", "async")
 PAIRS = ("free", "together")
@@ -64,7 +65,7 @@ class ControllerConfig:
 
   def __post_init__(self):
     def bad(key, why):
-      raise ValueError(f"ControllerConfig.{key}={getattr(self, key)!r}: {why}")
+      raise OptionError(key, why, f"ControllerConfig.{key}={getattr(self, key)!r}: {why}")
 
     if self.mode not in MODES:
       bad("mode", f"must be one of {MODES}")

@@ -17,15 +17,17 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from jaxes.errors import OptionError
+
 ANCHORS = ("none", "l2", "l1")
 
 
 def validate(kind: str, decay: float) -> None:
-  """Raises ValueError (starting with the option's name) for an unusable anchor setting."""
+  """Raises ``OptionError`` (naming the option) for an unusable anchor setting."""
   if kind not in ANCHORS:
-    raise ValueError(f"anchor must be one of {ANCHORS}, got {kind!r}")
+    raise OptionError("anchor", f"must be one of {ANCHORS}, got {kind!r}")
   if not (isinstance(decay, (int, float)) and not isinstance(decay, bool) and decay >= 0):
-    raise ValueError(f"anchor_decay must be a number >= 0, got {decay!r}")
+    raise OptionError("anchor_decay", f"must be a number >= 0, got {decay!r}")
 
 
 def pull(stepped: jnp.ndarray, initial: jnp.ndarray, kind: str, step) -> jnp.ndarray:

@@ -10,19 +10,23 @@ import math
 
 import jax.numpy as jnp
 
+from jaxes.errors import OptionError
+
 SCHEDULES = ("constant", "cosine")
 
 
 def validate(schedule: str, sigma: float, sigma_final: float | None, steps: int | None) -> None:
   if schedule not in SCHEDULES:
-    raise ValueError(f"sigma_schedule must be one of {SCHEDULES}, got {schedule!r}")
+    raise OptionError("sigma_schedule", f"must be one of {SCHEDULES}, got {schedule!r}")
   if not sigma > 0:
-    raise ValueError(f"sigma must be > 0, got {sigma!r}")
+    raise OptionError("sigma", f"must be > 0, got {sigma!r}")
   if schedule == "cosine":
     if sigma_final is None or not sigma_final >= 0:
-      raise ValueError(f"sigma_schedule='cosine' needs sigma_final >= 0, got {sigma_final!r}")
+      raise OptionError("sigma_final", f"must be >= 0 with sigma_schedule='cosine', got {sigma_final!r}",
+                        f"sigma_schedule='cosine' needs sigma_final >= 0, got {sigma_final!r}")
     if steps is None or int(steps) <= 0:
-      raise ValueError(f"sigma_schedule='cosine' needs schedule_steps > 0, got {steps!r}")
+      raise OptionError("sigma_schedule", f"'cosine' needs schedule_steps > 0, got {steps!r}",
+                        f"sigma_schedule='cosine' needs schedule_steps > 0, got {steps!r}")
 
 
 def sigma_at(version, schedule: str, sigma: float, sigma_final: float | None = None,

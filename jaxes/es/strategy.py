@@ -36,6 +36,7 @@ from jax.sharding import NamedSharding
 
 from jaxes.es import anchor as anchoring
 from jaxes.es import noise, noiser, schedules, shaping, update
+from jaxes.errors import OptionError
 
 MODES = ("full", "lowrank")
 OPTIMIZERS = ("sgd", "adam")
@@ -150,53 +151,56 @@ class Strategy:
 
   def __post_init__(self):
     if int(self.population) < 1:
-      raise ValueError(f"population must be >= 1, got {self.population!r}")
+      raise OptionError("population", f"must be >= 1, got {self.population!r}")
     if self.antithetic and self.population % 2:
-      raise ValueError(f"population must be even with antithetic=True, got {self.population}")
+      raise OptionError("population", f"must be even with antithetic=True, got {self.population}")
     if self.mode not in MODES:
-      raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+      raise OptionError("mode", f"must be one of {MODES}, got {self.mode!r}")
     if int(self.rank) < 1:
-      raise ValueError(f"rank must be >= 1, got {self.rank!r}")
+      raise OptionError("rank", f"must be >= 1, got {self.rank!r}")
     if not callable(self.shaping) and self.shaping not in shaping.SHAPINGS:
-      raise ValueError(f"shaping must be one of {shaping.SHAPINGS} or a function, got {self.shaping!r}")
+      raise OptionError("shaping", f"must be one of {shaping.SHAPINGS} or a function, got {self.shaping!r}")
     if callable(self.sigma_schedule):
       if not self.sigma > 0:
-        raise ValueError(f"sigma must be > 0, got {self.sigma!r}")
+        raise OptionError("sigma", f"must be > 0, got {self.sigma!r}")
     else:
       schedules.validate(self.sigma_schedule, self.sigma, self.sigma_final, self.schedule_steps)
     if isinstance(self.optimizer, optax.GradientTransformation):
       if self.learning_rate is not None or self.weight_decay:
-        raise ValueError("learning_rate / weight_decay must be unset when optimizer is an optax "
-                         "transformation (it carries its own)")
+        raise OptionError("learning_rate", "must be unset (and weight_decay 0) when optimizer is an "
+                          "optax transformation (it carries its own)",
+                          "learning_rate / weight_decay must be unset when optimizer is an optax "
+                          "transformation (it carries its own)")
       tx = self.optimizer
       plain_sgd = False   # an opaque transformation: its update is not known to be a plain step
     else:
       if self.optimizer not in OPTIMIZERS:
-        raise ValueError(f"optimizer must be one of {OPTIMIZERS} or an optax.GradientTransformation, "
+        raise OptionError("optimizer", f"must be one of {OPTIMIZERS} or an optax.GradientTransformation, "
                          f"got {self.optimizer!r}")
       if self.learning_rate is None or not self.learning_rate > 0:
-        raise ValueError(f"learning_rate must be > 0, got {self.learning_rate!r}")
+        raise OptionError("learning_rate", f"must be > 0, got {self.learning_rate!r}")
       if not self.weight_decay >= 0:
-        raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay!r}")
+        raise OptionError("weight_decay", f"must be >= 0, got {self.weight_decay!r}")
       tx = _named_optimizer(self.optimizer, float(self.learning_rate), float(self.weight_decay))
       plain_sgd = self.optimizer == "sgd" and self.weight_decay == 0
     anchoring.validate(self.anchor, self.anchor_decay)
     if self.anchor != "none" and isinstance(self.optimizer, optax.GradientTransformation):
-      raise ValueError("anchor needs optimizer 'sgd' or 'adam' (its step is learning_rate * "
-                       "anchor_decay); an optax transformation carries no known learning rate")
+      raise OptionError("anchor", "needs optimizer 'sgd' or 'adam' (its step is learning_rate * "
+                        "anchor_decay); an optax transformation carries no known learning rate")
     if self.nonfinite not in NONFINITE:
-      raise ValueError(f"nonfinite must be one of {NONFINITE}, got {self.nonfinite!r}")
+      raise OptionError("nonfinite", f"must be one of {NONFINITE}, got {self.nonfinite!r}")
     sw = self.staleness_weighting
     if not (sw is None or callable(sw) or (isinstance(sw, (int, float)) and 0 < sw <= 1)):
-      raise ValueError("staleness_weighting must be None, a decay factor in (0, 1] (weight "
-                       f"gamma**staleness) or a callable staleness -> weight, got {sw!r}")
+      raise OptionError("staleness_weighting", "must be None, a decay factor in (0, 1] (weight "
+                        f"gamma**staleness) or a callable staleness -> weight, got {sw!r}")
     self.scanned = tuple(self.scanned)
     self.frozen = tuple(self.frozen)
     for pattern in self.frozen:
       try:
         re.compile(pattern)
       except re.error as err:
-        raise ValueError(f"frozen: {pattern!r} is not a regular expression ({err})") from err
+        raise OptionError("frozen", f"{pattern!r} is not a regular expression ({err})",
+                          f"frozen: {pattern!r} is not a regular expression ({err})") from err
     self._cfg = noise.NoiseConfig(self.mode, int(self.rank), bool(self.antithetic),
                                   bool(self.perturb_vectors), self.scanned, self.frozen)
     self._tx = tx

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxes.errors import OptionError
 from jaxes.models import attention, hf_config
 from jaxes.models.noiser import IdentityNoiser, Noiser
 
@@ -76,25 +77,30 @@ class Qwen2Config:
                 "num_kv_heads", "max_position_embeddings"):
       value = getattr(self, key)
       if not isinstance(value, int) or value <= 0:
-        raise ValueError(f"Qwen2Config.{key} must be a positive int, got {value!r}")
+        raise OptionError(key, f"must be a positive int, got {value!r}", f"Qwen2Config.{key} must be a positive int, got {value!r}")
     if self.num_heads % self.num_kv_heads:
-      raise ValueError(f"Qwen2Config: num_heads={self.num_heads} is not a multiple of "
-                       f"num_kv_heads={self.num_kv_heads}")
+      raise OptionError("num_heads", f"{self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}",
+                        f"Qwen2Config: num_heads={self.num_heads} is not a multiple of "
+                        f"num_kv_heads={self.num_kv_heads}")
     if self.head_dim is None and self.hidden_size % self.num_heads:
-      raise ValueError(f"Qwen2Config: hidden_size={self.hidden_size} is not divisible by "
-                       f"num_heads={self.num_heads}; set head_dim explicitly")
+      raise OptionError("hidden_size", f"{self.hidden_size} is not divisible by num_heads={self.num_heads}",
+                        f"Qwen2Config: hidden_size={self.hidden_size} is not divisible by "
+                        f"num_heads={self.num_heads}; set head_dim explicitly")
     if self.head_size % 2 or self.head_size <= 0:
       raise ValueError(f"Qwen2Config: the head size must be even and positive for RoPE, "
                        f"got {self.head_size}")
     for key in ("param_dtype", "dtype"):
       if getattr(self, key) not in DTYPES:
-        raise ValueError(f"Qwen2Config.{key} must be one of {DTYPES}, got {getattr(self, key)!r}")
+        raise OptionError(key, f"must be one of {DTYPES}, got {getattr(self, key)!r}",
+                          f"Qwen2Config.{key} must be one of {DTYPES}, got {getattr(self, key)!r}")
     if self.architecture not in hf_config.ARCHITECTURES:
-      raise ValueError(f"Qwen2Config.architecture must be one of {sorted(hf_config.ARCHITECTURES)}, "
+      raise OptionError("architecture", f"must be one of {sorted(hf_config.ARCHITECTURES)}, got {self.architecture!r}",
+                        f"Qwen2Config.architecture must be one of {sorted(hf_config.ARCHITECTURES)}, "
                        f"got {self.architecture!r}")
     fixed = hf_config.ARCHITECTURES[self.architecture].attention_bias
     if fixed is not None and self.attention_bias != fixed:
-      raise ValueError(f"Qwen2Config.attention_bias must be {fixed} for {self.architecture}")
+      raise OptionError("attention_bias", f"must be {fixed} for {self.architecture}",
+                        f"Qwen2Config.attention_bias must be {fixed} for {self.architecture}")
 
   @property
   def head_size(self) -> int:

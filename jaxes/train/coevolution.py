@@ -24,7 +24,7 @@ from typing import Sequence
 from jaxes import tokenization
 from jaxes.controller.coevolve import Coevolution, ContextLibrary
 from jaxes.envs import environments
-from jaxes.errors import ConfigError
+from jaxes.errors import ConfigError, OptionError
 from jaxes.rollout.episodes import EpisodeSpec
 
 # Short advice for shell tasks: each is a few tokens of the demo tokenizer's vocabulary (which
@@ -48,17 +48,17 @@ def pieces(config) -> tuple[str, ...]:
 
 def from_config(config) -> Coevolution | None:
   """A fresh run's co-evolution state (version 0's parent: the empty context), or None when
-  ``coevolve.enabled`` is off. Errors start with the ``coevolve`` key they reject."""
+  ``coevolve.enabled`` is off. Errors (``OptionError``) name the ``coevolve`` key they reject."""
   co = config.coevolve
   if not co.enabled:
     return None
   if config.train.algorithm != "es":
-    raise ValueError(f"enabled: co-evolves ES members' contexts; train.algorithm is "
-                     f"{config.train.algorithm!r}")
+    raise OptionError("enabled", f"co-evolves ES members' contexts; train.algorithm is "
+                                 f"{config.train.algorithm!r}")
   if co.max_pieces < 1:
-    raise ValueError(f"max_pieces: must be >= 1, got {co.max_pieces}")
+    raise OptionError("max_pieces", f"must be >= 1, got {co.max_pieces}")
   if co.parents < 1:
-    raise ValueError(f"parents: must be >= 1, got {co.parents}")
+    raise OptionError("parents", f"must be >= 1, got {co.parents}")
   library = ContextLibrary(pieces(config), max_pieces=co.max_pieces)
   return Coevolution(library, seed=config.seed, parents=co.parents)
 

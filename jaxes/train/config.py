@@ -4,25 +4,21 @@ Runs before any model is built or sandbox started, so a typo costs milliseconds,
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
-import re
+from typing import Any
 
 from ml_collections import config_dict
 
-from jaxes import envs
+from jaxes import envs, errors
+from jaxes.controller import ControllerConfig
 from jaxes.envs import environments, protocol
 from jaxes.envs.tasks import generator
 from jaxes.errors import ConfigError
 from jaxes.models import qwen2, sources
 from jaxes.train import algorithms, builders, coevolution, defaults, mc_probe
-from jaxes.train.algorithms import evolution
 from jaxes.train.tracker import TRACKERS
-
-# The typed objects' errors start with the option they reject: "population must be even ..."
-# (es.Strategy), "ControllerConfig.max_staleness=3: must be 0 ...", "Qwen2Config.num_layers must ...".
-_TYPE_PREFIX = re.compile(r"^\w+Config\.")
-_KEY_THEN_REASON = re.compile(r"^(\w+)(?:=\S+)?:? (.*)$", re.DOTALL)
 
 
 def load_config_file(path, *args) -> config_dict.ConfigDict:
@@ -37,21 +33,6 @@ def _schema() -> config_dict.ConfigDict:
   return defaults.base_config()
 
 
-def _built(section: str, build, also: str | None = None) -> None:
-  """Builds a typed object from ``config.<section>`` (and ``config.<also>``); its own error
-  becomes a ConfigError that names the key (``config.es.population: must be even ...``) where
-  the message names one of either section."""
-  try:
-    build()
-  except ValueError as err:
-    message = _TYPE_PREFIX.sub("", str(err))
-    match = _KEY_THEN_REASON.match(message)
-    for name in (section, also):
-      if match and name and f"config.{name}.{match.group(1)}" in _flatten(_schema()):
-        raise ConfigError(f"config.{name}.{match.group(1)}: {match.group(2)}") from err
-    raise ConfigError(f"config.{section}: {message}") from err
-
-
 def _flatten(d, prefix="config"):
   out = {}
   for k, v in d.items():
@@ -63,8 +44,22 @@ def _flatten(d, prefix="config"):
   return out
 
 
-def validate(config: config_dict.ConfigDict) -> None:
-  """Raises ``ConfigError`` naming the first invalid key."""
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+  """What validating a config builds, once: the typed objects a run is made of.
+  ``algorithm``: the ``train.algorithm`` class; ``algorithm_block``: its own block, built
+  (ES: the ``es.Strategy``; GRPO and SAO: the learner's ``GRPOConfig``); ``controller``: what a
+  controller member is and the staleness rules; ``coevolution``: a fresh run's co-evolution
+  state, or None."""
+  config: config_dict.ConfigDict
+  algorithm: type
+  algorithm_block: Any
+  controller: ControllerConfig
+  coevolution: Any
+
+
+def validate(config: config_dict.ConfigDict) -> RunSpec:
+  """The run's ``RunSpec``; raises ``ConfigError`` naming the first invalid key."""
   given, schema = _flatten(config), _flatten(_schema())
   for key in given:
     if key not in schema:
@@ -76,19 +71,22 @@ def validate(config: config_dict.ConfigDict) -> None:
   checks = _Checks(config, given)
   checks.model()
   checks.mesh()
-  # ES, controller and model settings are checked by the objects they build, which own their rules.
-  # The strategy weighs results by the controller's stale-result policy: it builds the
-  # controller's configuration too, whose errors name their controller key.
-  _built("es", lambda: evolution.build_strategy(config), also="controller")
-  checks.algorithm()   # before the controller: what a member is depends on the algorithm
-  _built("controller", lambda: algorithms.controller_config(config))
-  _built("coevolve", lambda: coevolution.from_config(config))
+  # The algorithm's, controller's, co-evolution's and model's settings are checked by the typed
+  # objects they build, which own their rules; ``errors.keyed`` names the key an error rejects.
+  algorithm_block = checks.algorithm()   # only the algorithm's own block
+  with errors.keyed(config, "controller"):
+    controller = algorithms.controller_config(config)   # what a member is depends on the algorithm
+  with errors.keyed(config, "coevolve"):
+    coevolve = coevolution.from_config(config)
   if not config.model.path:
-    _built("model", lambda: builders.model_config(config, config.model.vocab_size or config.tokenizer.vocab_size))
+    with errors.keyed(config, "model"):
+      builders.model_config(config, config.model.vocab_size or config.tokenizer.vocab_size)
   checks.env()
   checks.rollout()
   checks.schedule()
   checks.warmstart()
+  return RunSpec(config, algorithms.ALGORITHMS[config.train.algorithm], algorithm_block, controller,
+                 coevolve)
 
 
 class _Checks:
@@ -160,7 +158,7 @@ class _Checks:
 
   def algorithm(self):
     self.one_of("train.algorithm", tuple(algorithms.ALGORITHMS))
-    algorithms.ALGORITHMS[self.c.train.algorithm].check_config(self.c)
+    return algorithms.ALGORITHMS[self.c.train.algorithm].check_config(self.c)
 
   def env(self):
     c = self.c

@@ -100,9 +100,11 @@ class Capabilities:
     self.config, self.parts, self.mesh = config, parts, mesh
 
   @staticmethod
-  def check_config(config) -> None:
-    """Raises ``ConfigError`` naming the key for a config its block does not allow (called by
-    ``config.validate``). Default: nothing beyond what ``controller_config_of`` checks."""
+  def check_config(config) -> Any:
+    """The algorithm's own config block, built (``RunSpec.algorithm_block``); raises
+    ``ConfigError`` naming the key for a config the block does not allow (called by
+    ``config.validate``, which checks no other algorithm's block). Default: no block beyond what
+    ``controller_config_of`` checks (None)."""
 
   # -- checkpoints: the state is the item, nothing kept besides it ---------------------------------
   def item(self, state) -> Any:

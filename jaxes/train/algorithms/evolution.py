@@ -12,7 +12,7 @@ import zlib
 
 import jax
 
-from jaxes import distributed, es, sharding
+from jaxes import distributed, errors, es, sharding
 from jaxes.controller import ControllerConfig, Job, policies
 from jaxes.errors import RunStateError
 from jaxes.es import keys
@@ -114,6 +114,14 @@ class EvolutionStrategies(Capabilities):
     self.needs_initial_params = self.strategy.anchored
     # One device: arrays stay where they are made; a mesh of several: the rule table's shardings.
     self._shardings = es_shardings(self.strategy, parts.model, mesh if mesh.size > 1 else None)
+
+  @staticmethod
+  def check_config(config) -> es.Strategy:
+    """The ``es`` block, built. The strategy weighs results by the controller's stale-result
+    policy, so it builds the controller's configuration too: an option either block has is
+    named in it (``es.population`` in both: the es key)."""
+    with errors.keyed(config, "es", "controller"):
+      return build_strategy(config)
 
   @staticmethod
   def controller_config_of(config) -> ControllerConfig:

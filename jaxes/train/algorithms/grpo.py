@@ -91,9 +91,10 @@ class GRPO(Capabilities):
     return GRPOLearner(self.parts.model.graphdef, self.learner_config(self.config))
 
   @classmethod
-  def check_config(cls, config) -> None:
+  def check_config(cls, config):
+    """The learner's config, built (its messages name their key)."""
     try:
-      cls.learner_config(config)
+      return cls.learner_config(config)
     except ValueError as err:
       raise ConfigError(str(err)) from err
 

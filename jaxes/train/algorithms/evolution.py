@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import zlib
 
 import jax
@@ -36,7 +37,22 @@ def training_stream(job: Job, antithetic: bool, common_random_numbers: bool) -> 
 
 
 def build_strategy(config) -> es.Strategy:
-  """The ``es.Strategy`` of the config's ``es`` block (its own checks name their key)."""
+  """The ``es.Strategy`` of the config's ``es`` block (its own checks name their key). The last
+  one built is kept for the same settings, so that validating a run's config and building its
+  algorithm make one strategy."""
+  global _last_strategy
+  # Every key the strategy is built from: the es and controller blocks, the schedule's length, the seed.
+  key = json.dumps([config.es.to_dict(), config.controller.to_dict(), config.train.num_updates,
+                    config.seed], sort_keys=True, default=repr)
+  if _last_strategy is None or _last_strategy[0] != key:
+    _last_strategy = (key, _new_strategy(config))
+  return _last_strategy[1]
+
+
+_last_strategy: tuple[str, es.Strategy] | None = None
+
+
+def _new_strategy(config) -> es.Strategy:
   e = config.es
   scheduled = e.sigma_schedule != "constant"
   return es.Strategy(population=e.population, sigma=e.sigma, learning_rate=e.learning_rate,

@@ -8,23 +8,25 @@ overrides the points it uses (``Observer``'s are no-ops):
   its cohort, the parameters before it, then after it); what ``after_update`` returns joins the
   update's metrics line;
 * ``at_evaluation(evaluation) -> dict``: extra measures of each held-out evaluation
-  (``Evaluation``), added to its record;
+  (``Evaluation``; more task sets evaluated alike, too), added to its record;
 * ``after_initial_evaluation()``, ``after_line(info)``, ``at_summary(summary)``: after version
   0's evaluation line, each update's metrics line (``hooks.UpdateInfo``) and ``summary.json``
-  are written;
+  (on the primary process) are written;
 * ``close()``: at the end of the run, also an interrupted one.
 
-``build`` makes a run's list from its config: the multiple-choice probe, drift, co-evolution,
-the transcript sample, the tracker and the report page, each only where it is switched on (and,
-for what writes files, on the primary process).
+``build`` makes a run's list from its config: the shifted mix's and the off-task families'
+held-out tasks, the multiple-choice probe, drift, co-evolution, the transcript sample, the
+tracker, the progress plot and the report page, each only where it is switched on (and, for what writes files, on
+the primary process).
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from typing import Any, Callable
 
-from jaxes.train import coevolution, drift, mc_probe, tracker
+from jaxes.train import coevolution, drift, mc_probe, metrics, tracker
 from jaxes.train.hooks import Hook, UpdateInfo
 from jaxes.train.transcripts import TranscriptSampler
 
@@ -45,6 +47,7 @@ class Evaluation:
   version: int
   params: Any                 # the evaluated (current) parameters
   streams: dict               # held-out task index -> its seed-0 episode's EpisodeStream
+  run: Callable[[list, str], dict]   # (tasks, name) -> their evaluation, as the held-out one's
 
 
 class Observer:
@@ -119,6 +122,19 @@ class Observers(Observer):
 
 
 # -- the run's observers ---------------------------------------------------------------------------
+class TaskSet(Observer):
+  """More held-out tasks in every evaluation, under ``name``: the later mix's in a changing
+  environment (``shifted``), families the run does not train on (``probe``); ``fields``: the
+  keys of their evaluation kept (None: all)."""
+
+  def __init__(self, name: str, tasks: list, fields: tuple[str, ...] | None = None):
+    self.name, self.tasks, self.fields = name, tasks, fields
+
+  def at_evaluation(self, evaluation: Evaluation) -> dict:
+    result = evaluation.run(self.tasks, self.name)
+    return {self.name: result if self.fields is None else {k: result[k] for k in self.fields}}
+
+
 class MultipleChoiceProbe(Observer):
   """``eval.mc_probe_file``: the probe's scores at every evaluation (``mc_probe``), on every
   process."""
@@ -201,6 +217,18 @@ class Tracker(Observer):
     self.run.close()
 
 
+class Plot(Observer):
+  """``train.plot``: progress.png from the metrics lines, with the summary."""
+
+  def __init__(self, workdir: str, title: str):
+    self.workdir, self.title = workdir, title
+
+  def at_summary(self, summary: dict) -> None:
+    records = metrics.read_metrics(os.path.join(self.workdir, "metrics.jsonl"))
+    if records:
+      metrics.plot(records, os.path.join(self.workdir, "progress.png"), title=self.title)
+
+
 class Report(Observer):
   """``train.report``: the run's page, written by the run tool's ``write(workdir)``: from the
   first evaluation on, again every ``eval_every`` updates and after the last (so it is live
@@ -221,20 +249,26 @@ class Report(Observer):
     self.write(self.workdir)
 
 
-def build(config, workdir: str, parts, *, run_state, primary: bool, initial_params: Callable[[], Any],
-        donates_params: bool, im_end: int, write_report: Callable[[str], object] | None,
-        log: Callable[[str], None]) -> Observers:
-  """The run's observers, in the order they are told: the probe before drift (an evaluation
-  record's keys), drift before co-evolution (a metrics line's), the transcripts before the
-  tracker (which logs them) and the report last. ``initial_params()``: θ₀ where the run keeps
-  it; ``write_report``: the page's writer (None: no page)."""
+def build(config, workdir: str, parts, algorithm, *, run_state, primary: bool,
+          initial_params: Callable[[], Any], im_end: int, write_report: Callable[[str], object] | None,
+          log: Callable[[str], None]) -> Observers:
+  """The run's observers, in the order they are told: the task sets, then the probe, then drift
+  (an evaluation record's keys), drift before co-evolution (a metrics line's), the transcripts
+  before the tracker (which logs them), the plot before the report page (which shows it).
+  ``initial_params()``: θ₀ where the run keeps it; ``write_report``: the page's writer (None: no
+  page)."""
   c, found = config, []
+  if parts.shift is not None:
+    found.append(TaskSet("shifted", parts.shift.heldout_tasks[:c.eval.num_tasks]))
+  if parts.probe_tasks:   # off-task: families the run does not train on
+    found.append(TaskSet("probe", parts.probe_tasks, fields=("success", "stderr", "reward", "reward_stderr",
+                                                             "episodes", "per_task", "failures")))
   if (probe_file := mc_probe.resolve(c.eval.mc_probe_file)) is not None:
     found.append(MultipleChoiceProbe(mc_probe.Probe(parts.model.graphdef, probe_file, parts.tokenizer), log))
   if c.eval.drift:
     found.append(Drift(drift.Meter(parts.model.graphdef, workdir, initial=initial_params,
                                    kl_transcripts=c.eval.kl_transcripts, max_len=c.rollout.max_len,
-                                   im_end=im_end, primary=primary), donates_params, log))
+                                   im_end=im_end, primary=primary), algorithm.donates_params, log))
   if run_state.contexts is not None:
     found.append(ContextParents(run_state))
   if primary and c.train.transcripts_per_update:
@@ -243,6 +277,8 @@ def build(config, workdir: str, parts, *, run_state, primary: bool, initial_para
   if primary and (run := tracker.build(c.train.tracker, workdir, json.loads(c.to_json_best_effort()),
                                        log)) is not None:
     found.append(Tracker(run))
+  if primary and c.train.plot:
+    found.append(Plot(workdir, f"{algorithm.plot_label()} — held-out success and staleness"))
   if primary and c.train.report and write_report is not None:
     found.append(Report(write_report, workdir, c.train.eval_every))
   return Observers(found)

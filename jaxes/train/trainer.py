@@ -9,8 +9,8 @@ decode side. After each update the hooks run: held-out evaluation every ``eval_e
 update-log record, the metrics line, the observers, a checkpoint every ``checkpoint_every``, the
 progress bar, the caller's callback.
 
-Measurements and records beside training (drift, the probes, sampled transcripts, the tracker,
-the report page, co-evolution's parents) are observers (``jaxes.train.observers``), told of each
+Measurements and records beside training (drift, the probes, other held-out task sets, sampled
+transcripts, the tracker, the plot, the report page, co-evolution's parents) are observers (``jaxes.train.observers``), told of each
 result, update and evaluation in one list.
 
 Resume: rerun the same command with the same ``--workdir`` (``state.initial_state``). Token
@@ -98,9 +98,8 @@ class Trainer:
                  f"{config_history.HISTORY}): " + "; ".join(map(str, changes)))
       self._in_force = config_history.changed_in_force(self.workdir, c)
       self.observers = observers.build(
-          c, self.workdir, self.parts, run_state=self.state, primary=host.primary,
-          initial_params=lambda: self._initial_params(ckpt), donates_params=self.algorithm.donates_params,
-          im_end=builders.stop_ids(self.parts.tokenizer)[1], write_report=self._report_writer, log=self.log)
+          c, self.workdir, self.parts, self.algorithm, run_state=self.state, primary=host.primary,
+          initial_params=lambda: self._initial_params(ckpt), im_end=builders.stop_ids(self.parts.tokenizer)[1], write_report=self._report_writer, log=self.log)
       stack.callback(self.observers.close)
       engine = self.algorithm.build_engine(self.state.algorithm_state, host.mesh)
       self._decoding = engine.policy   # where an update's version step goes
@@ -264,8 +263,8 @@ class Trainer:
 
   # -- evaluation -----------------------------------------------------------------------------
   def evaluate(self) -> dict:
-    """Held-out success of the unperturbed current policy (``evaluation.evaluate``); in a
-    changing environment also on the later mix's held-out tasks (``shifted``)."""
+    """Held-out success of the unperturbed current policy (``evaluation.evaluate``), and what
+    the observers add: other task sets (``shifted``, ``probe``) and measures (drift, the probe)."""
     c, state = self.config, self.state
     streams = {}   # the held-out episodes' token streams (drift draws its KL transcripts from them)
 
@@ -279,13 +278,8 @@ class Trainer:
     count_replies = evaluation.reply_counter(self.parts.tokenizer, builders.reply_parses(c))
 
     result = run(self.parts.heldout_tasks[:c.eval.num_tasks], "held-out")
-    if self.parts.shift is not None:
-      result["shifted"] = run(self.parts.shift.heldout_tasks[:c.eval.num_tasks], "shifted")
-    if self.parts.probe_tasks:   # off-task: families the run does not train on
-      probe = run(self.parts.probe_tasks, "probe")
-      result["probe"] = {k: probe[k] for k in ("success", "stderr", "reward", "reward_stderr",
-                                               "episodes", "per_task", "failures")}
-    result |= self.observers.at_evaluation(observers.Evaluation(state.version, self._current_params(), streams))
+    result |= self.observers.at_evaluation(
+        observers.Evaluation(state.version, self._current_params(), streams, run))
     state.evals.append(result)
     return result
 
@@ -320,12 +314,9 @@ class Trainer:
                **state.timings}
     if not self.host.primary:
       return {**summary, "params": self._current_params()}
-    if c.train.plot and records:
-      metrics.plot(records, os.path.join(self.workdir, "progress.png"),
-                   title=f"{self.algorithm.plot_label()} — held-out success and staleness")
     with open(os.path.join(self.workdir, "summary.json"), "w") as f:
       json.dump(summary, f, indent=2)
-    self.observers.at_summary(summary)   # the report page again, with the summary's paired change
+    self.observers.at_summary(summary)   # the plot; the report page again, with the paired change
     if before is not None and after is not None:
       self.log(evaluation.format_table(before, after, self.algorithm.name))
     return {**summary, "params": self._current_params()}

@@ -1,5 +1,5 @@
 """Observers: told in the list's order, their dicts merged in it; each point a no-op by default;
-the transcripts handed to the tracker through ``UpdateInfo.episodes``; the report page on its
+task sets evaluated as the held-out tasks; the transcripts handed to the tracker through ``UpdateInfo.episodes``; the report page on its
 schedule; ``build`` picks what the config switches on. That the trainer's records stay what they
 were (drift, probes, transcripts, co-evolution) is tests/train/test_trainer.py's and
 test_coevolution.py's."""
@@ -8,8 +8,8 @@ import types
 
 from jaxes.train import defaults
 from jaxes.train.hooks import UpdateInfo
-from jaxes.train.observers import (ContextParents, Evaluation, Observer, Observers, Report, Tracker,
-                                   Transcripts, Update, build)
+from jaxes.train.observers import (ContextParents, Evaluation, Observer, Observers, Report, TaskSet,
+                                   Tracker, Transcripts, Update, build)
 
 
 class Recorder(Observer):
@@ -40,17 +40,31 @@ def test_observers_are_told_in_order_and_their_dicts_merge_in_it():
   both.before_update(_update())
   out = both.after_update(_update("new"))
   assert list(out.items()) == [("x", 1), ("y", 2), ("z", 2)]   # a later observer's key wins, in place
-  assert both.at_evaluation(Evaluation(5, None, {})) == {"a_at": 5, "b_at": 5}
+  assert both.at_evaluation(Evaluation(5, None, {}, None)) == {"a_at": 5, "b_at": 5}
   both.close()
   assert calls == [("a", "before", 3), ("b", "before", 3), ("a", "after", "new"), ("b", "after", "new"),
                    ("a", "close"), ("b", "close")]
+
+
+def test_task_sets_are_evaluated_as_the_held_out_tasks_each_under_its_name():
+  ran = []
+
+  def run(tasks, name):
+    ran.append((tasks, name))
+    return {"success": 0.5, "per_task": [0.5], "seconds": 1.0}
+
+  sets = Observers([TaskSet("shifted", ["s"]), TaskSet("probe", ["p"], fields=("success", "per_task"))])
+  out = sets.at_evaluation(Evaluation(2, None, {}, run))
+  assert ran == [(["s"], "shifted"), (["p"], "probe")]
+  assert out == {"shifted": {"success": 0.5, "per_task": [0.5], "seconds": 1.0},
+                 "probe": {"success": 0.5, "per_task": [0.5]}}
 
 
 def test_every_point_of_the_base_is_a_no_op():
   o, info = Observer(), UpdateInfo(1, {"version": 1}, final=False)
   o.on_result(object())
   o.before_update(_update())
-  assert o.after_update(_update()) == {} and o.at_evaluation(Evaluation(0, None, {})) == {}
+  assert o.after_update(_update()) == {} and o.at_evaluation(Evaluation(0, None, {}, None)) == {}
   o.after_initial_evaluation()
   o.after_line(info)
   o.at_summary({})
@@ -131,7 +145,7 @@ def test_context_parents_read_the_run_states_contexts_at_each_update():
 def _config(**overrides):
   c = defaults.base_config()
   c.eval.drift, c.eval.mc_probe_file, c.coevolve.enabled = False, "", False
-  c.train.transcripts_per_update, c.train.tracker, c.train.report = 0, "", False
+  c.train.transcripts_per_update, c.train.tracker, c.train.report, c.train.plot = 0, "", False, False
   for key, value in overrides.items():
     section, name = key.split(".")
     c[section][name] = value
@@ -143,14 +157,16 @@ def test_build_makes_only_what_the_config_switches_on(tmp_path):
     contexts, version = None, 0
 
   def kinds(config, primary=True, write_report=print):
-    made = build(config, str(tmp_path), types.SimpleNamespace(tokenizer=None), run_state=RunState(), primary=primary,
-                 initial_params=lambda: None, donates_params=False, im_end=0,
+    algorithm = types.SimpleNamespace(donates_params=False, plot_label=lambda: "ES (async)")
+    made = build(config, str(tmp_path), types.SimpleNamespace(tokenizer=None, shift=None, probe_tasks=[]),
+                 algorithm, run_state=RunState(), primary=primary, initial_params=lambda: None, im_end=0,
                  write_report=write_report, log=lambda s: None)
     return [type(o).__name__ for o in made.observers]
 
   assert kinds(_config()) == []
   assert kinds(_config(**{"train.report": True})) == ["Report"]
   assert kinds(_config(**{"train.report": True}), write_report=None) == []   # no writer, no page
+  assert kinds(_config(**{"train.report": True, "train.plot": True})) == ["Plot", "Report"]
   assert kinds(_config(**{"train.report": True}), primary=False) == []   # the primary writes files
   assert kinds(_config(**{"train.transcripts_per_update": 2}), primary=False) == []
   (tmp_path / "episodes.jsonl").write_text(json.dumps({"update": 1}) + "\n")

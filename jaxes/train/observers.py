@@ -16,8 +16,9 @@ overrides the points it uses (``Observer``'s are no-ops):
 
 ``build`` makes a run's list from its config: the shifted mix's and the off-task families'
 held-out tasks, the multiple-choice probe, drift, co-evolution, the transcript sample, the
-tracker, the progress plot and the report page, each only where it is switched on (and, for what writes files, on
-the primary process).
+tracker, the progress plot and the report page, each only where it is switched on (and, for
+what writes files, on the primary process). What an observer keeps that a resume needs lives in
+the run state (co-evolution's contexts) or the run directory (the KL transcripts, episodes.jsonl).
 """
 from __future__ import annotations
 

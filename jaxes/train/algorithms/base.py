@@ -102,8 +102,8 @@ class Capabilities:
   needs_initial_params = False   # True: every update reads θ₀ (an anchor toward version 0): the
                                  # run holds it on the devices and passes it (``UpdateContext``,
                                  # ``replay``)
-  donates_params = False         # True: ``update`` donates the current params' buffers (the trainer
-                                 # copies them first where it needs them after: ``drift.update_cosine``)
+  donates_params = False         # True: ``update`` donates the current params' buffers (the drift
+                                 # observer copies them first: ``drift.update_cosine``)
 
   def __init__(self, config, parts, mesh):
     self.config, self.parts, self.mesh = config, parts, mesh

@@ -10,8 +10,8 @@ update-log record, the metrics line, the observers, a checkpoint every ``checkpo
 progress bar, the caller's callback.
 
 Measurements and records beside training (drift, the probes, other held-out task sets, sampled
-transcripts, the tracker, the plot, the report page, co-evolution's parents) are observers (``jaxes.train.observers``), told of each
-result, update and evaluation in one list.
+transcripts, the tracker, the plot, the report page, co-evolution's parents) are observers
+(``jaxes.train.observers``), told of each result, update and evaluation in one list.
 
 Resume: rerun the same command with the same ``--workdir`` (``state.initial_state``). Token
 sampling is keyed by job (by antithetic pair with common random numbers), and the controller
@@ -99,7 +99,8 @@ class Trainer:
       self._in_force = config_history.changed_in_force(self.workdir, c)
       self.observers = observers.build(
           c, self.workdir, self.parts, self.algorithm, run_state=self.state, primary=host.primary,
-          initial_params=lambda: self._initial_params(ckpt), im_end=builders.stop_ids(self.parts.tokenizer)[1], write_report=self._report_writer, log=self.log)
+          initial_params=lambda: self._initial_params(ckpt),
+          im_end=builders.stop_ids(self.parts.tokenizer)[1], write_report=self._report_writer, log=self.log)
       stack.callback(self.observers.close)
       engine = self.algorithm.build_engine(self.state.algorithm_state, host.mesh)
       self._decoding = engine.policy   # where an update's version step goes

@@ -1,8 +1,9 @@
 """Observers: told in the list's order, their dicts merged in it; each point a no-op by default;
-task sets evaluated as the held-out tasks; the transcripts handed to the tracker through ``UpdateInfo.episodes``; the report page on its
-schedule; ``build`` picks what the config switches on. That the trainer's records stay what they
-were (drift, probes, transcripts, co-evolution) is tests/train/test_trainer.py's and
-test_coevolution.py's."""
+task sets evaluated as the held-out tasks; the transcripts handed to the tracker through
+``UpdateInfo.episodes``; the report page on its schedule; ``build`` picks what the config
+switches on. That the trainer's records stay what they were (drift, probes, transcripts,
+co-evolution, the report) is tests/train/test_trainer.py's, test_coevolution.py's,
+algorithms/test_sao.py's and tests/run_tools/test_report.py's."""
 import json
 import types
 
@@ -170,4 +171,5 @@ def test_build_makes_only_what_the_config_switches_on(tmp_path):
   assert kinds(_config(**{"train.report": True}), primary=False) == []   # the primary writes files
   assert kinds(_config(**{"train.transcripts_per_update": 2}), primary=False) == []
   (tmp_path / "episodes.jsonl").write_text(json.dumps({"update": 1}) + "\n")
-  assert kinds(_config(**{"train.transcripts_per_update": 2, "train.report": True})) == ["Transcripts", "Report"]
+  both = _config(**{"train.transcripts_per_update": 2, "train.report": True})
+  assert kinds(both) == ["Transcripts", "Report"]

@@ -41,7 +41,8 @@ def build_strategy(config) -> es.Strategy:
   one built is kept for the same settings, so that validating a run's config and building its
   algorithm make one strategy."""
   global _last_strategy
-  # Every key the strategy is built from: the es and controller blocks, the schedule's length, the seed.
+  # Every key _new_strategy reads (extend it with any it comes to read): the es and controller
+  # blocks, the schedule's length, the seed.
   key = json.dumps([config.es.to_dict(), config.controller.to_dict(), config.train.num_updates,
                     config.seed], sort_keys=True, default=repr)
   if _last_strategy is None or _last_strategy[0] != key:

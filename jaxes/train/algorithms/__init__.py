@@ -8,13 +8,13 @@ from __future__ import annotations
 
 from jaxes.train.algorithms import evolution, grpo, sao
 from jaxes.train.algorithms.base import (Algorithm, Capabilities, ReplaysUpdates, TrainEpisode,
-                                         UpdateContext)
+                                         UpdateContext, Updated)
 from jaxes.errors import ConfigError
 
 ALGORITHMS = {"es": evolution.EvolutionStrategies, "grpo": grpo.GRPO, "sao": sao.SAO}
 
 __all__ = ["ALGORITHMS", "Algorithm", "Capabilities", "ReplaysUpdates", "TrainEpisode", "UpdateContext",
-           "build", "checkpoint_item", "controller_config"]
+           "Updated", "build", "checkpoint_item", "controller_config"]
 
 
 def _class(name: str):

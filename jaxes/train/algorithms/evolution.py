@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import zlib
 
 import jax
@@ -19,7 +20,7 @@ from jaxes.es import keys
 from jaxes.rollout.episodes import EpisodeSpec
 from jaxes.rollout.policy_bank import ESPolicyBank, VersionSteps
 from jaxes.train import builders, multihost
-from jaxes.train.algorithms.base import Capabilities, TrainEpisode, UpdateContext
+from jaxes.train.algorithms.base import Capabilities, TrainEpisode, UpdateContext, Updated
 
 PAIR_STREAM_BASE = 1 << 31     # sampling streams shared by antithetic partners
 
@@ -36,7 +37,23 @@ def training_stream(job: Job, antithetic: bool, common_random_numbers: bool) -> 
 
 
 def build_strategy(config) -> es.Strategy:
-  """The ``es.Strategy`` of the config's ``es`` block (its own checks name their key)."""
+  """The ``es.Strategy`` of the config's ``es`` block (its own checks name their key). The last
+  one built is kept for the same settings, so that validating a run's config and building its
+  algorithm make one strategy."""
+  global _last_strategy
+  # Every key _new_strategy reads (extend it with any it comes to read): the es and controller
+  # blocks, the schedule's length, the seed.
+  key = json.dumps([config.es.to_dict(), config.controller.to_dict(), config.train.num_updates,
+                    config.seed], sort_keys=True, default=repr)
+  if _last_strategy is None or _last_strategy[0] != key:
+    _last_strategy = (key, _new_strategy(config))
+  return _last_strategy[1]
+
+
+_last_strategy: tuple[str, es.Strategy] | None = None
+
+
+def _new_strategy(config) -> es.Strategy:
   e = config.es
   scheduled = e.sigma_schedule != "constant"
   return es.Strategy(population=e.population, sigma=e.sigma, learning_rate=e.learning_rate,
@@ -147,12 +164,16 @@ class EvolutionStrategies(Capabilities):
 
   def update(self, state: es.ESState, results: list, context: UpdateContext
              ) -> tuple[es.ESState, dict]:
-    new_state, metrics = self.strategy.update(state, results, context.initial_params)
-    if context.policy.version_steps is not None:   # rows of the new version may join older calls
-      context.policy.add_step(int(new_state.version), *self.strategy.cohort(state, results))
+    updated = self.apply_update(state, results, context)
+    return updated.state, updated.metrics
+
+  def apply_update(self, state: es.ESState, results: list, context: UpdateContext) -> Updated:
+    """The update, and its cohort as the step to the new version: with ``version_steps`` the
+    engine's bank registers it, so rows of the new version may join calls of older ones."""
+    new_state, metrics, cohort = self.strategy.update_with_cohort(state, results, context.initial_params)
     if int(new_state.version) != context.version:
       raise RuntimeError(f"ES version {int(new_state.version)} != controller version {context.version}")
-    return new_state, metrics
+    return Updated(new_state, metrics, (int(new_state.version), *cohort))
 
   def replay(self, state: es.ESState, results: list, version: int, initial_params=None
              ) -> es.ESState:

@@ -84,7 +84,8 @@ def validate(config: config_dict.ConfigDict) -> None:
   _built("controller", lambda: algorithms.controller_config(config))
   _built("coevolve", lambda: coevolution.from_config(config))
   if not config.model.path:
-    _built("model", lambda: builders.model_config(config, config.model.vocab_size or config.tokenizer.vocab_size))
+    tokenizer_size = config.tokenizer.vocab_size   # the tokenizer as the config builds it
+    _built("model", lambda: builders.model_config(config, builders.vocab_size(config, tokenizer_size)))
   checks.env()
   checks.rollout()
   checks.schedule()

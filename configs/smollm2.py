@@ -11,8 +11,12 @@ Variants (the paper's ES variants, ``jaxes.experiments.variants``): ``sync`` and
   * action format "fenced": the model never writes ``<command>...</command>`` (0/16 replies in
     issue 62's probe); it writes fenced code blocks, which ``env.action_format = "fenced"``
     accepts (the first ```bash block runs).
-  * one turn per episode, 128 new tokens: the demo families' tasks are one command each, and
-    decoding is the cost (an update must fit 3 minutes here).
+  * a system prompt with one worked example (``WORKED_EXAMPLE_PROMPT``: a task outside the eight
+    families, listing a directory into a file, and its one-line fenced reply): without it the
+    model writes prose, Python or unterminated scripts more often (issue 62's probes, RESULTS).
+  * one turn per episode, 96 new tokens: the demo families' tasks are one command each (the
+    oracle's replies are under 60 tokens), and decoding is the cost (an update must fit 3
+    minutes here).
   * population 8 x 2 episodes, partial credit: the demo's graded fitness at the smallest
     population its antithetic pairs work with.
   * sigma 1e-3, learning rate 5e-4, z-score shaping: Qiu et al.'s settings for instruct models
@@ -23,6 +27,17 @@ from jaxes.experiments.variants import apply_es_variant
 from jaxes.train.defaults import base_config
 
 VARIANTS = ("sync", "async1")
+
+WORKED_EXAMPLE_PROMPT = """\
+You are an agent working in a Linux terminal. Your goal is to complete the user's task inside /home/user.
+
+Reply with exactly one shell command in a ```bash code block. I run it and check the files it wrote.
+
+Example task: List the names of the files in /home/user/docs, sorted, one per line, in /home/user/listing.txt.
+Example reply:
+```bash
+ls /home/user/docs | sort > /home/user/listing.txt
+```"""
 
 
 def get_config(variant: str = "async1"):
@@ -45,7 +60,7 @@ def get_config(variant: str = "async1"):
 
   c.env.sandbox = "local"
   c.env.action_format = "fenced"
-  c.env.system_prompt = ""           # the fenced format's rules (jaxes.envs.protocol)
+  c.env.system_prompt = WORKED_EXAMPLE_PROMPT
   c.env.families = ("find_files,log_count,freq_report,json_extract,csv_aggregate,pipeline,"
                     "secret_lookup,permissions")
   c.env.num_train_tasks = 256
@@ -57,7 +72,7 @@ def get_config(variant: str = "async1"):
   c.rollout.num_slots = 16
   c.rollout.max_len = 384
   c.rollout.prefill_chunk = 128
-  c.rollout.max_new_tokens = 128
+  c.rollout.max_new_tokens = 96
   c.rollout.temperature = 0.0
   c.rollout.sandbox_steps = 3        # deterministic schedule (configs/demo.py)
 

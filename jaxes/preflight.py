@@ -74,9 +74,8 @@ if __name__ == "__main__":
   cli.start_jax(init_backends=False)   # without the CUDA plugin's import-time lines
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 
-from jaxes import sharding  # noqa: E402
+from jaxes import sharding, sizing  # noqa: E402
 from jaxes.train import precompile  # noqa: E402
 
 # Google Cloud's TPU system-architecture pages: per-chip HBM (decimal GB) and the topology of
@@ -135,8 +134,7 @@ def resolve_topology(name: str, device_memory_gib: float | None = None,
   m = re.fullmatch(r"cpu:(\d+)", name)
   if m:
     n = int(m.group(1))
-    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return Target(name, _host_devices(name, n), override or host / n, "cpu", False)
+    return Target(name, _host_devices(name, n), override or sizing.host_memory_per_device(n), "cpu", False)
   cli.usage_error("preflight", f"unknown topology {name!r}; known: cpu:N, NxH100, NxH200 "
                   f"(8xH100, 16xH200, ...), {', '.join(TPU_TOPOLOGIES)}")
 
@@ -150,16 +148,6 @@ def _host_devices(name: str, n: int) -> list:
 
 
 # -- the run, abstractly ----------------------------------------------------------------------------
-def _bytes_per_device(tree) -> int:
-  """Bytes one device holds of a pytree of sharded ShapeDtypeStructs or arrays (the largest
-  shard: uneven shardings put more on some devices)."""
-  total = 0
-  for leaf in jax.tree.leaves(tree):
-    shape = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
-    total += math.prod(shape) * jnp.dtype(leaf.dtype).itemsize
-  return total
-
-
 @dataclasses.dataclass
 class Program:
   name: str
@@ -263,21 +251,19 @@ class NoProgramMatches(ValueError):
 def _plan(config, target: Target, log, only: str | None, algorithm: str, jobs: int = 1) -> dict:
   """One algorithm's report: the run built abstractly by the trainer's own builders and the
   algorithm's (``jaxes.train.algorithms``), on a mesh over the target's devices."""
-  from jaxes.models import attention, qwen2
+  from jaxes.models import attention
   from jaxes.train import algorithms, builders
   from jaxes.train.state import Parts
-  preset = qwen2.PRESETS.get(config.model.preset, {})
-  vocab = config.model.vocab_size or preset.get("vocab_size") or config.tokenizer.vocab_size
   shape = builders.mesh_shape(config, len(target.devices))
   mesh = sharding.make_mesh(*shape, devices=target.devices[:math.prod(shape)])
-  model = builders.build_model(config, vocab)
+  model = builders.build_model(config)   # no tokenizer: builders.vocab_size decides
   # No tokenizer and no tasks: the programs depend on neither.
   run = algorithms.ALGORITHMS[algorithm](config, Parts(None, model, [], []), mesh)
   engine = run.build_engine(None, mesh, abstract=True)   # paged: kv_cache counts the pages
   params = engine.abstract_params
   versions = live_versions(config)
   noiser = engine.policy.abstract_noiser
-  noiser_bytes = 0 if noiser is None else _bytes_per_device(noiser)
+  noiser_bytes = 0 if noiser is None else sizing.bytes_per_device(noiser)
   update_lowerings, update_state = run.abstract_update(params, mesh)
   lowerings = {**engine.lowerings(), **update_lowerings,
                **evaluation_lowerings(config, model.graphdef, params, mesh)}
@@ -290,19 +276,19 @@ def _plan(config, target: Target, log, only: str | None, algorithm: str, jobs: i
   programs, compilation = _compile_all(matching, jobs, {"noiser": noiser_bytes}, log, algorithm)
 
   resident = {
-    "parameters": _bytes_per_device(params),
-    "old_versions": (versions - 1) * _bytes_per_device(params),
-    "kv_cache": _bytes_per_device(engine.cache),
+    "parameters": sizing.bytes_per_device(params),
+    "old_versions": (versions - 1) * sizing.bytes_per_device(params),
+    "kv_cache": sizing.bytes_per_device(engine.cache),
   }
   if engine.policy.abstract_noiser is not None:
     # Rows of all live versions in one call: the merged noiser takes the place of the newer
     # versions' own, and the low-rank steps between versions are held beside it.
     resident |= {"noiser_state": versions * noiser_bytes,
-                 "version_steps": _bytes_per_device(engine.policy.abstract_version_steps())}
-  resident |= {name: _bytes_per_device(tree) for name, tree in update_state.items()}
+                 "version_steps": sizing.bytes_per_device(engine.policy.abstract_version_steps())}
+  resident |= {name: sizing.bytes_per_device(tree) for name, tree in update_state.items()}
   if config.eval.drift:   # jaxes.train.drift: θ_{v-1} kept one update longer for update_cosine,
     # and θ₀ read from the version-0 checkpoint for each evaluation unless an anchor holds it
-    resident["drift_params"] = (1 + ("initial_params" not in update_state)) * _bytes_per_device(params)
+    resident["drift_params"] = (1 + ("initial_params" not in update_state)) * sizing.bytes_per_device(params)
   total = sum(resident.values())
   peaks = {p.name: max(p.required, total) if p.required else total + p.extra for p in programs}
   worst = max(programs, key=lambda p: peaks[p.name])
@@ -480,22 +466,6 @@ def check_mesh(config, num_devices: int, topology: str) -> None:
                       f"number of slots); set config.rollout.num_slots or config.mesh")
 
 
-def validate_run(config, validate, ConfigError) -> None:
-  """``validate`` for ES configs. A GRPO config is checked by the learner's own rules
-  (``jaxes.rl.config.from_run_config``) and every other key by ``validate`` of the same config
-  as ES: the preflight sizes a GRPO run whether or not the trainer accepts one yet."""
-  if config.train.algorithm != "grpo":
-    return validate(config)
-  from jaxes.rl import config as rl_config
-  try:
-    rl_config.from_run_config(config)
-  except ValueError as err:  # its messages name the key (config.grpo.*, config.rollout.*)
-    raise ConfigError(str(err)) from None
-  as_es = config.copy_and_resolve_references()
-  as_es.train.algorithm = "es"
-  validate(as_es)
-
-
 def mesh_mismatch(config, topology: str) -> str | None:
   """The one line refusing a config whose mesh is sized for other devices than ``topology``
   (``mesh.target`` names them), or None. Compiling its mesh over the topology would size a layout
@@ -519,7 +489,7 @@ def main(argv):
   with tempfile.TemporaryDirectory() as stand_in:
     config = with_stand_in_checkpoint(FLAGS.config, stand_in)
     try:
-      validate_run(config, validate, ConfigError)
+      validate(config)   # each algorithm checks its own block (GRPO: the learner's rules)
     except ConfigError as e:
       print(f"invalid config: {e}", file=sys.stderr)
       sys.exit(2)

@@ -1,21 +1,17 @@
 """``python -m jaxes.measure`` on this CPU at the tiniest settings (every key of its JSON line with a
-value, the roofline row saying the CPU has no HBM peak), and the parts of its accelerator path a
-CPU machine can check: the peak-bandwidth table against the device kinds the GPU and TPU compilers
-report for their deviceless devices, the compiler's cost analysis read from a program compiled for
-a v5p, and the hardware tests it selects still existing."""
+value, the roofline row saying the CPU has no HBM peak), and the hardware-only tests its report
+names for an accelerator: marked ``hardware``, and still there. (Its sizing: tests/test_sizing.py;
+the decode it times: tests/test_measure_decode.py.)"""
 import ast
 import json
 import subprocess
 import sys
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from helpers_train import launch_env
-from jaxes import gpu_targets, measure
+from jaxes import measure
 import helpers_repo
 
 ROOT = helpers_repo.REPO
@@ -56,60 +52,22 @@ def test_on_cpu_every_key_has_a_value_and_the_roofline_says_why_not(tmp_path):
   assert report["jax"] == jax.__version__ and report["date"] and report["machine"]
 
 
-def _bytes_of_a_matmul(devices) -> float:
-  """The compiler's bytes for a [256, 512] @ [512, 512] bfloat16 matmul on ``devices[0]``."""
-  mesh = Mesh(np.array(devices[:1]), ("data",))
-  spec = lambda shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=NamedSharding(mesh, PartitionSpec()))
-  return measure.program_bytes(jax.jit(lambda x, w: x @ w).lower(spec((256, 512)), spec((512, 512))).compile())
+def _marked_hardware() -> set[str]:
+  """Every test function of the suite decorated ``@pytest.mark.hardware``."""
+  marked = set()
+  for path in (ROOT / "tests").rglob("test_*.py"):
+    for f in ast.walk(ast.parse(path.read_text())):
+      if isinstance(f, ast.FunctionDef) and any(ast.unparse(d) == "pytest.mark.hardware" for d in f.decorator_list):
+        marked.add(f"{path.relative_to(ROOT)}::{f.name}")
+  return marked
 
 
-@pytest.mark.skipif(not gpu_targets.plugin_installed(),
-                    reason="the CUDA plugin is not installed (pip install -e '.[gpu-aot]')")
-def test_an_h100s_kind_has_its_peak():
-  devices = gpu_targets.devices("1xH100")
-  bandwidth, source = measure.peak_bandwidth(devices[0].device_kind)
-  assert bandwidth == 3.35e12 and "H100" in source
-  # The compile-only GPU client has no cost analysis: the report's compiler bytes are None there
-  # (a GPU's own client has them); the roofline itself counts weights and KV from the arrays.
-  assert _bytes_of_a_matmul(devices) is None
+def test_the_hardware_tests_are_marked_and_each_platform_has_its_command():
+  assert _marked_hardware() >= {
+    "tests/models/test_kernels_tpu.py::test_on_a_tpu_the_kernel_matches_the_portable_path",
+    "tests/models/test_kernels_tpu.py::test_a_gpu_target_is_the_gpu_platform_and_its_lowering_asks_cudnn",
+    "tests/test_preflight_gpu.py::test_cudnn_attention_compiles_deviceless_for_an_h100"}
+  assert set(measure.HARDWARE_TESTS) == {"gpu", "tpu"}
+  assert all("-m hardware" in command for command in measure.HARDWARE_TESTS.values())
 
 
-def test_a_v5ps_kind_has_its_peak_and_its_compiler_counts_bytes(monkeypatch):
-  pytest.importorskip("libtpu", reason="libtpu is not installed (pip install -e '.[tpu]')")
-  monkeypatch.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # another process may hold libtpu's lock
-  from jax.experimental import topologies
-  devices = topologies.get_topology_desc("v5p:2x2x1", "tpu").devices
-  assert measure.peak_bandwidth(devices[0].device_kind)[0] == 2.765e12
-  moved = 2 * (256 * 512 + 512 * 512 + 256 * 512)
-  assert moved <= _bytes_of_a_matmul(devices) < 4 * moved
-
-
-def test_the_table_names_each_kind_and_no_peak_is_invented():
-  assert measure.peak_bandwidth("NVIDIA H200")[0] == 4.8e12
-  assert measure.peak_bandwidth("NVIDIA H100 PCIe")[0] == 2.0e12
-  assert measure.peak_bandwidth("TPU v5 lite")[0] == 8.19e11
-  assert measure.peak_bandwidth("TPU v6 lite")[0] == 1.638e12
-  assert measure.peak_bandwidth("cpu") == (None, "CPU: no HBM peak")
-  bandwidth, reason = measure.peak_bandwidth("NVIDIA B200")
-  assert bandwidth is None and "PEAK_HBM" in reason
-
-
-def test_the_selected_hardware_tests_exist():
-  for selection in measure.HARDWARE_TESTS.values():
-    for node in selection:
-      path, _, name = node.partition("::")
-      tree = ast.parse((ROOT / path).read_text())
-      assert name in {f.name for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)}, node
-
-
-def test_a_qwen_shape_replaces_the_configs_model_and_every_slot_is_a_member():
-  from jaxes.train import builders
-  from jaxes.train.config import load_config_file
-  demo = lambda: load_config_file(ROOT / "configs" / "demo.py")
-  config = measure.measure_config(demo(), "0.5B", num_devices=8)
-  assert config.model.preset == "qwen2.5-0.5b" and config.model.dtype == "bfloat16"
-  model = builders.build_model(config, measure.vocab_size(config))
-  assert (model.config.num_layers, model.config.hidden_size, model.config.vocab_size) == (24, 896, 151936)
-  assert config.rollout.num_slots == 64 and config.es.population == 64
-  with pytest.raises(ValueError, match="model_shape"):
-    measure.measure_config(demo(), "3B", num_devices=1)

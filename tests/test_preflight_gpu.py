@@ -89,6 +89,7 @@ def test_without_cudnn_the_gpu_report_says_its_attention_is_blockwise(capsys):
   assert "cuDNN is not installed, so attention is compiled blockwise" in capsys.readouterr().err
 
 
+@pytest.mark.hardware
 @pytest.mark.cuda_plugin
 @pytest.mark.cudnn
 def test_cudnn_attention_compiles_deviceless_for_an_h100():

@@ -270,6 +270,12 @@ class Strategy:
     ``staleness_mean``, ``staleness_max``, ``sigma`` (of the new version), ``update_norm`` (L2 norm
     of the applied change, float32) and ``zero_step`` (all weights zero: params unchanged).
     """
+    return self.update_with_cohort(state, results, initial)[:2]
+
+  def update_with_cohort(self, state: ESState, results: Sequence[tuple[int, int, float]], initial=None
+                         ) -> tuple[ESState, dict, tuple]:
+    """``update``'s state and metrics, and ``cohort(state, results)``: the keys and weights it
+    stepped along, checked and weighed once."""
     v_now = int(state.version)
     kept, bad, staleness, keyed, n = self._cohort(state, results)
     fitness = np.array([r[2] for r in kept], np.float64)
@@ -293,7 +299,7 @@ class Strategy:
         "update_norm": float(norm),
         "zero_step": bool(not np.any(keyed[2] != 0)),
     }
-    return new_state, metrics
+    return new_state, metrics, (*keyed, np.int32(n))
 
   def _apply(self, state: ESState):
     """The jitted step ``update`` runs for ``state``'s layout."""

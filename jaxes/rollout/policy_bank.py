@@ -110,6 +110,11 @@ class PolicyBank:
     the steps its rows of newer versions add (None: all of the base's version)."""
     return Decoding(self.place(group[0], params_by_version[group[0]])), None
 
+  def add_step(self, version: int, versions, members, weights, count) -> bool:
+    """Register ``version`` as ``version - 1`` plus a low-rank step (``ESPolicyBank.add_step``).
+    Here nothing is registered (every row decodes its own version's parameters): False."""
+    return False
+
   def retire(self, params_by_version: dict) -> None:
     """Before a step's calls: drop what versions no slot holds, or older than any passed, need."""
 

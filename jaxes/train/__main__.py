@@ -97,10 +97,11 @@ def main(argv):
   distributed.initialize()   # a multi-process launch joins here; a single process: nothing
   cli.start_backends()
   from jaxes.errors import ConfigError
-  from jaxes.train.config import validate
-  config = _CONFIG.value
-  try:
-    validate(config)
+  from jaxes.run_tools import report   # the command composes the layers: the trainer gets its page writer
+  from jaxes.train.trainer import Trainer   # runs the algorithm config.train.algorithm names
+  try:   # the trainer validates the config (and writes nothing until it runs)
+    trainer = Trainer(_CONFIG.value, _WORKDIR.value, allow_config_change=_ALLOW_CHANGE.value,
+                      write_report=report.write)
   except ConfigError as e:
     _fail(f"invalid config: {e}")
   if os.path.exists(_WORKDIR.value) and not os.path.isdir(_WORKDIR.value):
@@ -122,11 +123,8 @@ def main(argv):
   from jaxes.train.policy import PolicyLoadError
   from jaxes.train.state import RunStateError
   from jaxes.envs.sandboxes.sandbox import SandboxError
-  from jaxes.run_tools import report   # the command composes the layers: the trainer gets its page writer
-  from jaxes.train.trainer import Trainer   # runs the algorithm config.train.algorithm names
   try:
-    summary = Trainer(config, _WORKDIR.value, allow_config_change=_ALLOW_CHANGE.value,
-                      write_report=report.write).run()
+    summary = trainer.run()
   except (RunStateError, PolicyLoadError, ConfigError, SandboxError) as e:
     _fail(str(e))
   if not distributed.is_primary() or not _VERBOSE.value:

@@ -178,9 +178,22 @@ def model_config(config, vocab_size: int) -> qwen2.Qwen2Config:
       max_position_embeddings=max(config.rollout.max_len, config.warmstart.seq_len), **overrides)
 
 
-def build_model(config, tokenizer_size: int) -> Model:
-  vocab = config.model.vocab_size or tokenizer_size
-  if not config.model.path and vocab < tokenizer_size:
+def vocab_size(config, tokenizer_size: int | None = None) -> int:
+  """The model's vocabulary, decided here alone: ``model.vocab_size`` where set, else the tokenizer's
+  size; with no tokenizer at hand (the preflight, measure) the preset's, as its
+  checkpoint's tokenizer has it (``model.path``: the checkpoint's config decides the model's)."""
+  if config.model.vocab_size:
+    return config.model.vocab_size
+  if tokenizer_size is not None:
+    return tokenizer_size
+  return qwen2.PRESETS.get(config.model.preset, {}).get("vocab_size") or config.tokenizer.vocab_size
+
+
+def build_model(config, tokenizer_size: int | None = None) -> Model:
+  """The model's graph and abstract parameters for a tokenizer of ``tokenizer_size`` tokens
+  (None: no tokenizer at hand, ``vocab_size``)."""
+  vocab = vocab_size(config, tokenizer_size)
+  if not config.model.path and tokenizer_size is not None and vocab < tokenizer_size:
     raise ConfigError(f"config.model.vocab_size: {vocab} < the tokenizer's {tokenizer_size} tokens")
   cfg = model_config(config, vocab)
   graphdef, abstract = nnx.split(nnx.eval_shape(lambda: qwen2.Qwen2ForCausalLM(cfg, rngs=nnx.Rngs(0))),

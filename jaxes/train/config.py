@@ -47,13 +47,13 @@ def _flatten(d, prefix="config"):
 @dataclasses.dataclass(frozen=True)
 class RunSpec:
   """What validating a config builds, once: the typed objects a run is made of.
-  ``algorithm``: the ``train.algorithm`` class; ``algorithm_block``: its own block, built
+  ``algorithm``: the ``train.algorithm`` class; ``algorithm_settings``: its own block, built
   (ES: the ``es.Strategy``; GRPO and SAO: the learner's ``GRPOConfig``); ``controller``: what a
   controller member is and the staleness rules; ``coevolution``: a fresh run's co-evolution
   state, or None."""
   config: config_dict.ConfigDict
   algorithm: type
-  algorithm_block: Any
+  algorithm_settings: Any
   controller: ControllerConfig
   coevolution: Any
 
@@ -73,19 +73,20 @@ def validate(config: config_dict.ConfigDict) -> RunSpec:
   checks.mesh()
   # The algorithm's, controller's, co-evolution's and model's settings are checked by the typed
   # objects they build, which own their rules; ``errors.keyed`` names the key an error rejects.
-  algorithm_block = checks.algorithm()   # only the algorithm's own block
+  algorithm_settings = checks.algorithm()   # only the algorithm's own block
   with errors.keyed(config, "controller"):
     controller = algorithms.controller_config(config)   # what a member is depends on the algorithm
   with errors.keyed(config, "coevolve"):
     coevolve = coevolution.from_config(config)
   if not config.model.path:
+    tokenizer_size = config.tokenizer.vocab_size   # the tokenizer as the config builds it
     with errors.keyed(config, "model"):
-      builders.model_config(config, config.model.vocab_size or config.tokenizer.vocab_size)
+      builders.model_config(config, builders.vocab_size(config, tokenizer_size))
   checks.env()
   checks.rollout()
   checks.schedule()
   checks.warmstart()
-  return RunSpec(config, algorithms.ALGORITHMS[config.train.algorithm], algorithm_block, controller,
+  return RunSpec(config, algorithms.ALGORITHMS[config.train.algorithm], algorithm_settings, controller,
                  coevolve)
 
 

@@ -169,7 +169,7 @@ class Transcripts:
     return cls(rows) if rows else None
 
 
-# -- a run's measures, as the trainer takes them -------------------------------------------------
+# -- a run's measures, as its observer takes them (observers.Drift) ---------------------------
 class Meter:
   """The drift measures of one run: ``update_cosine`` around each update (``before_update``,
   ``after_update``) and ``at_evaluation``. ``initial()`` gives θ₀ where the run keeps its

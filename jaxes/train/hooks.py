@@ -1,7 +1,9 @@
 """Hooks: what runs after an update besides the update itself (levanter-style ``every=``).
 
 The trainer calls every due hook, in order, with the update's ``UpdateInfo``; a hook may add to
-``info.record`` (the evaluation hook adds ``eval``) before a later hook writes it.
+``info.record`` (the evaluation hook adds ``eval``) before a later hook writes it. The run's own
+measurements and records are observers (``jaxes.train.observers``), told after the metrics line
+by one hook.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ class UpdateInfo:
   record: dict          # its metrics line (written by the metrics hook)
   final: bool           # the run's last update
   results: list = dataclasses.field(default_factory=list)   # the cohort: (version, member, fitness)
+  episodes: list = dataclasses.field(default_factory=list)  # the update's sampled transcripts, once written
 
 
 @dataclasses.dataclass(frozen=True)

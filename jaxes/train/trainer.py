@@ -4,9 +4,14 @@ the algorithm (``jaxes.train.algorithms``: ES, GRPO) ``train.algorithm`` names.
 One loop on the host: hand free slots the controller's jobs, advance every episode by one engine
 step (sandbox work runs on worker threads meanwhile), report finished episodes, and apply every
 update the controller declares due (its cohort of ``(version, member, fitness)`` results, stale
-ones included) through the algorithm. After each update the hooks run: held-out evaluation every ``eval_every``, the
-update-log record, the metrics line, a checkpoint every ``checkpoint_every``, the progress bar,
-the caller's callback.
+ones included) through the algorithm, handing the engine's policy bank what the update gives the
+decode side. After each update the hooks run: held-out evaluation every ``eval_every``, the
+update-log record, the metrics line, the observers, a checkpoint every ``checkpoint_every``, the
+progress bar, the caller's callback.
+
+Measurements and records beside training (drift, the probes, other held-out task sets, sampled
+transcripts, the tracker, the plot, the report page, co-evolution's parents) are observers
+(``jaxes.train.observers``), told of each result, update and evaluation in one list.
 
 Resume: rerun the same command with the same ``--workdir`` (``state.initial_state``). Token
 sampling is keyed by job (by antithetic pair with common random numbers), and the controller
@@ -15,6 +20,7 @@ reissues its in-flight jobs, so a resumed run decodes exactly what the interrupt
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import time
@@ -26,11 +32,10 @@ from jaxes.envs.sandboxes.sandbox import Sandbox, SandboxError
 from jaxes.envs.tasks import oracle
 from jaxes.envs.tasks.task import unsafe_task_names
 from jaxes.train import (algorithms, builders, checkpoint, coevolution, compile_cache, config_history,
-                         drift, evaluation, mc_probe, metrics, multihost, precompile, tracker)
+                         evaluation, metrics, multihost, observers, precompile)
 from jaxes.train.algorithms import ReplaysUpdates, UpdateContext
 from jaxes.train.config import validate
 from jaxes.train.hooks import Hook, UpdateInfo, run_hooks
-from jaxes.train.transcripts import TranscriptSampler
 from jaxes.train.state import (UPDATE_LOG, RunState, build_parts, initial_state, load_initial_params,
                                log_record, needs_transcripts, save)
 from jaxes.train.update_log import UpdateLog
@@ -45,7 +50,7 @@ class Trainer:
                on_update: Callable[[dict], None] | None = None, hooks: list[Hook] = (),
                log: Callable[[str], None] = print, allow_config_change: bool = False,
                write_report: Callable[[str], object] | None = None):
-    validate(config)
+    self.spec = validate(config)   # the typed objects the config builds, built once
     self.config, self.workdir, self.log = config, os.path.abspath(workdir), log
     self.allow_config_change = allow_config_change
     self._sandbox = sandbox
@@ -78,7 +83,7 @@ class Trainer:
       transcripts = multihost.shared(host, lambda: self._transcripts(sandbox, resuming=bool(ckpt.steps())))
       self.parts = multihost.primary_first(host, "tokenizer",
                                            lambda: build_parts(c, self.workdir, transcripts, self.log))
-      self.algorithm = algorithms.build(c, self.parts, host.mesh)
+      self.algorithm = algorithms.build(c, self.parts, host.mesh, self.spec.algorithm_settings)
       if isinstance(sandbox, Sandbox):   # refuses here, not one SANDBOX_ERROR per task later
         sandbox.check_verifier(self.parts.train_tasks + self.parts.heldout_tasks)
       update_log = UpdateLog(os.path.join(self.workdir, UPDATE_LOG))
@@ -92,14 +97,13 @@ class Trainer:
         self.log(f"config changed from version {self.state.version} on (recorded in "
                  f"{config_history.HISTORY}): " + "; ".join(map(str, changes)))
       self._in_force = config_history.changed_in_force(self.workdir, c)
-      if c.eval.drift:
-        self._drift = drift.Meter(self.parts.model.graphdef, self.workdir,
-                                  initial=lambda: self._initial_params(ckpt),
-                                  kl_transcripts=c.eval.kl_transcripts, max_len=c.rollout.max_len,
-                                  im_end=builders.stop_ids(self.parts.tokenizer)[1], primary=host.primary)
-      if (probe_file := mc_probe.resolve(c.eval.mc_probe_file)) is not None:
-        self._mc_probe = mc_probe.Probe(self.parts.model.graphdef, probe_file, self.parts.tokenizer)
+      self.observers = observers.build(
+          c, self.workdir, self.parts, self.algorithm, run_state=self.state, primary=host.primary,
+          initial_params=lambda: self._initial_params(ckpt),
+          im_end=builders.stop_ids(self.parts.tokenizer)[1], write_report=self._report_writer, log=self.log)
+      stack.callback(self.observers.close)
       engine = self.algorithm.build_engine(self.state.algorithm_state, host.mesh)
+      self._decoding = engine.policy   # where an update's version step goes
       precompile.warm_up(precompile.run_programs(engine, self.algorithm, self.state.algorithm_state),
                          c.train.compile_jobs, self.log, progress=c.train.progress_bar and host.primary)
       # Oracle transcripts above ran on the bare sandbox; training and evaluation pay the latency.
@@ -115,30 +119,14 @@ class Trainer:
       self._progress = progress = self._progress_bar()
       stack.callback(progress.close)
       evaluates = bool(c.eval.num_tasks)
-      self._sampler = (TranscriptSampler(self.workdir, self.parts.tokenizer, c.train.transcripts_per_update,
-                                         c.train.transcript_chars, resume_version=self.state.version)
-                       if host.primary and c.train.transcripts_per_update else None)
-      self._tracker = (tracker.build(c.train.tracker, self.workdir, json.loads(c.to_json_best_effort()),
-                                     self.log) if host.primary else None)
-      if self._tracker is not None:
-        stack.callback(self._tracker.close)
       hooks = [Hook(self._eval_hook, every=c.train.eval_every if evaluates else 0, at_final=evaluates),
                Hook(lambda info: self._log_update(update_log, info)),
                Hook(lambda info: writer.write(info.record)),
-               Hook(self._write_sample),
-               # The report is rewritten with every evaluation, so it is live while the run trains.
-               Hook(lambda info: self._write_report(), every=c.train.eval_every if c.train.report else 0,
-                    at_final=c.train.report),
+               Hook(self.observers.after_line),
                Hook(lambda info: self._save(ckpt), every=c.train.checkpoint_every, at_final=True),
                Hook(lambda info: progress.update(info.record)),
                *self._extra_hooks]
       return self._train(ckpt, writer, hooks)
-
-  _sampler: TranscriptSampler | None = None   # set by run() on the primary process
-  _drift: drift.Meter | None = None            # set by run() with eval.drift
-  _mc_probe: mc_probe.Probe | None = None      # set by run() with eval.mc_probe_file
-  _last_cosine: float | None = None
-  _tracker: tracker.WandbTracker | None = None
 
   def _initial_state(self, ckpt, update_log: UpdateLog, transcripts) -> RunState:
     # Each logged update is replayed under the config in force when it was made (the original
@@ -216,8 +204,7 @@ class Trainer:
     t0, start_version = time.perf_counter(), state.version
     if not state.evals and c.eval.num_tasks:
       writer.write({"version": 0, "eval": self.evaluate()})
-      if c.train.report:   # the page exists from the first evaluation on
-        self._write_report()
+      self.observers.after_initial_evaluation()
     if not ckpt.steps():
       self._save(ckpt)   # version 0: warm-started params, initial evaluation
     self._window = metrics.UpdateWindow(self.runner.stats())
@@ -256,46 +243,31 @@ class Trainer:
     self.state.controller.report(result.spec.key.job.job_id, reward=result.reward,
                                  failure=result.failure, decoded_under=result.last_version)
     self._window.add(result)
-    if self._sampler is not None:
-      self._sampler.offer(result)
-
-  def _write_sample(self, info: UpdateInfo) -> None:
-    """The update's sampled episodes to episodes.jsonl; its metrics and them to the tracker."""
-    episodes = self._sampler.write(info.version) if self._sampler is not None else []
-    if self._tracker is not None:
-      self._tracker.log(info.record, episodes)
-
-  def _write_report(self) -> None:
-    if self.host.primary and self._report_writer is not None:
-      self._report_writer(self.workdir)
+    self.observers.on_result(result)
 
   def _apply(self, update) -> tuple[dict, list]:
     state, t = self.state, time.perf_counter()
     results = sorted(update.results)  # a deterministic order: float sums do not depend on arrival
     keep = set(state.controller.live_versions()) | self.runner.live_versions()
     context = UpdateContext(state.controller.version, state.controller.config,
-                            self.runner.engine.policy, state.params_by_version, keep,
-                            state.initial_params)
-    if self._drift is not None:
-      self._drift.before_update(self._current_params(), state.params_by_version.get(state.version - 2),
-                                donated=self.algorithm.donates_params)
-    new_state, update_metrics = self.algorithm.update(state.algorithm_state, results, context)
-    state.advance(new_state, self.algorithm.params(new_state), keep)
-    if self._drift is not None:
-      self._last_cosine = self._drift.after_update(self._current_params())
-    contexts = coevolution.after_update(state.contexts, state.version, results, keep)
+                            state.params_by_version, keep, state.initial_params)
+    seen = observers.Update(state.version, results, keep, state.params_by_version, self._current_params())
+    self.observers.before_update(seen)
+    updated = self.algorithm.apply_update(state.algorithm_state, results, context)
+    if updated.version_step is not None:   # rows of the new version may join older ones' calls
+      self._decoding.add_step(*updated.version_step)
+    state.advance(updated.state, self.algorithm.params(updated.state), keep)
+    measured = self.observers.after_update(dataclasses.replace(seen, params=self._current_params()))
     self._window.update_s += time.perf_counter() - t
-    record = self.algorithm.record(self._window, update, results, update_metrics, self.runner.stats())
-    if self._drift is not None:
-      record["update_cosine"] = self._last_cosine
-    return {**record, **contexts}, results
+    record = self.algorithm.record(self._window, update, results, updated.metrics, self.runner.stats())
+    return {**record, **measured}, results
 
   # -- evaluation -----------------------------------------------------------------------------
   def evaluate(self) -> dict:
-    """Held-out success of the unperturbed current policy (``evaluation.evaluate``); in a
-    changing environment also on the later mix's held-out tasks (``shifted``)."""
+    """Held-out success of the unperturbed current policy (``evaluation.evaluate``), and what
+    the observers add: other task sets (``shifted``, ``probe``) and measures (drift, the probe)."""
     c, state = self.config, self.state
-    streams = {} if self._drift is not None and self._drift.wants_streams() and state.version == 0 else None
+    streams = {}   # the held-out episodes' token streams (drift draws its KL transcripts from them)
 
     def run(tasks, name):
       return evaluation.evaluate(
@@ -307,22 +279,8 @@ class Trainer:
     count_replies = evaluation.reply_counter(self.parts.tokenizer, builders.reply_parses(c))
 
     result = run(self.parts.heldout_tasks[:c.eval.num_tasks], "held-out")
-    if self.parts.shift is not None:
-      result["shifted"] = run(self.parts.shift.heldout_tasks[:c.eval.num_tasks], "shifted")
-    if self.parts.probe_tasks:   # off-task: families the run does not train on
-      probe = run(self.parts.probe_tasks, "probe")
-      result["probe"] = {k: probe[k] for k in ("success", "stderr", "reward", "reward_stderr",
-                                               "episodes", "per_task", "failures")}
-    if self._mc_probe is not None:   # off-task knowledge: multiple-choice log-likelihoods
-      result["mc_probe"] = self._mc_probe(self._current_params())
-      self.log(f"mc probe at version {state.version}: accuracy {result['mc_probe']['accuracy']:.3f} "
-               f"of {result['mc_probe']['items']} items (chance {result['mc_probe']['chance']:.3f})")
-    if self._drift is not None:
-      result |= self._drift.at_evaluation(state.version, self._current_params(), streams)
-      result["update_cosine"] = self._last_cosine
-      kl = result["kl_to_initial"]
-      self.log(f"drift at version {state.version}: param_drift {result['param_drift']:.4g}, "
-               f"kl_to_initial {'n/a' if kl is None else f'{kl:.4g}'} nats/token")
+    result |= self.observers.at_evaluation(
+        observers.Evaluation(state.version, self._current_params(), streams, run))
     state.evals.append(result)
     return result
 
@@ -357,13 +315,9 @@ class Trainer:
                **state.timings}
     if not self.host.primary:
       return {**summary, "params": self._current_params()}
-    if c.train.plot and records:
-      metrics.plot(records, os.path.join(self.workdir, "progress.png"),
-                   title=f"{self.algorithm.plot_label()} — held-out success and staleness")
     with open(os.path.join(self.workdir, "summary.json"), "w") as f:
       json.dump(summary, f, indent=2)
-    if c.train.report:   # again, with the summary's paired change
-      self._write_report()
+    self.observers.at_summary(summary)   # the plot; the report page again, with the paired change
     if before is not None and after is not None:
       self.log(evaluation.format_table(before, after, self.algorithm.name))
     return {**summary, "params": self._current_params()}

@@ -71,6 +71,19 @@ def test_update_equals_numpy_reference(mode):
   assert metrics["update_norm"] == pytest.approx(change, rel=1e-4)
 
 
+def test_update_with_cohort_is_update_and_the_cohort_it_stepped_along():
+  strategy = es.Strategy(population=4, sigma=0.1, learning_rate=0.3, mode="lowrank", rank=2)
+  state = strategy.init(_params(), jax.random.key(2))
+  results = _random_results(state, strategy.members(state), 5)
+  new, metrics, cohort = strategy.update_with_cohort(state, results)
+  plain, plain_metrics = strategy.update(state, results)
+  for a, b in zip(jax.tree.leaves(new.params), jax.tree.leaves(plain.params), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert metrics == plain_metrics and int(new.version) == 1
+  for a, b in zip(cohort, strategy.cohort(state, results), strict=True):
+    np.testing.assert_array_equal(a, b)
+
+
 def test_lowrank_update_moves_matrices_along_rank_r_directions():
   strategy = es.Strategy(population=2, sigma=0.1, learning_rate=1.0, mode="lowrank", rank=1)
   state = strategy.init(_params(), jax.random.key(0))

@@ -123,6 +123,7 @@ def test_the_kernels_inputs_give_the_portable_paths_attention(layout):
                              rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.hardware
 @pytest.mark.skipif(jax.default_backend() != "tpu", reason=(
     "needs a TPU: JAX 0.10.2's TPU interpret mode (pltpu.force_tpu_interpret_mode) cannot run "
     "ragged_paged_attention: its interpreter models indexed refs only and fails on the kernel's "
@@ -189,6 +190,7 @@ def _cudnn_missing():
     return True
 
 
+@pytest.mark.hardware
 @pytest.mark.cuda_plugin
 def test_a_gpu_target_is_the_gpu_platform_and_its_lowering_asks_cudnn():
   devices = gpu_targets.devices("1xH100")

@@ -12,7 +12,7 @@ from helpers_models import assert_same_turns, es_bank, ragged_turns, tiny_model
 from jaxes import es, sharding
 from jaxes.models import qwen2
 from jaxes.rollout.engine import Engine
-from jaxes.rollout.policy_bank import VersionSteps
+from jaxes.rollout.policy_bank import PolicyBank, VersionSteps
 
 IM_END = 3
 SLOTS = 8
@@ -222,3 +222,9 @@ def test_program_count_with_version_steps_is_twice_the_step_programs(model):
   assert len([n for n in steps if n.endswith(",steps=2]")]) == per_call
   assert "step[t=1264,span=16384]" in steps and "step[t=60,span=16384,steps=2]" in steps
   assert {"version_step", "stack_steps", "merge_noisers", "noiser", "reset"} <= set(names)
+
+
+def test_a_bank_of_unperturbed_rows_registers_no_version_step():
+  # The trainer hands every update's step to the engine's bank; this one decodes each version
+  # from its own parameters.
+  assert PolicyBank().add_step(1, np.zeros(2, np.int32), np.zeros(2, np.int32), np.zeros(2, np.float32), 2) is False

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 from jaxes.train.algorithms import evolution, grpo, sao
 from jaxes.train.algorithms.base import (Algorithm, Capabilities, ReplaysUpdates, TrainEpisode,
-                                         UpdateContext)
+                                         UpdateContext, Updated)
 from jaxes.errors import ConfigError
 
 ALGORITHMS = {"es": evolution.EvolutionStrategies, "grpo": grpo.GRPO, "sao": sao.SAO}
 
 __all__ = ["ALGORITHMS", "Algorithm", "Capabilities", "ReplaysUpdates", "TrainEpisode", "UpdateContext",
-           "build", "checkpoint_item", "controller_config"]
+           "Updated", "build", "checkpoint_item", "controller_config"]
 
 
 def _class(name: str):
@@ -23,9 +23,11 @@ def _class(name: str):
   return ALGORITHMS[name]
 
 
-def build(config, parts, mesh) -> Algorithm:
-  """The configured algorithm for a run's ``parts`` (``state.Parts``) on ``mesh``."""
-  return _class(config.train.algorithm)(config, parts, mesh)
+def build(config, parts, mesh, settings=None) -> Algorithm:
+  """The configured algorithm for a run's ``parts`` (``state.Parts``) on ``mesh``; ``settings``:
+  its config block as ``config.validate`` built it (``RunSpec.algorithm_settings``; None: built
+  here)."""
+  return _class(config.train.algorithm)(config, parts, mesh, settings)
 
 
 def controller_config(config):

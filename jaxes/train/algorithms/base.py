@@ -21,7 +21,6 @@ from typing import Any, Protocol, runtime_checkable
 
 from jaxes.controller import ControllerConfig, Job
 from jaxes.rollout.engine import Engine
-from jaxes.rollout.policy_bank import PolicyBank
 from jaxes.rollout.episodes import EpisodeSpec
 from jaxes.train import builders
 
@@ -37,11 +36,21 @@ class UpdateContext:
   """What an update may read besides its state and cohort."""
   version: int                    # the version the update makes (the controller's, after it)
   controller: ControllerConfig    # the run's controller's configuration
-  policy: PolicyBank              # the engine's policy bank (an async low-rank ES run registers
-                                  # each step: ``ESPolicyBank.add_step``)
   params_by_version: dict         # every live version's parameters, the current one included
   keep: set[int]                  # the versions that must stay decodable after the update
   initial_params: Any = None      # θ₀ (version 0), held when ``needs_initial_params``
+
+
+@dataclasses.dataclass(frozen=True)
+class Updated:
+  """What an update gives the run (``Capabilities.apply_update``): the next state, the update's
+  metrics, and what the decode side needs of it. ``version_step``: ``PolicyBank.add_step``'s
+  arguments ``(version, versions, members, weights, count)``, the new version as the old one plus
+  a low-rank step (ES: its cohort, which an ``ESPolicyBank`` with ``version_steps`` registers);
+  None: nothing."""
+  state: Any
+  metrics: dict
+  version_step: tuple | None = None
 
 
 class Algorithm(Protocol):
@@ -93,15 +102,18 @@ class Capabilities:
   needs_initial_params = False   # True: every update reads θ₀ (an anchor toward version 0): the
                                  # run holds it on the devices and passes it (``UpdateContext``,
                                  # ``replay``)
-  donates_params = False         # True: ``update`` donates the current params' buffers (the trainer
-                                 # copies them first where it needs them after: ``drift.update_cosine``)
+  donates_params = False         # True: ``update`` donates the current params' buffers (the drift
+                                 # observer copies them first: ``drift.update_cosine``)
 
-  def __init__(self, config, parts, mesh):
+  def __init__(self, config, parts, mesh, settings=None):
+    """``settings``: the algorithm's config block as ``config.validate`` built it
+    (``RunSpec.algorithm_settings``); None builds it here (``check_config``)."""
     self.config, self.parts, self.mesh = config, parts, mesh
+    self.settings = self.check_config(config) if settings is None else settings
 
   @staticmethod
   def check_config(config) -> Any:
-    """The algorithm's own config block, built (``RunSpec.algorithm_block``); raises
+    """The algorithm's own config block, built (``RunSpec.algorithm_settings``); raises
     ``ConfigError`` naming the key for a config the block does not allow (called by
     ``config.validate``, which checks no other algorithm's block). Default: no block beyond what
     ``controller_config_of`` checks (None)."""
@@ -132,6 +144,12 @@ class Capabilities:
     c = self.config
     return EpisodeSpec(TrainEpisode(job), self.parts.train_task(job), job.version, -1,
                        job.job_id, c.rollout.temperature, c.rollout.top_p)
+
+  def apply_update(self, state, results: list, context: UpdateContext) -> Updated:
+    """``update``, with what the engine's policy bank needs of it (``Updated.version_step``),
+    which the trainer hands on. Default: ``update``'s state and metrics, no step (the engine
+    decodes every version from its own parameters)."""
+    return Updated(*self.update(state, results, context))
 
   def on_result(self, state, result) -> None:
     """A finished training episode, before the controller is told of it. Default: nothing (the

@@ -19,7 +19,7 @@ from jaxes.es import keys
 from jaxes.rollout.episodes import EpisodeSpec
 from jaxes.rollout.policy_bank import ESPolicyBank, VersionSteps
 from jaxes.train import builders, multihost
-from jaxes.train.algorithms.base import Capabilities, TrainEpisode, UpdateContext
+from jaxes.train.algorithms.base import Capabilities, TrainEpisode, UpdateContext, Updated
 
 PAIR_STREAM_BASE = 1 << 31     # sampling streams shared by antithetic partners
 
@@ -36,7 +36,8 @@ def training_stream(job: Job, antithetic: bool, common_random_numbers: bool) -> 
 
 
 def build_strategy(config) -> es.Strategy:
-  """The ``es.Strategy`` of the config's ``es`` block (its own checks name their key)."""
+  """The ``es.Strategy`` of the config's ``es`` block (its own checks name their key; a run
+  builds it once, in ``config.validate``: ``RunSpec.algorithm_settings``)."""
   e = config.es
   scheduled = e.sigma_schedule != "constant"
   return es.Strategy(population=e.population, sigma=e.sigma, learning_rate=e.learning_rate,
@@ -107,9 +108,9 @@ class EvolutionStrategies(Capabilities):
   name = "ES"
   checkpoint_item = "es"
 
-  def __init__(self, config, parts, mesh):
-    super().__init__(config, parts, mesh)
-    self.strategy = build_strategy(config)
+  def __init__(self, config, parts, mesh, settings: es.Strategy | None = None):
+    super().__init__(config, parts, mesh, settings)
+    self.strategy = self.settings
     # es.anchor: every update pulls toward θ₀, which the run then holds on the devices.
     self.needs_initial_params = self.strategy.anchored
     # One device: arrays stay where they are made; a mesh of several: the rule table's shardings.
@@ -155,12 +156,16 @@ class EvolutionStrategies(Capabilities):
 
   def update(self, state: es.ESState, results: list, context: UpdateContext
              ) -> tuple[es.ESState, dict]:
-    new_state, metrics = self.strategy.update(state, results, context.initial_params)
-    if context.policy.version_steps is not None:   # rows of the new version may join older calls
-      context.policy.add_step(int(new_state.version), *self.strategy.cohort(state, results))
+    updated = self.apply_update(state, results, context)
+    return updated.state, updated.metrics
+
+  def apply_update(self, state: es.ESState, results: list, context: UpdateContext) -> Updated:
+    """The update, and its cohort as the step to the new version: with ``version_steps`` the
+    engine's bank registers it, so rows of the new version may join calls of older ones."""
+    new_state, metrics, cohort = self.strategy.update_with_cohort(state, results, context.initial_params)
     if int(new_state.version) != context.version:
       raise RuntimeError(f"ES version {int(new_state.version)} != controller version {context.version}")
-    return new_state, metrics
+    return Updated(new_state, metrics, (int(new_state.version), *cohort))
 
   def replay(self, state: es.ESState, results: list, version: int, initial_params=None
              ) -> es.ESState:

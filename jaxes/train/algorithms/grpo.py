@@ -82,13 +82,13 @@ class GRPO(Capabilities):
   # messages name the key (config.grpo.*, config.rollout.*).
   learner_config = staticmethod(rl_config.from_run_config)
 
-  def __init__(self, config, parts, mesh):
-    super().__init__(config, parts, mesh)
+  def __init__(self, config, parts, mesh, settings=None):
+    super().__init__(config, parts, mesh, settings)
     self.learner = self.make_learner()
     self._param_shardings = partition.param_shardings(parts.model.config, mesh)
 
   def make_learner(self):
-    return GRPOLearner(self.parts.model.graphdef, self.learner_config(self.config))
+    return GRPOLearner(self.parts.model.graphdef, self.settings)
 
   @classmethod
   def check_config(cls, config):

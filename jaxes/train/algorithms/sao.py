@@ -33,7 +33,7 @@ class SAO(GRPO):
   learner_config = staticmethod(rl_config.sao_from_run_config)
 
   def make_learner(self):
-    policy, value = self.learner_config(self.config)
+    policy, value = self.settings   # check_config: learner_config's pair
     return SAOLearner(self.parts.model.graphdef, policy, value, self.parts.model.config.hidden_size)
 
   @staticmethod

@@ -12,7 +12,7 @@ import pytest
 from helpers_train import build_tiny_tokenizer, tiny_config
 from jaxes.controller import ControllerConfig
 from jaxes.train import algorithms, checkpoint, metrics
-from jaxes.train.algorithms.base import Algorithm, Capabilities, ReplaysUpdates
+from jaxes.train.algorithms.base import Algorithm, Capabilities, ReplaysUpdates, Updated
 from jaxes.train.algorithms.evolution import EvolutionStrategies
 from jaxes.train.algorithms.grpo import GRPO
 from jaxes.train.algorithms.sao import SAO
@@ -62,6 +62,15 @@ def test_each_algorithm_overrides_only_what_it_uses():
     assert getattr(SAO, default) is getattr(Capabilities, default), default
   assert GRPO.donates_params and not EvolutionStrategies.donates_params
   assert not GRPO.needs_initial_params
+
+
+def test_apply_update_is_update_with_nothing_for_the_decode_side_by_default():
+  class Counting(Capabilities):
+    def update(self, state, results, context):
+      return state + 1, {"results": len(results)}
+
+  assert Counting(None, None, None).apply_update(1, [(0, 0, 1.0)], None) == Updated(2, {"results": 1})
+  assert EvolutionStrategies.apply_update is not Capabilities.apply_update   # ES: its version step
 
 
 # -- a new algorithm: its core alone ---------------------------------------------------------------

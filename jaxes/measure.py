@@ -61,7 +61,8 @@ import jaxlib
 import numpy as np
 
 from jaxes import preflight
-from jaxes.models import attention_dispatch, qwen2
+from jaxes.models import qwen2
+from jaxes.models.attention import dispatch as attention_dispatch
 from jaxes.train import algorithms, builders, compile_cache, precompile
 from jaxes.train.algorithms import evolution
 from jaxes.train.state import Parts

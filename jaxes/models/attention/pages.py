@@ -43,12 +43,12 @@ def page_reader(buffers, layer, table, dtype):
   page = pages_k.shape[2]
 
   def read(start, n):
-    ids = jax.lax.dynamic_slice_in_dim(table, start // page, n // page, axis=1)   # [b, n / page]
+    ids = jax.lax.dynamic_slice_in_dim(table, start // page, n // page, axis=1)  # [b, n / page]
     if mixed:
-      kv = pages_k[layer, ids]                                                    # [b, m, page, 2K, hd]
+      kv = pages_k[layer, ids]                                     # [b, m, page, 2K, hd]
       k, v = kv[..., 0::2, :], kv[..., 1::2, :]
     else:
-      k, v = (c[layer, ids] for c in (pages_k, pages_v))                          # [b, m, page, K, hd]
+      k, v = (c[layer, ids] for c in (pages_k, pages_v))           # [b, m, page, K, hd]
     k, v = (c.reshape(c.shape[0], n, *c.shape[3:]) for c in (k, v))
     if dtype is not None and k.dtype != dtype:   # raw bits (interleaved pages hold values)
       k, v = (jax.lax.bitcast_convert_type(c, dtype) for c in (k, v))
@@ -138,7 +138,7 @@ class Pages:
                      stored=StoredPages(buffers[0], table, layer, cache.dtype))
       return cache.impl.fn(q, keys)
 
-    spec = kv_spec(b, h)
-    return self._local(local, (P(b, None, h), (spec, spec), P(), (P(b), P(b), P(b))),
-                       P(b, None, h))(q, (cache.k, cache.v), layer,
-                                      (cache.addressing.valid, cache.addressing.q_slots, self.table))
+    spec, at = kv_spec(b, h), cache.addressing
+    in_specs = (P(b, None, h), (spec, spec), P(), (P(b), P(b), P(b)))
+    return self._local(local, in_specs, P(b, None, h))(
+        q, (cache.k, cache.v), layer, (at.valid, at.q_slots, self.table))

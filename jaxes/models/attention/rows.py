@@ -193,7 +193,7 @@ class Rows:
                                        write_slots=None)
       return cache.impl.fn(q, KeyView(read, addressing))
 
-    spec = kv_spec(b, h)
-    return self._local(local, (P(b, None, h), (spec, spec), P(), (P(b), P(b), P(b))),
-                       P(b, None, h))(q, (cache.k, cache.v), layer,
-                                      (cache.addressing.valid, cache.addressing.q_slots, self.index))
+    spec, at = kv_spec(b, h), cache.addressing
+    in_specs = (P(b, None, h), (spec, spec), P(), (P(b), P(b), P(b)))
+    return self._local(local, in_specs, P(b, None, h))(
+        q, (cache.k, cache.v), layer, (at.valid, at.q_slots, self.index))

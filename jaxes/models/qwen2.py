@@ -487,7 +487,7 @@ class Qwen2ForCausalLM(nnx.Module):
       # before attention reads it; ``s <= q_slot`` keeps the later ones out of view.
       cache_valid = row_valid | (jnp.arange(S)[None, :] >= row_index[:, None])
     span = S if options.attend_len is None else min(options.attend_len, S)
-    addressing = attention.Addressing(cache_valid, slots, write_slots, span,
+    addressing = attention.Addressing(cache_valid, slots, span, write_slots,
                                       bounded=offsets is not None or options.bounded_keys)
     return attention.layer_cache(cache.k, cache.v, access, addressing, jnp.dtype(cache.dtype))
 

@@ -96,7 +96,7 @@ def test_a_write_into_interleaved_pages_is_the_split_write_interleaved():
   @jax.jit
   def write(pages_k, pages_v, layer, slots, k, v):
     cache = attention.layer_cache(pages_k, pages_v, attention.Pages(table),
-                                  attention.Addressing(None, None, slots))
+                                  attention.Addressing(None, None, WIDTH * PAGE, slots))
     return cache.access.write(cache, layer, k, v)
   split = write(pages_k, pages_v, jnp.int32(1), slots, k, v)
   mixed = write(*interleaved(pages_k, pages_v), jnp.int32(1), slots, k, v)

@@ -30,15 +30,15 @@ class Addressing:
   """Where a call's tokens are in the cache, per batch row: ``valid [n, S]`` (the slots a query
   may see), ``q_slots [n, T]`` (each query's own slot; query t of row b sees slot s iff
   ``valid[b, s]`` and ``s <= q_slots[b, t]``), ``write_slots [n, T]`` (where each token's keys
-  go; padding: past the cache, dropped). Static: ``span`` (queries see the first ``span`` slots
-  only), ``bounded`` (no query sees a slot past the furthest ``q_slots``, padding tokens pointing
+  go; padding: past the cache, dropped; None for a read only). Static: ``span`` (queries see the
+  first ``span`` slots only), ``bounded`` (no query sees a slot past the furthest ``q_slots``, padding tokens pointing
   at slot 0, so key blocks after it need not be read), ``block`` (keys per ``blockwise`` block;
   None: ``softmax.KV_BLOCK``). The batch rows' cache rows or pages are the access's
   (``rows.Rows``, ``pages.Pages``)."""
   valid: jax.Array
   q_slots: jax.Array | None
+  span: int
   write_slots: jax.Array | None = None
-  span: int = 0
   bounded: bool = False
   block: int | None = None
 

@@ -15,7 +15,7 @@ S, K, hd = 8, 2, 4
 def test_the_implementation_is_chosen_once_from_the_access():
   buffers = jnp.zeros((1, 2, S, K, hd), jnp.uint32)
   slots = jnp.zeros((2, 1), jnp.int32)
-  at = Addressing(jnp.ones((2, S), bool), slots, slots, span=S, bounded=True)
+  at = Addressing(jnp.ones((2, S), bool), slots, S, slots, bounded=True)
   dense = cache.layer_cache(buffers, buffers, attention.Dense(), at, jnp.float32)
   assert dense.impl is dispatch.choose("cpu", "dense") and dense.addressing.block == 64
   empty = jnp.zeros((1, 2, S, 0, hd), jnp.float32)
@@ -28,7 +28,7 @@ def test_the_implementation_is_chosen_once_from_the_access():
 
 def test_a_write_stores_the_new_keys_bits_at_their_slots():
   buffers = jnp.zeros((2, 1, S, K, hd), jnp.uint16)
-  at = Addressing(None, None, jnp.asarray([[2, S]], jnp.int32), S)
+  at = Addressing(None, None, S, jnp.asarray([[2, S]], jnp.int32))
   layer = cache.layer_cache(buffers, buffers, attention.Dense(), at, jnp.dtype(jnp.bfloat16))
   k = jnp.full((1, 2, K, hd), 1.5, jnp.float32)
   written = jax.jit(lambda c: c.write(jnp.int32(1), k, -k))(layer)

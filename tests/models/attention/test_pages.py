@@ -28,8 +28,8 @@ def test_pages_attend_and_write_as_the_rows_they_hold():
   q = jnp.asarray(r.normal(size=(B, T, K, G, hd)), jnp.float32)
   new_k, new_v = (jnp.asarray(r.normal(size=(B, T, K, hd)), jnp.float32) for _ in range(2))
   at = attention.Addressing(jnp.arange(S)[None, :] <= jnp.asarray([[9], [14]]),
-                            jnp.asarray([[7, 8, 9], [12, 13, 14]], jnp.int32),
-                            jnp.asarray([[7, 8, 9], [12, 13, S]], jnp.int32), S, block=2 * PAGE)
+                            jnp.asarray([[7, 8, 9], [12, 13, 14]], jnp.int32), S,
+                            jnp.asarray([[7, 8, 9], [12, 13, S]], jnp.int32), block=2 * PAGE)
   layer = jnp.int32(1)
   rows = attention.layer_cache(jnp.asarray(cache_k), jnp.asarray(cache_v), Dense(), at)
   split = attention.layer_cache(paged(cache_k), paged(cache_v), pages.Pages(jnp.asarray(TABLE)), at)

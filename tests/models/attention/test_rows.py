@@ -22,7 +22,7 @@ def case(seed=0):
   q_slots = jnp.asarray([[6, 7, 8], [1, 2, 3]], jnp.int32)
   valid = jnp.arange(S)[None, :] <= jnp.asarray([8, 3])[:, None]
   write_slots = jnp.asarray([[6, 7, S], [1, 2, 3]], jnp.int32)   # row 0's last token: padding
-  return cache_k, cache_v, q, new_k, new_v, Addressing(valid, q_slots, write_slots, S, block=4)
+  return cache_k, cache_v, q, new_k, new_v, Addressing(valid, q_slots, S, write_slots, block=4)
 
 
 def test_rows_attend_and_write_as_dense_over_those_rows():

@@ -128,9 +128,9 @@ def describe(mesh, cache) -> str:
   """The implementation an engine's attention over ``cache`` (a model cache, as ``cache_kind``)
   runs on ``mesh``, by name; for an unpaged cache where a paged one would run another, how to
   get that one."""
-  platform = target_platform(mesh)
-  name = choose(platform, cache_kind(cache)).name
+  platform, kind = target_platform(mesh), cache_kind(cache)
+  name = choose(platform, kind).name
   paged = choose(platform, "paged_interleaved" if interleave_pages(mesh) else "paged").name
-  if cache_kind(cache) == "dense" and paged != name:
+  if kind == "dense" and paged != name:
     return f"{name} (unpaged cache; rollout.page_size for {paged})"
   return name

@@ -151,8 +151,9 @@ def main(argv=None) -> dict:
       if convert:   # the kernel's layout built from split pages at the call
         pk = kernels_tpu.combined_pages(pk, pv)
         pv = jnp.zeros(pk.shape[:3] + (0, hd), pk.dtype)
-      return attention.Pages(table, mesh, "data", "tensor").attend(
-          q, pk, pv, layer, valid, q_slots, span, jnp.bfloat16, block=BLOCK, bounded=False)
+      return attention.layer_cache(
+          pk, pv, attention.Pages(table, mesh, "data", "tensor"),
+          attention.Addressing(valid, q_slots, span=span, block=BLOCK), jnp.bfloat16).attend(q, layer)
     return fn
 
   one_block = compiled_bytes(attend(BLOCK), q, split, split, layer, *rows(BLOCK))
@@ -160,8 +161,9 @@ def main(argv=None) -> dict:
   index = sds((ROWS,), jnp.int32, P("data"))
 
   def attend_rows(q, ck, cv, layer, valid, q_slots, index):
-    return attention.Rows(index, mesh, "data", "tensor").attend(
-        q, ck, cv, layer, valid, q_slots, BLOCK, jnp.bfloat16, block=BLOCK, bounded=False)
+    return attention.layer_cache(
+        ck, cv, attention.Rows(index, mesh, "data", "tensor"),
+        attention.Addressing(valid, q_slots, span=BLOCK, block=BLOCK), jnp.bfloat16).attend(q, layer)
   unpaged_block = compiled_bytes(attend_rows, q, dense, dense, layer, *rows(BLOCK)[:2], index)
   blocks = -(-int(lengths.max()) // BLOCK)
   at_call = compiled_bytes(attend(MAX_LEN, convert=True), q, split, split, layer, *rows(MAX_LEN))

@@ -14,7 +14,7 @@ function ``Strategy.update`` runs): params + SGD state, the direction regenerate
 Also the gradient of one micro-batch's teacher-forced log-probs with and without the whole
 forward under ``jax.checkpoint``. Every GRPO program is compiled twice: as the learner runs now
 (each layer under ``jax.checkpoint``, ``attention.causal`` blockwise over query blocks of
-``attention.KV_BLOCK`` when the sequence is longer, log-probs ``grpo.logprob_chunk`` positions
+``attention.softmax.KV_BLOCK`` when the sequence is longer, log-probs ``grpo.logprob_chunk`` positions
 at a time) and as it ran before all three (``_before`` rows: no remat, one dense softmax over
 the whole sequence, the whole [rows, seq_len, vocab] logits at once).
 
@@ -36,7 +36,8 @@ import optax
 from flax import nnx
 
 from jaxes.es import noise, update
-from jaxes.models import attention, qwen2
+from jaxes.models import qwen2
+from jaxes.models.attention import softmax
 from jaxes.rl import objective
 from jaxes.rl.batch import Batch
 from jaxes.rl.config import GRPOConfig
@@ -55,12 +56,12 @@ def analysis(compiled) -> dict:
 def attention_path(dense: bool, seq_len: int):
   """The uncached forward's attention: one dense softmax over the whole sequence (``dense``:
   the learner before ``attention.causal``'s query blocks), or the default."""
-  block = attention.KV_BLOCK
-  attention.KV_BLOCK = max(block, seq_len) if dense else block
+  block = softmax.KV_BLOCK
+  softmax.KV_BLOCK = max(block, seq_len) if dense else block
   try:
     yield
   finally:
-    attention.KV_BLOCK = block
+    softmax.KV_BLOCK = block
 
 
 def grpo_memory(graphdef, params, rows, seq_len, micro_batches, before=False) -> dict:

@@ -19,6 +19,9 @@ Variants (the paper's ES variants, ``jaxes.experiments.variants``): ``sync`` and
     minutes here).
   * population 8 x 2 episodes, partial credit: the demo's graded fitness at the smallest
     population its antithetic pairs work with.
+  * a format reward (``env.parse_error_penalty = 0.5``: an unparsable reply scores -0.5): without
+    it the pilot's first four updates were exact zero steps (every training reward 0, so every
+    shaped fitness 0), though the pair members' replies differed; success is unaffected.
   * sigma 1e-3, learning rate 5e-4, z-score shaping: Qiu et al.'s settings for instruct models
     (configs/paper.py), not tuned here.
   * held-out evaluation on 128 tasks, greedy, before and after.
@@ -66,6 +69,7 @@ def get_config(variant: str = "async1"):
   c.env.num_train_tasks = 256
   c.env.num_heldout_tasks = 128
   c.env.partial_credit = True
+  c.env.parse_error_penalty = 0.5    # a format reward: without it every fitness was 0 (zero steps)
   c.env.max_turns = 1
   c.env.sandbox_workers = 8
 

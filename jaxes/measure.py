@@ -49,7 +49,7 @@ import numpy as np
 
 from jaxes import measure_decode, preflight, sizing
 from jaxes.es import microbenchmark
-from jaxes.models import attention_dispatch
+from jaxes.models.attention import dispatch as attention_dispatch
 from jaxes.train import algorithms, builders, compile_cache, precompile
 from jaxes.train.state import Parts
 

@@ -294,10 +294,11 @@ def _plan(config, target: Target, log, only: str | None, algorithm: str, jobs: i
   worst = max(programs, key=lambda p: peaks[p.name])
   peak = peaks[worst.name]
   per_device = {**resident, "temporaries": peak - total}
+  # The engine's attention as the dispatch table picks it for this mesh and cache (the CPU
+  # compiler's estimate names none); a GPU compile without cuDNN falls back (target.attention).
   attention_path = target.attention
-  if target.compiler == "tpu":   # the engine reads an interleaved paged cache with the kernel
-    attention_path = ("ragged_paged_attention" if attention.interleaved(engine.cache.v) else
-                      "blockwise (unpaged cache; rollout.page_size for ragged_paged_attention)")
+  if target.compiler == "tpu" or (target.compiler == "gpu" and gpu_targets.cudnn_installed()):
+    attention_path = attention.describe(mesh, engine.cache)
   return {
     "topology": target.name, "devices": len(target.devices), "algorithm": algorithm,
     "device_kind": getattr(target.devices[0], "device_kind", "cpu"),

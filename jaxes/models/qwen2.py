@@ -458,7 +458,7 @@ class Qwen2ForCausalLM(nnx.Module):
       cache = dataclasses.replace(
           cache, k=cache_k, v=cache_v,
           index=access.advance(cache.index, valid.sum(axis=1, dtype=jnp.int32)),
-          valid=access.mark(cache.valid, layer_cache.write_slots))
+          valid=access.mark(cache.valid, layer_cache.addressing.write_slots))
     if options.logits_at is not None:
       x = x[jnp.arange(x.shape[0]), options.logits_at]
     x = self.final_norm(x, noiser)
@@ -469,7 +469,8 @@ class Qwen2ForCausalLM(nnx.Module):
   def _layer_cache(cache: KVCache | PagedKVCache, access: attention.CacheAccess,
                    valid: jax.Array, options: Options) -> attention.LayerCache:
     """What every layer of this call reads and writes: each token's slot, where its keys go
-    and which slots each batch row sees (its cache row's valid slots and this call's)."""
+    and which slots each batch row sees (its cache row's valid slots and this call's), as one
+    ``attention.Addressing``, with the implementation that reads the cache."""
     S = cache.valid.shape[1]
     row_index, row_valid = access.take(cache.index), access.take(cache.valid)
     offsets = options.token_offsets
@@ -480,7 +481,6 @@ class Qwen2ForCausalLM(nnx.Module):
         slots = jnp.where(valid, slots, 0)
       rows = jnp.arange(valid.shape[0])[:, None]
       cache_valid = row_valid.at[rows, write_slots].set(True, mode="drop")
-      phase = "decode" if valid.shape[1] == 1 else "prefill"
     else:
       if not access.names_rows:
         raise ValueError("Options.token_offsets needs Options.access naming each batch row's cache "
@@ -492,12 +492,10 @@ class Qwen2ForCausalLM(nnx.Module):
       # A row's slots from its index on are this call's tokens (of any batch row), each written
       # before attention reads it; ``s <= q_slot`` keeps the later ones out of view.
       cache_valid = row_valid | (jnp.arange(S)[None, :] >= row_index[:, None])
-      phase = "mixed"
     span = S if options.attend_len is None else min(options.attend_len, S)
-    return attention.LayerCache(
-        k=cache.k, v=cache.v, valid=cache_valid, q_slots=slots, write_slots=write_slots,
-        access=access, span=span, dtype=jnp.dtype(cache.dtype),
-        bounded=offsets is not None or options.bounded_keys, phase=phase)
+    addressing = attention.Addressing(cache_valid, slots, span, write_slots,
+                                      bounded=offsets is not None or options.bounded_keys)
+    return attention.layer_cache(cache.k, cache.v, access, addressing, jnp.dtype(cache.dtype))
 
   def lm_logits(self, x: jax.Array, noiser: Noiser | None = None) -> jax.Array:
     """float32 logits [..., V] of final-normed hidden states [..., d]: the LM head."""

@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxes import gpu_targets
 from jaxes.models import attention, kernels_tpu
+from jaxes.models.attention import dispatch
 
 
 L, K, G, hd, PAGE, WIDTH = 2, 2, 2, 8, 4, 4   # S = WIDTH * PAGE = 16 slots per row
@@ -34,6 +35,20 @@ def paged_case(seed=0, dtype=jnp.float32):
   valid = np.arange(WIDTH * PAGE)[None, :] < (index + counts)[:, None]
   q = jnp.asarray(r.normal(size=(3, T, K, G, hd)), dtype)
   return q, pages_k, pages_v, table, jnp.asarray(valid), jnp.asarray(q_slots, jnp.int32), counts
+
+
+def paged_attend(table, addressing, dtype=None, platform=None, mesh=None):
+  """``attend(q, pages_k, pages_v, layer, valid, q_slots)`` through ``attention.Pages(table)``
+  (on ``mesh``'s data x tensor), with ``addressing``'s static fields, by the table's
+  implementation for ``platform`` (None: the mesh's)."""
+  def attend(q, pages_k, pages_v, layer, valid, q_slots):
+    access = attention.Pages(table) if mesh is None else attention.Pages(table, mesh, "data", "tensor")
+    at = dataclasses.replace(addressing, valid=valid, q_slots=q_slots)
+    cache = attention.layer_cache(pages_k, pages_v, access, at, dtype)
+    if platform is not None:
+      cache = dataclasses.replace(cache, impl=dispatch.choose(platform, access.cache_kind(pages_v)))
+    return cache.attend(q, layer)
+  return attend
 
 
 def test_ragged_runs_are_the_kernels_sequences():
@@ -72,13 +87,17 @@ def test_combined_pages_interleave_keys_and_values_per_head():
   np.testing.assert_array_equal(combined[..., 1::2, :], pages_v)
 
 
-def test_write_kv_into_interleaved_pages_is_the_split_write_interleaved():
+def test_a_write_into_interleaved_pages_is_the_split_write_interleaved():
   _, pages_k, pages_v, table, _, q_slots, counts = paged_case()
   r = np.random.default_rng(1)
   k, v = (jnp.asarray(r.normal(size=(3, 3, K, hd)), jnp.float32) for _ in range(2))
   slots = jnp.where(jnp.arange(3)[None] < jnp.asarray(counts)[:, None], q_slots, WIDTH * PAGE)
-  pages = attention.Pages(table)
-  write = jax.jit(pages.write_kv)
+
+  @jax.jit
+  def write(pages_k, pages_v, layer, slots, k, v):
+    cache = attention.layer_cache(pages_k, pages_v, attention.Pages(table),
+                                  attention.Addressing(None, None, WIDTH * PAGE, slots))
+    return cache.access.write(cache, layer, k, v)
   split = write(pages_k, pages_v, jnp.int32(1), slots, k, v)
   mixed = write(*interleaved(pages_k, pages_v), jnp.int32(1), slots, k, v)
   assert not np.array_equal(split[0], pages_k)   # something was written
@@ -106,8 +125,8 @@ def test_the_kernels_inputs_give_the_portable_paths_attention(layout):
     q, table, q_slots, counts = flat_case(q, table, q_slots, counts)
     valid = jnp.arange(WIDTH * PAGE)[None, :] <= q_slots
   layer = jnp.int32(1)
-  attend = jax.jit(lambda *a: attention.Pages(table).attend(*a, WIDTH * PAGE, block=2 * PAGE,
-                                                             bounded=True))
+  attend = jax.jit(paged_attend(table, attention.Addressing(
+      None, None, span=WIDTH * PAGE, bounded=True, block=2 * PAGE)))
   portable = np.asarray(attend(q, pages_k, pages_v, layer, valid, q_slots))
   combined, empty = interleaved(pages_k, pages_v)
   real = np.arange(q.shape[1])[None, :] < counts[:, None]
@@ -133,8 +152,9 @@ def test_on_a_tpu_the_kernel_matches_the_portable_path(dtype):
   q, pages_k, pages_v, table, valid, q_slots, counts = paged_case(dtype=dtype)
   bits = tuple(attention.as_bits(x) for x in interleaved(pages_k, pages_v))
   layer = jnp.int32(1)
-  attend = lambda platform: jax.jit(lambda *a: attention.Pages(table).attend(
-      *a, WIDTH * PAGE, dtype, platform=platform))(q, *bits, layer, valid, q_slots)
+  attend = lambda platform: jax.jit(paged_attend(
+      table, attention.Addressing(None, None, span=WIDTH * PAGE), dtype, platform))(
+          q, *bits, layer, valid, q_slots)
   real = np.arange(q.shape[1])[None, :] < counts[:, None]
   tol = 2e-2 if dtype == jnp.bfloat16 else 1e-5
   np.testing.assert_allclose(np.asarray(attend("tpu"), np.float32)[real],
@@ -161,8 +181,8 @@ def _paged_attend_lowering(mesh, heads=(4, 0)):
           shape((n, T), jnp.int32, P("data")), shape((n, S // 16), jnp.int32, P("data")))
 
   def attend(q, pk, pv, layer, valid, q_slots, table):
-    return attention.Pages(table, mesh, "data", "tensor").attend(q, pk, pv, layer, valid, q_slots,
-                                                                 S, jnp.bfloat16, bounded=True)
+    return paged_attend(table, attention.Addressing(None, None, span=S, bounded=True),
+                        jnp.bfloat16, mesh=mesh)(q, pk, pv, layer, valid, q_slots)
   return jax.jit(attend).lower(*args)
 
 
@@ -204,8 +224,8 @@ def test_a_gpu_target_is_the_gpu_platform_and_its_lowering_asks_cudnn():
                 + gpu_targets.CUDNN_HINT)
   spec = lambda shp, dt: jax.ShapeDtypeStruct(shp, dt, sharding=NamedSharding(mesh, P()))
   rows = attention.Rows(jnp.arange(2), mesh, "data", "tensor")
-  text = jax.jit(lambda q, c, valid, q_slots: rows.attend(q, c, c, jnp.int32(0), valid, q_slots, 64,
-                                                          jnp.bfloat16)
+  text = jax.jit(lambda q, c, valid, q_slots: attention.layer_cache(
+      c, c, rows, attention.Addressing(valid, q_slots, span=64), jnp.bfloat16).attend(q, jnp.int32(0))
                  ).lower(spec((2, 1, 2, 2, 128), jnp.bfloat16), spec((1, 2, 64, 2, 128), jnp.uint16),
                          spec((2, 64), bool), spec((2, 1), jnp.int32)).as_text()
   assert "cudnn" in text
@@ -235,7 +255,7 @@ def test_a_forward_over_interleaved_pages_gives_the_split_pages_logits():
 
 @pytest.mark.libtpu
 def test_a_forward_over_an_interleaved_cache_compiles_for_v5p_with_the_kernel(monkeypatch):
-  """The layer scan carrying interleaved pages, written by ``write_kv`` and read by the kernel
+  """The layer scan carrying interleaved pages, written by ``Pages.write`` and read by the kernel
   per shard (data 2 x tensor 2), through the TPU compiler (head_dim 128, as Mosaic tiles it)."""
   monkeypatch.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   from flax import nnx

@@ -221,13 +221,17 @@ def test_blockwise_attention_equals_dense_softmax_float32():
   slots = jnp.asarray(index[:, None] + np.arange(T)[None])
   slots = slots.at[2, 3:].set(S)  # row 2's last queries are padding: they see every valid key
   layer = jnp.int32(1)
+
+  def attend(q, cache_k, cache_v, layer, addressing):   # values, not raw bits: no dtype
+    return attention.layer_cache(cache_k, cache_v, attention.Dense(), addressing).attend(q, layer)
+
   for span, block in ((24, 4), (24, 7), (16, 8), (24, 512)):  # 7 -> blocks of 6 (a divisor)
-    out = attention.cached(q, cache_k, cache_v, layer, valid, slots, span, block=block)
+    out = attend(q, cache_k, cache_v, layer, attention.Addressing(valid, slots, span=span, block=block))
     mask = valid[:, None, :span] & (jnp.arange(span)[None, None] <= slots[:, :, None])
     ref = attention.dense(q, cache_k[1, :, :span], cache_v[1, :, :span], mask)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-6, rtol=0)
   # A query that sees no key at all (all masked) averages the values, as the dense floor does.
   none = jnp.zeros((B, S), bool)
-  out = attention.cached(q, cache_k, cache_v, layer, none, slots, S, block=4)
+  out = attend(q, cache_k, cache_v, layer, attention.Addressing(none, slots, span=S, block=4))
   ref = attention.dense(q, cache_k[1], cache_v[1], jnp.zeros((B, T, S), bool))
   np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-6, rtol=0)

@@ -9,6 +9,7 @@ import pytest
 
 from helpers_models import tiny_model
 from jaxes.models import attention, qwen2
+from jaxes.models.attention import softmax
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +53,7 @@ def _ragged_call(model, cache, chunks, pad=3):
 
 
 def test_a_ragged_batch_gives_the_padded_calls_logits_and_cache(model, monkeypatch):
-  monkeypatch.setattr(attention, "KV_BLOCK", 4)   # several key blocks, most of them skipped
+  monkeypatch.setattr(softmax, "KV_BLOCK", 4)   # several key blocks, most of them skipped
   cfg = model[0]
   rng = np.random.default_rng(0)
   padded = ragged = qwen2.KVCache.init(cfg, 3, 32)

@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec as P
 from helpers_models import es_bank
 from jaxes import es, sharding
 from jaxes.models import attention, qwen2
+from jaxes.models.attention import softmax
 from jaxes.rollout.engine import Engine
 from jaxes.rollout.policy_bank import VersionSteps
 
@@ -189,6 +190,6 @@ def test_blockwise_attention_in_the_engine_matches_one_block(model, monkeypatch)
   _, _, params = model
   jobs = {s: (0, -1) for s in range(SLOTS)}
   whole = _decode(_engine(model, None), {0: params}, jobs)
-  monkeypatch.setattr(attention, "KV_BLOCK", 4)
+  monkeypatch.setattr(softmax, "KV_BLOCK", 4)
   blocks = _decode(_engine(model, sharding.make_mesh(data=4, tensor=2)), {0: params}, jobs)
   assert blocks == whole

@@ -1,4 +1,4 @@
-"""The uncached forward's attention and remat: ``attention.causal`` (blockwise over query blocks
+"""The uncached forward's attention (``jaxes.models.attention.sequence``) and remat: ``causal`` (blockwise over query blocks
 when the sequence is long) equals the dense softmax, and ``qwen2.Options(remat=True)`` equals the
 plain forward, in logits and gradients at float32; both lower the gradient's compiled memory."""
 import jax
@@ -8,6 +8,7 @@ import pytest
 from helpers_models import tiny_model
 
 from jaxes.models import attention, qwen2
+from jaxes.models.attention import sequence, softmax
 
 
 def dense_causal(q, k, v, valid):
@@ -33,12 +34,12 @@ VALID[3, 1:] = False
 def test_causal_equals_dense_in_values_and_gradients(T, block):
   q, k, v = qkv(4, T, 2, 2, 8)
   valid = jnp.asarray(VALID[:, :T])
-  out = attention.causal(q, k, v, valid, block=block)
+  out = sequence.causal(q, k, v, valid, block=block)
   ref = dense_causal(q, k, v, valid)
   real = np.asarray(valid)   # a padding query sees no key: its output is arbitrary
   np.testing.assert_allclose(np.asarray(out)[real], np.asarray(ref)[real], rtol=1e-5, atol=1e-5)
   cot = jax.random.normal(jax.random.key(1), q.shape) * valid[:, :, None, None, None]
-  grads = jax.grad(lambda *a: jnp.sum(cot * attention.causal(*a, valid, block=block)), (0, 1, 2))(q, k, v)
+  grads = jax.grad(lambda *a: jnp.sum(cot * sequence.causal(*a, valid, block=block)), (0, 1, 2))(q, k, v)
   refs = jax.grad(lambda *a: jnp.sum(cot * dense_causal(*a, valid)), (0, 1, 2))(q, k, v)
   for g, r in zip(grads, refs):
     np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-5)
@@ -56,7 +57,7 @@ def test_causal_gradient_holds_one_query_block_of_scores():
 
   scores = 4 * 2048 * 2048 * 4   # one float32 [G, T, T]
   assert temp(dense_causal) >= scores
-  assert temp(lambda *a: attention.causal(*a, block=256)) < scores / 2
+  assert temp(lambda *a: sequence.causal(*a, block=256)) < scores / 2
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +89,7 @@ def test_forward_blockwise_and_remat_equal_dense_plain(model, monkeypatch):
   tokens, valid = batch(cfg)
   (ref_value, ref_logits), ref_grads = jax.value_and_grad(
       logprob_sum(graphdef, tokens, valid, remat=False), has_aux=True)(params)   # dense (T <= 512)
-  monkeypatch.setattr(attention, "KV_BLOCK", 16)   # 40 tokens: three query blocks, padded to 48
+  monkeypatch.setattr(softmax, "KV_BLOCK", 16)   # 40 tokens: three query blocks, padded to 48
   for remat in (False, True):
     (value, logits), grads = jax.value_and_grad(
         logprob_sum(graphdef, tokens, valid, remat=remat), has_aux=True)(params)

@@ -51,6 +51,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxes import sharding
+from jaxes.errors import OptionError
 from jaxes.models import attention, partition, qwen2
 from jaxes.rollout import step_program
 from jaxes.rollout.placement import Placement
@@ -83,11 +84,33 @@ def _buckets(per_shard: int, prefill_chunk: int, prefill_tokens: int | None, com
   and a quarter of them serve decode-only calls (compaction's effect: below a quarter the
   weights, read once per call whatever its tokens, are most of an accelerator's decode step)."""
   prefill_tokens = prefill_chunk if prefill_tokens is None else int(prefill_tokens)
-  if prefill_tokens < prefill_chunk:
-    raise ValueError(f"prefill_tokens={prefill_tokens} must be >= prefill_chunk={prefill_chunk}: "
-                     f"the largest bucket holds a whole chunk beside the decode tokens")
   return sorted({per_shard + prefill_tokens} | (
       {per_shard, max(per_shard >> 2, 1)} if compact else set()))
+
+
+def check_settings(*, max_len: int, max_new_tokens: int, prefill_chunk: int,
+                   prefill_tokens: int | None, page_size: int | None, num_pages: int | None,
+                   prefill_hold: int, decode_steps: int) -> None:
+  """The engine's rules on its settings, the one place they live: ``Engine`` checks its arguments
+  with them and config validation its ``rollout`` block (``OptionError`` names the option)."""
+  if max_len <= max_new_tokens:
+    raise OptionError("max_len", f"must exceed max_new_tokens={max_new_tokens}, got {max_len}",
+                      f"max_len={max_len} must exceed max_new_tokens={max_new_tokens}")
+  if (page_size is None) != (num_pages is None):
+    raise OptionError("num_pages", f"and page_size go together (both unset: the dense cache), got "
+                      f"page_size={page_size}, num_pages={num_pages}",
+                      f"page_size and num_pages go together, got page_size={page_size}, "
+                      f"num_pages={num_pages}")
+  if prefill_hold < 0:
+    raise OptionError("prefill_hold", f"must be >= 0, got {prefill_hold}")
+  if decode_steps < 1:
+    raise OptionError("decode_steps", f"must be >= 1, got {decode_steps}")
+  if prefill_tokens is not None and prefill_tokens < prefill_chunk:
+    raise OptionError("prefill_tokens", f"must be 0 (prefill_chunk) or >= prefill_chunk={prefill_chunk} "
+                      f"(the largest token bucket holds a whole chunk beside the decode tokens), "
+                      f"got {prefill_tokens}",
+                      f"prefill_tokens={prefill_tokens} must be >= prefill_chunk={prefill_chunk}: "
+                      f"the largest bucket holds a whole chunk beside the decode tokens")
 
 
 class Engine:
@@ -108,15 +131,9 @@ class Engine:
                rules=sharding.LOGICAL_RULES, abstract: bool = False, compact: bool = True,
                page_size: int | None = None, num_pages: int | None = None, prefill_hold: int = 8,
                decode_steps: int = 8, prefill_tokens: int | None = None):
-    if max_len <= max_new_tokens:
-      raise ValueError(f"max_len={max_len} must exceed max_new_tokens={max_new_tokens}")
-    if (page_size is None) != (num_pages is None):
-      raise ValueError(f"page_size and num_pages go together, got page_size={page_size}, "
-                       f"num_pages={num_pages}")
-    if prefill_hold < 0:
-      raise ValueError(f"prefill_hold must be >= 0, got {prefill_hold}")
-    if decode_steps < 1:
-      raise ValueError(f"decode_steps must be >= 1, got {decode_steps}")
+    check_settings(max_len=max_len, max_new_tokens=max_new_tokens, prefill_chunk=prefill_chunk,
+                   prefill_tokens=prefill_tokens, page_size=page_size, num_pages=num_pages,
+                   prefill_hold=prefill_hold, decode_steps=decode_steps)
     self.mesh = mesh = sharding.make_mesh(devices=jax.devices()[:1]) if mesh is None else mesh
     data = mesh.shape["data"]
     if num_slots % data:

@@ -241,20 +241,19 @@ def build_engine(config, model: Model, tokenizer, policy: PolicyBank | None = No
   for compiling its programs ahead of time (the preflight); ``tokenizer`` may then be None (no
   stop ids: the programs do not depend on them)."""
   stop, im_end = stop_ids(tokenizer) if tokenizer is not None else ([], 0)
-  r = config.rollout
-  return Engine(model.graphdef, model.config, num_slots=r.num_slots, max_len=r.max_len,
-                prefill_chunk=r.prefill_chunk, max_new_tokens=r.max_new_tokens, stop_ids=stop,
+  return Engine(model.graphdef, model.config, num_slots=config.rollout.num_slots, stop_ids=stop,
                 im_end_id=im_end, policy=policy, seed=config.seed, mesh=mesh, abstract=abstract,
-                prefill_hold=int(r.prefill_hold), decode_steps=int(r.decode_steps),
-                prefill_tokens=int(r.prefill_tokens) or None, **paged_cache(config))
+                **engine_settings(config))
 
 
-def paged_cache(config) -> dict:
-  """``Engine``'s paged-cache arguments from ``rollout.page_size`` / ``rollout.num_pages`` (both
-  0, the default: the dense cache, no arguments)."""
+def engine_settings(config) -> dict:
+  """``Engine``'s settings from the ``rollout`` block, which ``engine.check_settings`` rules on
+  (0 = unset: ``prefill_tokens`` a chunk; ``page_size`` and ``num_pages`` the dense cache)."""
   r = config.rollout
-  page_size, num_pages = int(r.page_size), int(r.num_pages)
-  return dict(page_size=page_size, num_pages=num_pages) if page_size or num_pages else {}
+  return dict(max_len=r.max_len, max_new_tokens=r.max_new_tokens, prefill_chunk=r.prefill_chunk,
+              prefill_tokens=int(r.prefill_tokens) or None, page_size=int(r.page_size) or None,
+              num_pages=int(r.num_pages) or None, prefill_hold=int(r.prefill_hold),
+              decode_steps=int(r.decode_steps))
 
 
 def build_runner(config, engine: Engine, tokenizer, sandbox, owned=None, exchange=None) -> EpisodeRunner:

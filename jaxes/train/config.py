@@ -17,6 +17,7 @@ from jaxes.envs import environments, protocol
 from jaxes.envs.tasks import generator
 from jaxes.errors import ConfigError
 from jaxes.models import qwen2, sources
+from jaxes.rollout import engine
 from jaxes.train import algorithms, builders, coevolution, defaults, mc_probe
 from jaxes.train.tracker import TRACKERS
 
@@ -217,20 +218,14 @@ class _Checks:
     r = self.c.rollout
     for k in ("num_slots", "prefill_chunk", "max_new_tokens"):
       self.at_least(f"rollout.{k}", 1)
-    self.check("rollout.max_len", isinstance(r.max_len, int) and r.max_len > r.max_new_tokens,
-               "must exceed config.rollout.max_new_tokens")
-    self.at_least("rollout.temperature", 0.0)
-    self.at_least("rollout.sandbox_steps", 0)
+    for k in ("max_len", "page_size", "num_pages", "prefill_tokens", "prefill_hold", "decode_steps"):
+      self.check(f"rollout.{k}", isinstance(r[k], int) and not isinstance(r[k], bool), "must be an int")
     self.at_least("rollout.page_size", 0)
     self.at_least("rollout.num_pages", 0)
-    self.at_least("rollout.prefill_hold", 0)
-    self.at_least("rollout.decode_steps", 1)
-    self.check("rollout.prefill_tokens", isinstance(r.prefill_tokens, int) and (
-        r.prefill_tokens == 0 or r.prefill_tokens >= r.prefill_chunk),
-        "must be 0 (prefill_chunk) or >= config.rollout.prefill_chunk (the largest token bucket "
-        "holds a whole chunk beside the decode tokens)")
-    self.check("rollout.num_pages", (r.page_size == 0) == (r.num_pages == 0),
-               "and rollout.page_size go together (both 0: the dense cache)")
+    with errors.keyed(self.c, "rollout"):   # the engine's own rules
+      engine.check_settings(**builders.engine_settings(self.c))
+    self.at_least("rollout.temperature", 0.0)
+    self.at_least("rollout.sandbox_steps", 0)
     self.check("rollout.top_p", 0.0 < r.top_p <= 1.0, "must be in (0, 1]")
     self.check("rollout.switch_versions", not (r.switch_versions and
                                                self.c.es.mode == "full"),

@@ -54,8 +54,11 @@ def test_each_algorithm_overrides_only_what_it_uses():
   assert issubclass(EvolutionStrategies, ReplaysUpdates)
   assert not issubclass(GRPO, ReplaysUpdates) and not issubclass(SAO, ReplaysUpdates)
   # ES keeps its state whole in its checkpoint item and needs nothing of a finished episode.
-  for default in ("item", "checkpoint_host", "on_result", "check_config"):
+  for default in ("item", "checkpoint_host", "on_result"):
     assert getattr(EvolutionStrategies, default) is getattr(Capabilities, default), default
+  # Each checks (and builds) its own config block, no other's: config.validate asks it alone.
+  assert EvolutionStrategies.check_config is not Capabilities.check_config
+  assert GRPO.check_config is not Capabilities.check_config
   # GRPO and SAO decode the current policy, one stream per episode: the defaults.
   for default in ("build_engine", "spec", "record", "plot_label"):
     assert getattr(GRPO, default) is getattr(Capabilities, default), default

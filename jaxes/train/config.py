@@ -84,7 +84,7 @@ def validate(config: config_dict.ConfigDict) -> RunSpec:
     with errors.keyed(config, "model"):
       builders.model_config(config, builders.vocab_size(config, tokenizer_size))
   checks.env()
-  checks.rollout()
+  checks.rollout(algorithm_settings)
   checks.schedule()
   checks.warmstart()
   return RunSpec(config, algorithms.ALGORITHMS[config.train.algorithm], algorithm_settings, controller,
@@ -214,7 +214,7 @@ class _Checks:
       self.check("env.latency_median_s", c.env.kind == "terminal",
                  "adds sandbox latency, which only terminal tasks have (set it to 0 for WebShop)")
 
-  def rollout(self):
+  def rollout(self, algorithm_settings):
     r = self.c.rollout
     for k in ("num_slots", "prefill_chunk", "max_new_tokens"):
       self.at_least(f"rollout.{k}", 1)
@@ -227,8 +227,8 @@ class _Checks:
     self.at_least("rollout.temperature", 0.0)
     self.at_least("rollout.sandbox_steps", 0)
     self.check("rollout.top_p", 0.0 < r.top_p <= 1.0, "must be in (0, 1]")
-    self.check("rollout.switch_versions", not (r.switch_versions and
-                                               self.c.es.mode == "full"),
+    slices = algorithms.ALGORITHMS[self.c.train.algorithm].decodes_member_slices(algorithm_settings)
+    self.check("rollout.switch_versions", not (r.switch_versions and slices),
                "needs per-row members: full-rank ES (es.mode = 'full') decodes in member slices")
 
   def schedule(self):

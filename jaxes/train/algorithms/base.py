@@ -118,6 +118,12 @@ class Capabilities:
     ``config.validate``, which checks no other algorithm's block). Default: no block beyond what
     ``controller_config_of`` checks (None)."""
 
+  @staticmethod
+  def decodes_member_slices(settings) -> bool:
+    """Whether the engine decodes one member per data shard at a time (full-rank ES), given the
+    built block (``check_config``'s). Default: no, rows are independent."""
+    return False
+
   # -- checkpoints: the state is the item, nothing kept besides it ---------------------------------
   def item(self, state) -> Any:
     """The arrays of ``state`` a checkpoint holds as its item ``checkpoint_item``."""

@@ -128,6 +128,10 @@ class EvolutionStrategies(Capabilities):
   def controller_config_of(config) -> ControllerConfig:
     return controller_config(config)
 
+  @staticmethod
+  def decodes_member_slices(settings: es.Strategy) -> bool:
+    return member_slices(settings)
+
   def init(self, params) -> es.ESState:
     state = self.strategy.init(params, jax.random.key(self.config.seed))
     return state if self._shardings is None else distributed.place(state, self._shardings)

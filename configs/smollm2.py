@@ -8,8 +8,8 @@ model: SmolLM2-135M-Instruct (issue 62)".
 
 Variants (the paper's ES variants, ``jaxes.experiments.variants``): ``sync`` and ``async1``
 (default). Choices, by measurement on the 2-core VM (RESULTS, the section above):
-  * action format "fenced": the model never writes ``<command>...</command>`` (0/16 replies in
-    issue 62's probe); it writes fenced code blocks, which ``env.action_format = "fenced"``
+  * action format "fenced": the model never writes ``<command>...</command>`` (0 of 128 held-out
+    replies parse at version 0); it writes fenced code blocks, which ``env.action_format = "fenced"``
     accepts (the first ```bash block runs).
   * a system prompt with one worked example (``WORKED_EXAMPLE_PROMPT``: a task outside the eight
     families, listing a directory into a file, and its one-line fenced reply): without it the

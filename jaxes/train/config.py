@@ -12,7 +12,6 @@ from typing import Any
 from ml_collections import config_dict
 
 from jaxes import envs, errors
-from jaxes.controller import ControllerConfig
 from jaxes.envs import environments, protocol
 from jaxes.envs.tasks import generator
 from jaxes.errors import ConfigError
@@ -47,16 +46,13 @@ def _flatten(d, prefix="config"):
 
 @dataclasses.dataclass(frozen=True)
 class RunSpec:
-  """What validating a config builds, once: the typed objects a run is made of.
-  ``algorithm``: the ``train.algorithm`` class; ``algorithm_settings``: its own block, built
-  (ES: the ``es.Strategy``; GRPO and SAO: the learner's ``GRPOConfig``); ``controller``: what a
-  controller member is and the staleness rules; ``coevolution``: a fresh run's co-evolution
-  state, or None."""
+  """What validating a config builds once for the run to use: ``algorithm_settings``, the
+  ``train.algorithm``'s own block built (ES: the ``es.Strategy``; GRPO: the learner's
+  ``GRPOConfig``; SAO: its policy and value-head configs).
+  The controller's configuration and co-evolution's state are built here to check them; a run
+  state makes its own at a fresh start and restores them on resume."""
   config: config_dict.ConfigDict
-  algorithm: type
   algorithm_settings: Any
-  controller: ControllerConfig
-  coevolution: Any
 
 
 def validate(config: config_dict.ConfigDict) -> RunSpec:
@@ -76,9 +72,9 @@ def validate(config: config_dict.ConfigDict) -> RunSpec:
   # objects they build, which own their rules; ``errors.keyed`` names the key an error rejects.
   algorithm_settings = checks.algorithm()   # only the algorithm's own block
   with errors.keyed(config, "controller"):
-    controller = algorithms.controller_config(config)   # what a member is depends on the algorithm
+    algorithms.controller_config(config)   # what a member is depends on the algorithm
   with errors.keyed(config, "coevolve"):
-    coevolve = coevolution.from_config(config)
+    coevolution.from_config(config)
   if not config.model.path:
     tokenizer_size = config.tokenizer.vocab_size   # the tokenizer as the config builds it
     with errors.keyed(config, "model"):
@@ -87,8 +83,7 @@ def validate(config: config_dict.ConfigDict) -> RunSpec:
   checks.rollout(algorithm_settings)
   checks.schedule()
   checks.warmstart()
-  return RunSpec(config, algorithms.ALGORITHMS[config.train.algorithm], algorithm_settings, controller,
-                 coevolve)
+  return RunSpec(config, algorithm_settings)
 
 
 class _Checks:

@@ -467,6 +467,17 @@ def check_mesh(config, num_devices: int, topology: str) -> None:
                       f"number of slots); set config.rollout.num_slots or config.mesh")
 
 
+def check_config(config) -> None:
+  """``ConfigError`` naming the key for a config the preflight cannot size: the run's own checks
+  (``validate``: each algorithm its own block) and, where the report sizes the config as ES too
+  (``ES_COMPARED``), ES's block."""
+  from jaxes.train import algorithms
+  from jaxes.train.config import validate
+  validate(config)
+  if config.train.algorithm in ES_COMPARED:
+    algorithms.ALGORITHMS["es"].check_config(config)
+
+
 def mesh_mismatch(config, topology: str) -> str | None:
   """The one line refusing a config whose mesh is sized for other devices than ``topology``
   (``mesh.target`` names them), or None. Compiling its mesh over the topology would size a layout
@@ -483,14 +494,14 @@ def mesh_mismatch(config, topology: str) -> str | None:
 
 def main(argv):
   from absl import flags
-  from jaxes.train.config import ConfigError, validate
+  from jaxes.train.config import ConfigError
   FLAGS = flags.FLAGS
   if len(argv) > 1:
     cli.usage_error("preflight", f"unexpected arguments {argv[1:]}")
   with tempfile.TemporaryDirectory() as stand_in:
     config = with_stand_in_checkpoint(FLAGS.config, stand_in)
     try:
-      validate(config)   # each algorithm checks its own block (GRPO: the learner's rules)
+      check_config(config)
     except ConfigError as e:
       print(f"invalid config: {e}", file=sys.stderr)
       sys.exit(2)

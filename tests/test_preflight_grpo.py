@@ -119,6 +119,9 @@ def test_grpo_config_is_checked_by_the_learners_rules():
   config.rollout.temperature = 1.0
   config.es.population = 3   # odd: ES would refuse it; a GRPO run has no es block to check
   validate(config)
+  # ... but the preflight sizes a GRPO config as ES beside it, so it checks ES's block too.
+  with pytest.raises(ConfigError, match=r"config\.es\.population: must be even"):
+    preflight.check_config(config)
 
 
 @needs_8_devices
